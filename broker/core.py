@@ -1,0 +1,537 @@
+"""The broker's decisions, as pure code over messages and an injected clock.
+
+No sockets, no logging, no `time.time()`: `Broker.handle(now, identity, msg)` and
+`Broker.tick(now)` return the messages to send and notes for the log. The daemon in
+`broker/daemon.py` is a thin shell that feeds it frames and timer ticks.
+
+Invariants this module keeps (each one has a test):
+
+- Credits are conserved: for every decode pool, `reserved` is the sum of the credit held
+  by its transfers in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
+  sequence of messages, ticks and evictions.
+- Every wait has a deadline: a transfer lives at most `transfer_lease_s`; a credit wait
+  at most `credit_timeout_s`; a peer at most `peer_lease_s` past its last heartbeat.
+- A dead peer is evicted and holds nothing afterwards: its pool is dropped, transfers it
+  was to receive are re-routed to another compatible decode peer (the staged copy on P is
+  sent again, the prefill is not re-run) until `max_attempts`, and transfers it was to
+  send are aborted on the decode side.
+- A bad message gets an `Error` reply and changes nothing.
+- P and D are paired only when their compatibility hashes match.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from protocols.errors import RemoteProtocolError
+from protocols.messages import (
+    Abort,
+    Done,
+    Error,
+    Expect,
+    Go,
+    Goodbye,
+    Heartbeat,
+    Message,
+    Offer,
+    PeerInfo,
+    PoolInfo,
+    Prepare,
+    Ready,
+    Register,
+    Registered,
+    Relay,
+    Release,
+    Status,
+    StatusRequest,
+    TransferInfo,
+)
+
+from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, TransferState, check_transition
+
+S = TransferState
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    heartbeat_s: float = 1.0
+    peer_lease_s: float = 5.0
+    transfer_lease_s: float = 30.0
+    credit_timeout_s: float = 10.0
+    max_attempts: int = 3
+    max_transfers: int = 100_000
+    max_peers: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.peer_lease_s <= self.heartbeat_s:
+            raise ValueError(
+                f"peer_lease_s ({self.peer_lease_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
+                "or every peer is evicted between two heartbeats"
+            )
+        if min(self.transfer_lease_s, self.credit_timeout_s) <= 0 or self.max_attempts < 1:
+            raise ValueError("transfer_lease_s and credit_timeout_s must be > 0 and max_attempts >= 1")
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `msg` to the peer whose ZMQ routing id is `identity`."""
+
+    identity: bytes
+    msg: Message
+
+
+@dataclass(frozen=True)
+class Note:
+    """Something the shell should log: an event name and its fields."""
+
+    event: str
+    fields: dict[str, object]
+
+
+Effect = Send | Note
+
+
+@dataclass
+class Pool:
+    """The credit ledger of one decode peer's receive pool."""
+
+    capacity: int
+    reserved: int = 0
+    reported_free: int = -1
+    # FIFO of transfers routed here and waiting for credit; bounded by max_transfers.
+    waiting: OrderedDict[TransferKey, None] = field(default_factory=OrderedDict)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.reserved
+
+
+@dataclass
+class Peer:
+    peer_id: str
+    identity: bytes
+    reg: Register
+    lease_until: float
+    pool: Pool | None
+    transfers: set[TransferKey] = field(default_factory=set)
+
+    @property
+    def role(self) -> str:
+        return self.reg.role
+
+
+def peer_id_of(reg: Register) -> str:
+    return f"{reg.instance_id}:{reg.rank}"
+
+
+def compat_diff(a: Register, b: Register) -> str:
+    """Name the compatibility fields on which two peers differ, for a refusal message."""
+    keys = sorted(set(a.compat) | set(b.compat))
+    diffs = [f"{k}: {a.compat.get(k, '?')} vs {b.compat.get(k, '?')}" for k in keys if a.compat.get(k) != b.compat.get(k)]
+    if not diffs:
+        diffs = [f"compat_hash: {a.compat_hash[:12]} vs {b.compat_hash[:12]}"]
+    return "; ".join(diffs)
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig | None = None) -> None:
+        self.config = config or BrokerConfig()
+        self.peers: dict[str, Peer] = {}
+        self.by_identity: dict[bytes, str] = {}
+        self.transfers: dict[TransferKey, Transfer] = {}
+        self.counters: dict[str, int] = {
+            k: 0 for k in ("offered", "completed", "aborted", "retried", "evicted", "bytes", "refused", "errors")
+        }
+
+    # -- entry points -------------------------------------------------------------
+
+    def handle(self, now: float, identity: bytes, msg: Message) -> list[Effect]:
+        """Apply one message from the peer behind `identity`; return what to send and log."""
+        out: list[Effect] = []
+        try:
+            if isinstance(msg, Register):
+                self._register(now, identity, msg, out)
+            elif isinstance(msg, StatusRequest):
+                out.append(Send(identity, self.status(now)))
+            else:
+                peer = self._peer_for(identity, msg)
+                peer.lease_until = now + self.config.peer_lease_s
+                self._dispatch(now, peer, msg, out)
+        except RemoteProtocolError as exc:
+            self.counters["errors"] += 1
+            tid = getattr(msg, "transfer_id", "")
+            out.append(Send(identity, Error(code=exc.code, detail=str(exc)[:2000], transfer_id=tid)))
+            out.append(Note("message.refused", {"code": exc.code, "detail": str(exc), "transfer_id": tid}))
+        return out
+
+    def tick(self, now: float) -> list[Effect]:
+        """Expire peer leases, transfer leases and credit waits that ended before `now`."""
+        out: list[Effect] = []
+        for peer in [p for p in self.peers.values() if p.lease_until <= now]:
+            self._evict(now, peer, "no heartbeat within its lease", out)
+        for t in list(self.transfers.values()):
+            if t.key not in self.transfers:
+                continue
+            if t.lease_until <= now:
+                self._abort(t, f"its lease of {self.config.transfer_lease_s:g} s ended in state {t.state.value}", out)
+            elif t.state is S.WAITING_CREDIT and t.credit_deadline is not None and t.credit_deadline <= now:
+                self._abort(
+                    t,
+                    f"decode pool of {t.decode} had no room for {t.nbytes} bytes within "
+                    f"{self.config.credit_timeout_s:g} s; enlarge its pool or lower the load",
+                    out,
+                )
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which `tick` has something to do, for the shell's timer."""
+        times = [p.lease_until for p in self.peers.values()]
+        for t in self.transfers.values():
+            times.append(t.lease_until)
+            if t.state is S.WAITING_CREDIT and t.credit_deadline is not None:
+                times.append(t.credit_deadline)
+        return min(times, default=None)
+
+    # -- peers ----------------------------------------------------------------------
+
+    def _peer_for(self, identity: bytes, msg: Message) -> Peer:
+        pid = self.by_identity.get(identity)
+        if pid is None:
+            raise _NotRegistered(f"{type(msg).__name__} from a peer that has not registered; send Register first")
+        return self.peers[pid]
+
+    def _register(self, now: float, identity: bytes, reg: Register, out: list[Effect]) -> None:
+        if reg.rank >= reg.world_size:
+            raise _Refused(f"rank {reg.rank} is not below world_size {reg.world_size}; fix the worker's rank")
+        if reg.role == "decode" and reg.pool_capacity <= 0:
+            raise _Refused("a decode peer must register a receive pool; set pool_capacity (bytes) above 0")
+        pid = peer_id_of(reg)
+        old = self.peers.get(pid)
+        if old is None and len(self.peers) >= self.config.max_peers:
+            raise _Refused(f"the broker already holds {self.config.max_peers} peers; raise --max-peers")
+        self._check_compat(reg)
+        if old is not None:
+            self._evict(now, old, "it registered again", out)
+        if identity in self.by_identity:
+            self._evict(now, self.peers[self.by_identity[identity]], "its socket registered as another peer", out)
+        pool = Pool(capacity=reg.pool_capacity) if reg.role == "decode" else None
+        self.peers[pid] = Peer(pid, identity, reg, now + self.config.peer_lease_s, pool)
+        self.by_identity[identity] = pid
+        out.append(
+            Send(identity, Registered(peer_id=pid, heartbeat_s=self.config.heartbeat_s, lease_s=self.config.peer_lease_s))
+        )
+        out.append(Note("peer.registered", {"peer": pid, "role": reg.role, "pool_capacity": reg.pool_capacity}))
+        if reg.role == "decode":
+            # Offers that found no decode peer may route now.
+            for t in [t for t in self.transfers.values() if t.state is S.UNROUTED]:
+                self._route(now, t, out)
+
+    def _check_compat(self, reg: Register) -> None:
+        """Refuse a peer that no peer of the other role could ever pair with, or that
+        disagrees with the other ranks of its own instance."""
+        siblings = [p.reg for p in self.peers.values() if p.reg.instance_id == reg.instance_id and p.reg.rank != reg.rank]
+        for s in siblings:
+            if s.compat_hash != reg.compat_hash or s.world_size != reg.world_size or s.role != reg.role:
+                raise _Refused(
+                    f"rank {reg.rank} of instance {reg.instance_id} does not match rank {s.rank} "
+                    f"({compat_diff(reg, s) if s.compat_hash != reg.compat_hash else 'role or world_size differs'})"
+                )
+        others = [p.reg for p in self.peers.values() if p.reg.role != reg.role]
+        if others and not any(o.compat_hash == reg.compat_hash for o in others):
+            o = others[0]
+            raise _Refused(
+                f"{reg.role} instance {reg.instance_id} is incompatible with {o.role} instance "
+                f"{o.instance_id} ({compat_diff(reg, o)}); serve the same model, dtype and cache layout on both"
+            )
+
+    def _evict(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
+        del self.peers[peer.peer_id]
+        if self.by_identity.get(peer.identity) == peer.peer_id:
+            del self.by_identity[peer.identity]
+        self.counters["evicted"] += 1
+        out.append(Note("peer.evicted", {"peer": peer.peer_id, "role": peer.role, "reason": why}))
+        for key in list(peer.transfers):
+            t = self.transfers.get(key)
+            if t is None:
+                continue
+            if peer.role == "prefill":
+                self._abort(t, f"prefill peer {peer.peer_id} was lost ({why})", out)
+            else:
+                self._decode_lost(now, t, peer, why, out)
+        peer.transfers.clear()
+
+    def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
+        if t.state is S.EXPECTED or t.prefill is None:
+            self._drop(t, out)
+            return
+        self._unroute(t, out)
+        if t.expected_by == peer.peer_id:
+            t.expected_by = None
+        if t.attempt + 1 >= self.config.max_attempts:
+            self._abort(t, f"decode peer {peer.peer_id} was lost ({why}) after {t.attempt + 1} attempts", out)
+            return
+        t.attempt += 1
+        self.counters["retried"] += 1
+        out.append(Note("transfer.retry", {"transfer_id": t.transfer_id, "lost": peer.peer_id, "attempt": t.attempt}))
+        self._route(now, t, out)
+
+    # -- dispatch -------------------------------------------------------------------
+
+    def _dispatch(self, now: float, peer: Peer, msg: Message, out: list[Effect]) -> None:
+        if isinstance(msg, Heartbeat):
+            if peer.pool is not None:
+                peer.pool.reported_free = msg.pool_free
+            out.append(Send(peer.identity, Heartbeat(seq=msg.seq)))
+        elif isinstance(msg, Goodbye):
+            self._evict(now, peer, "it said goodbye", out)
+        elif isinstance(msg, Relay):
+            target = self.peers.get(msg.to)
+            if target is None:
+                raise _Unknown(f"relay target {msg.to} is not a registered peer")
+            out.append(Send(target.identity, Relay(to=msg.to, key=msg.key, payload=msg.payload, sender=peer.peer_id)))
+        elif isinstance(msg, Offer):
+            self._offer(now, peer, msg, out)
+        elif isinstance(msg, Expect):
+            self._expect(now, peer, msg, out)
+        elif isinstance(msg, (Ready, Done, Abort)):
+            self._advance(now, peer, msg, out)
+        else:
+            raise _Unexpected(f"{type(msg).__name__} is a broker-to-peer message; peers may not send it")
+
+    def _offer(self, now: float, peer: Peer, msg: Offer, out: list[Effect]) -> None:
+        key = (msg.transfer_id, peer.reg.rank)
+        t = self.transfers.get(key)
+        if t is not None:
+            check_transition(t.state, Offer, peer.role, msg.transfer_id)
+        else:
+            if peer.role != "prefill":
+                raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
+            t = self._new(now, key, S.UNROUTED)
+        t.prefill = peer.peer_id
+        t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
+        peer.transfers.add(key)
+        self.counters["offered"] += 1
+        out.append(Note("transfer.offered", {"transfer_id": msg.transfer_id, "nbytes": msg.nbytes, "peer": peer.peer_id}))
+        self._route(now, t, out)
+
+    def _expect(self, now: float, peer: Peer, msg: Expect, out: list[Effect]) -> None:
+        if peer.role != "decode":
+            raise ProtocolViolation(Expect, None, msg.transfer_id, "only a decode peer may expect a transfer")
+        key = (msg.transfer_id, peer.reg.rank)
+        t = self.transfers.get(key)
+        if t is None:
+            t = self._new(now, key, S.EXPECTED)
+            t.expected_by = peer.peer_id
+            peer.transfers.add(key)
+            return
+        check_transition(t.state, Expect, peer.role, msg.transfer_id)
+        if t.decode == peer.peer_id:
+            t.expected_by = peer.peer_id
+            return
+        # Not yet granted elsewhere: move it to the decode peer that holds the request.
+        self._unroute(t, out)
+        t.expected_by = peer.peer_id
+        self._route(now, t, out)
+
+    def _advance(self, now: float, peer: Peer, msg: Ready | Done | Abort, out: list[Effect]) -> None:
+        key = (msg.transfer_id, peer.reg.rank)
+        t = self.transfers.get(key)
+        if t is None:
+            if isinstance(msg, Abort):
+                return  # Aborts cross in flight; one for a finished transfer is harmless.
+            raise ProtocolViolation(type(msg), None, msg.transfer_id, "no such transfer")
+        check_transition(t.state, type(msg), peer.role, msg.transfer_id)
+        if peer.peer_id not in (t.prefill, t.decode, t.expected_by):
+            raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"{peer.peer_id} is not part of it")
+        if isinstance(msg, Abort):
+            self._abort(t, msg.reason or f"aborted by {peer.peer_id}", out, skip=peer.peer_id)
+        elif t.decode != peer.peer_id:
+            raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"it is routed to {t.decode}")
+        elif isinstance(msg, Ready):
+            if msg.offset + msg.nbytes > t.nbytes:
+                raise ProtocolViolation(
+                    Ready, t.state, t.transfer_id, f"range {msg.offset}+{msg.nbytes} exceeds the {t.nbytes} bytes offered"
+                )
+            t.state = S.SENDING
+            d = self.peers[t.decode]
+            assert t.prefill is not None
+            out.append(
+                Send(
+                    self.peers[t.prefill].identity,
+                    Go(
+                        transfer_id=t.transfer_id,
+                        decode=d.peer_id,
+                        endpoints=d.reg.endpoints,
+                        offset=msg.offset,
+                        nbytes=msg.nbytes,
+                        attempt=t.attempt,
+                    ),
+                )
+            )
+        else:
+            assert t.prefill is not None
+            p = self.peers[t.prefill]
+            nbytes = t.nbytes
+            self._drop(t, out)
+            self.counters["completed"] += 1
+            self.counters["bytes"] += msg.nbytes
+            out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
+            out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
+
+    # -- routing and credit ---------------------------------------------------------
+
+    def _new(self, now: float, key: TransferKey, state: TransferState) -> Transfer:
+        if len(self.transfers) >= self.config.max_transfers:
+            raise _Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
+        t = Transfer(transfer_id=key[0], rank=key[1], state=state, lease_until=now + self.config.transfer_lease_s)
+        self.transfers[key] = t
+        return t
+
+    def _candidates(self, t: Transfer) -> list[Peer]:
+        return [
+            p
+            for p in self.peers.values()
+            if p.pool is not None
+            and p.reg.rank == t.rank
+            and p.reg.compat_hash == t.compat_hash
+            and p.peer_id not in t.tried
+        ]
+
+    def _route(self, now: float, t: Transfer, out: list[Effect]) -> None:
+        """Pick the decode peer for an offered transfer and queue it for credit."""
+        d: Peer | None = None
+        prefill = self.peers[t.prefill] if t.prefill else None
+        for pid in (t.expected_by, f"{t.decode_hint}:{t.rank}" if t.decode_hint else None):
+            if pid and pid in self.peers:
+                d = self.peers[pid]
+                if prefill is not None and d.reg.compat_hash != t.compat_hash:
+                    self._abort(t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)
+                    return
+                break
+        if d is None:
+            fits = [p for p in self._candidates(t) if p.pool and p.pool.capacity >= t.nbytes]
+            d = max(fits, key=lambda p: (p.pool.free, -len(p.transfers)), default=None) if fits else None  # type: ignore[union-attr]
+            if d is None and self._candidates(t):
+                d = self._candidates(t)[0]  # too small: refused just below, with the size named
+        if d is None:
+            t.state = S.UNROUTED
+            return
+        assert d.pool is not None
+        if t.nbytes > d.pool.capacity:
+            self._abort(
+                t,
+                f"it needs {t.nbytes} bytes but the receive pool of {d.peer_id} holds only {d.pool.capacity}; "
+                "raise the decode pool size",
+                out,
+            )
+            return
+        t.decode, t.state, t.credit_deadline = d.peer_id, S.WAITING_CREDIT, now + self.config.credit_timeout_s
+        t.tried.add(d.peer_id)
+        d.transfers.add(t.key)
+        d.pool.waiting[t.key] = None
+        self._grant(d, out)
+
+    def _grant(self, d: Peer, out: list[Effect]) -> None:
+        """Serve waiting transfers FIFO while the head fits; a large head blocks the rest (no starvation)."""
+        pool = d.pool
+        assert pool is not None
+        while pool.waiting:
+            key = next(iter(pool.waiting))
+            t = self.transfers[key]
+            if t.nbytes > pool.free:
+                return
+            del pool.waiting[key]
+            pool.reserved += t.nbytes
+            t.reserved, t.state, t.credit_deadline = t.nbytes, S.PREPARING, None
+            assert t.prefill is not None
+            out.append(
+                Send(
+                    d.identity,
+                    Prepare(transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill, attempt=t.attempt),
+                )
+            )
+
+    def _unroute(self, t: Transfer, out: list[Effect]) -> None:
+        """Take a transfer off its decode peer; credit it held returns and serves the next waiter."""
+        d = self.peers.get(t.decode) if t.decode else None
+        t_reserved = t.reserved
+        t.reserved, t.decode, t.credit_deadline, t.state = 0, None, None, S.UNROUTED
+        if d is not None:
+            assert d.pool is not None
+            d.pool.waiting.pop(t.key, None)
+            d.pool.reserved -= t_reserved
+            if t.expected_by != d.peer_id:
+                d.transfers.discard(t.key)
+            self._grant(d, out)
+
+    def _drop(self, t: Transfer, out: list[Effect]) -> None:
+        """Remove a finished transfer from every table; its credit returns."""
+        self._unroute(t, out)
+        self.transfers.pop(t.key, None)
+        for pid in (t.prefill, t.expected_by):
+            if pid and pid in self.peers:
+                self.peers[pid].transfers.discard(t.key)
+
+    def _abort(self, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
+        peers = {pid for pid in (t.prefill, t.decode, t.expected_by) if pid and pid != skip and pid in self.peers}
+        self._drop(t, out)
+        self.counters["aborted"] += 1
+        for pid in sorted(peers):
+            out.append(Send(self.peers[pid].identity, Abort(transfer_id=t.transfer_id, reason=reason[:2000])))
+        out.append(Note("transfer.aborted", {"transfer_id": t.transfer_id, "reason": reason}))
+
+    # -- status ---------------------------------------------------------------------
+
+    def status(self, now: float) -> Status:
+        peers = [
+            PeerInfo(
+                peer_id=p.peer_id,
+                role=p.role,
+                instance_id=p.reg.instance_id,
+                rank=p.reg.rank,
+                endpoints=dict(p.reg.endpoints),
+                lease_left_s=round(p.lease_until - now, 3),
+                transfers=len(p.transfers),
+            )
+            for p in self.peers.values()
+        ]
+        pools = [
+            PoolInfo(peer_id=p.peer_id, capacity=p.pool.capacity, reserved=p.pool.reserved, free=p.pool.free, waiting=len(p.pool.waiting))
+            for p in self.peers.values()
+            if p.pool is not None
+        ]
+        transfers = [
+            TransferInfo(
+                transfer_id=t.transfer_id,
+                rank=t.rank,
+                state=t.state.value,
+                prefill=t.prefill or "",
+                decode=t.decode or t.expected_by or "",
+                nbytes=t.nbytes,
+                attempt=t.attempt,
+                lease_left_s=round(t.lease_until - now, 3),
+            )
+            for t in list(self.transfers.values())[:1000]
+        ]
+        return Status(peers=peers, pools=pools, transfers=transfers, counters=dict(self.counters))
+
+
+class _NotRegistered(RemoteProtocolError):
+    code = "not_registered"
+
+
+class _Refused(RemoteProtocolError):
+    code = "refused"
+
+
+class _Unknown(RemoteProtocolError):
+    code = "unknown_peer"
+
+
+class _Unexpected(RemoteProtocolError):
+    code = "unexpected"
+
+
+class _Busy(RemoteProtocolError):
+    code = "busy"

@@ -1,0 +1,94 @@
+"""Transfer states and the one table of which message may move a transfer where.
+
+A transfer is keyed by (transfer_id, rank): each tensor-parallel rank of P sends its
+shard to the same rank of D. States, in order::
+
+    EXPECTED        D announced it waits; no Offer yet.
+    UNROUTED        P offered; no live, compatible decode peer yet.
+    WAITING_CREDIT  routed to D; queued FIFO until D's pool has room.
+    PREPARING       credit reserved on D; Prepare sent; waiting for Ready.
+    SENDING         Go sent to P; waiting for D's Done (remote visibility).
+
+Done and Abort end a transfer: it leaves the table and its credit returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocols.errors import RemoteProtocolError
+from protocols.messages import Abort, Done, Expect, Layout, Offer, Ready
+
+
+class TransferState(enum.Enum):
+    EXPECTED = "expected"
+    UNROUTED = "unrouted"
+    WAITING_CREDIT = "waiting_credit"
+    PREPARING = "preparing"
+    SENDING = "sending"
+
+
+S = TransferState
+
+# TRANSITIONS[state][message type] -> the role allowed to send it there.
+# A (state, message) pair missing here is a protocol violation.
+TRANSITIONS: dict[TransferState, dict[type, str]] = {
+    S.EXPECTED: {Offer: "prefill", Abort: "decode"},
+    S.UNROUTED: {Expect: "decode", Abort: "prefill"},
+    S.WAITING_CREDIT: {Expect: "decode", Abort: "any"},
+    S.PREPARING: {Ready: "decode", Abort: "any"},
+    S.SENDING: {Done: "decode", Abort: "any"},
+}
+
+# States that hold credit on the decode peer's pool.
+HOLDS_CREDIT = frozenset({S.PREPARING, S.SENDING})
+
+
+class ProtocolViolation(RemoteProtocolError):
+    """A peer sent a message the transfer's state does not accept."""
+
+    code = "protocol"
+
+    def __init__(self, msg_type: type, state: TransferState | None, transfer_id: str, why: str = "") -> None:
+        where = state.value if state else "unknown transfer"
+        text = f"{msg_type.__name__} is not accepted for transfer {transfer_id} in state {where}"
+        super().__init__(f"{text}: {why}" if why else text)
+        self.msg_type = msg_type
+        self.state = state
+        self.transfer_id = transfer_id
+
+
+def check_transition(state: TransferState, msg_type: type, role: str, transfer_id: str) -> None:
+    """Raise ProtocolViolation unless `role` may send `msg_type` to a transfer in `state`."""
+    allowed = TRANSITIONS[state].get(msg_type)
+    if allowed is None:
+        raise ProtocolViolation(msg_type, state, transfer_id)
+    if allowed != "any" and allowed != role:
+        raise ProtocolViolation(msg_type, state, transfer_id, f"only a {allowed} peer may send it")
+
+
+TransferKey = tuple[str, int]
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    rank: int
+    state: TransferState
+    lease_until: float
+    prefill: str | None = None
+    decode: str | None = None
+    expected_by: str | None = None
+    decode_hint: str = ""
+    nbytes: int = 0
+    layout: Layout = field(default_factory=Layout)
+    compat_hash: str = ""
+    credit_deadline: float | None = None
+    reserved: int = 0
+    attempt: int = 0
+    tried: set[str] = field(default_factory=set)
+
+    @property
+    def key(self) -> TransferKey:
+        return (self.transfer_id, self.rank)

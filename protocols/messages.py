@@ -1,0 +1,210 @@
+"""Every message of the kvbroker wire protocol: frozen msgspec Structs in one tagged union.
+
+One transfer, as the broker sees it (P = prefill peer, D = decode peer, B = broker)::
+
+    P -> B  Offer(transfer_id, nbytes, layout)    P has staged the KV; it is safe from reuse.
+    D -> B  Expect(transfer_id)                   optional: a request on D waits for it.
+    B -> D  Prepare(transfer_id, nbytes, ...)     sent once D's pool has credit for nbytes.
+    D -> B  Ready(transfer_id, offset, nbytes)    D reserved room; the byte range it wants.
+    B -> P  Go(transfer_id, endpoints, ...)       P sends the range straight to D.
+    D -> B  Done(transfer_id)                     the bytes are visible on D (not just sent).
+    B -> P  Release(transfer_id)                  P frees its staging buffer.
+    any     Abort(transfer_id, reason)            the broker tells both sides.
+
+Fields are keyword-only and checked at decode time with `Meta` limits, so a peer
+cannot make the broker hold an unbounded string or a negative size.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+# History: 1 = first release.
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode"]
+Id = Annotated[str, Meta(min_length=1, max_length=128)]
+OptId = Annotated[str, Meta(max_length=128)]
+Text = Annotated[str, Meta(max_length=2048)]
+Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
+Count = Annotated[int, Meta(ge=0, le=1 << 31)]
+Endpoints = Annotated[dict[Annotated[str, Meta(max_length=32)], Text], Meta(max_length=16)]
+Seconds = Annotated[float, Meta(gt=0, le=86400)]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
+    pass
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """How a staged transfer's bytes are arranged.
+
+    Staging is block-major: block i of the request holds all `num_layers` layers
+    of that block, `block_nbytes` bytes each. So skipping the first k blocks (those D
+    already holds in its prefix cache) is a byte offset, and the tail is contiguous.
+    """
+
+    kind: Annotated[str, Meta(max_length=32)] = "opaque"
+    dtype: Annotated[str, Meta(max_length=32)] = "uint8"
+    num_layers: Count = 1
+    num_blocks: Count = 1
+    block_nbytes: Bytes = 0
+
+
+class Register(_Msg, kw_only=True, tag="register"):
+    role: Role
+    instance_id: Id
+    rank: Count = 0
+    world_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
+    endpoints: Endpoints = {}
+    pool_capacity: Bytes = 0
+    compat_hash: Annotated[str, Meta(max_length=128)] = ""
+    # The fields behind compat_hash, so a refusal can name what differs.
+    compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Text], Meta(max_length=32)] = {}
+
+
+class Registered(_Msg, kw_only=True, tag="registered"):
+    peer_id: Id
+    heartbeat_s: Seconds
+    lease_s: Seconds
+
+
+class Heartbeat(_Msg, kw_only=True, tag="heartbeat"):
+    """Peer -> broker keeps the peer's lease; the broker echoes it back."""
+
+    seq: Count = 0
+    pool_free: Annotated[int, Meta(ge=-1, le=1 << 50)] = -1
+
+
+class Goodbye(_Msg, kw_only=True, tag="goodbye"):
+    """A peer leaves on purpose; its transfers are failed or re-routed at once."""
+
+
+class Expect(_Msg, kw_only=True, tag="expect"):
+    transfer_id: Id
+
+
+class Offer(_Msg, kw_only=True, tag="offer"):
+    transfer_id: Id
+    nbytes: Bytes
+    layout: Layout = Layout()
+    # Instance id of the decode instance the request went to, when the proxy chose one.
+    decode: OptId = ""
+
+
+class Prepare(_Msg, kw_only=True, tag="prepare"):
+    transfer_id: Id
+    nbytes: Bytes
+    layout: Layout = Layout()
+    source: Id
+    attempt: Count = 0
+
+
+class Ready(_Msg, kw_only=True, tag="ready"):
+    transfer_id: Id
+    # The byte range of the staged transfer that D wants; the head it already holds is skipped.
+    offset: Bytes = 0
+    nbytes: Bytes
+
+
+class Go(_Msg, kw_only=True, tag="go"):
+    transfer_id: Id
+    decode: Id
+    endpoints: Endpoints
+    offset: Bytes = 0
+    nbytes: Bytes
+    attempt: Count = 0
+
+
+class Done(_Msg, kw_only=True, tag="done"):
+    transfer_id: Id
+    nbytes: Bytes = 0
+
+
+class Release(_Msg, kw_only=True, tag="release"):
+    transfer_id: Id
+
+
+class Abort(_Msg, kw_only=True, tag="abort"):
+    transfer_id: Id
+    reason: Text = ""
+
+
+class Error(_Msg, kw_only=True, tag="error"):
+    code: Annotated[str, Meta(max_length=64)]
+    detail: Text = ""
+    transfer_id: OptId = ""
+
+
+class Relay(_Msg, kw_only=True, tag="relay"):
+    """Opaque rendezvous data (an NCCL unique id) passed between two peers via the broker."""
+
+    to: Id
+    key: Annotated[str, Meta(max_length=256)]
+    payload: Annotated[bytes, Meta(max_length=4096)] = b""
+    sender: OptId = ""
+
+
+class StatusRequest(_Msg, kw_only=True, tag="status_request"):
+    pass
+
+
+class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    peer_id: str
+    role: str
+    instance_id: str
+    rank: int
+    endpoints: dict[str, str]
+    lease_left_s: float
+    transfers: int
+
+
+class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
+    peer_id: str
+    capacity: int
+    reserved: int
+    free: int
+    waiting: int
+
+
+class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
+    transfer_id: str
+    rank: int
+    state: str
+    prefill: str
+    decode: str
+    nbytes: int
+    attempt: int
+    lease_left_s: float
+
+
+class Status(_Msg, kw_only=True, tag="status"):
+    peers: list[PeerInfo] = []
+    pools: list[PoolInfo] = []
+    transfers: list[TransferInfo] = []
+    counters: dict[str, int] = {}
+
+
+Message = Union[
+    Register,
+    Registered,
+    Heartbeat,
+    Goodbye,
+    Expect,
+    Offer,
+    Prepare,
+    Ready,
+    Go,
+    Done,
+    Release,
+    Abort,
+    Error,
+    Relay,
+    StatusRequest,
+    Status,
+]
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

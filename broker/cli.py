@@ -1,0 +1,122 @@
+"""`kvbroker serve | status | trace`: the operator's commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import click
+import msgspec
+
+from protocols.logs import configure_logging
+
+
+@click.group()
+def main() -> None:
+    """kvbroker: move KV cache between prefill and decode vLLM instances."""
+
+
+@main.command()
+@click.option("--bind", default="tcp://127.0.0.1:7100", show_default=True, help="ZMQ address to serve on.")
+@click.option("--backend", type=click.Choice(["asyncio", "trio"]), default="asyncio", show_default=True)
+@click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY, else json.")
+@click.option("--log-level", default="info", show_default=True)
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus /metrics on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--heartbeat", "heartbeat_s", type=float, default=1.0, show_default=True, help="Seconds between peer heartbeats.")
+@click.option("--peer-lease", "peer_lease_s", type=float, default=5.0, show_default=True, help="Evict a silent peer after this many seconds.")
+@click.option("--transfer-lease", "transfer_lease_s", type=float, default=30.0, show_default=True, help="Longest a transfer may live.")
+@click.option("--credit-timeout", "credit_timeout_s", type=float, default=10.0, show_default=True, help="Longest wait for room in a decode pool.")
+@click.option("--max-attempts", type=int, default=3, show_default=True, help="Deliveries tried before a transfer fails.")
+@click.option("--max-transfers", type=int, default=100_000, show_default=True)
+@click.option("--max-peers", type=int, default=4096, show_default=True)
+@click.option("--curve-secret-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Z85 CURVE secret key: peers must authenticate.")
+def serve(**opts: Any) -> None:
+    """Run the broker daemon (binds to loopback unless told otherwise)."""
+    from .core import BrokerConfig
+    from .daemon import DaemonConfig
+    from .daemon import serve as run
+
+    configure_logging(opts["log_format"] or ("console" if sys.stderr.isatty() else "json"), opts["log_level"])
+    try:
+        core = BrokerConfig(
+            heartbeat_s=opts["heartbeat_s"],
+            peer_lease_s=opts["peer_lease_s"],
+            transfer_lease_s=opts["transfer_lease_s"],
+            credit_timeout_s=opts["credit_timeout_s"],
+            max_attempts=opts["max_attempts"],
+            max_transfers=opts["max_transfers"],
+            max_peers=opts["max_peers"],
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    secret = Path(opts["curve_secret_file"]).read_bytes().strip() if opts["curve_secret_file"] else None
+    run(
+        DaemonConfig(
+            bind=opts["bind"],
+            metrics_port=opts["metrics_port"],
+            metrics_host=opts["metrics_host"],
+            curve_secret_key=secret,
+            core=core,
+        ),
+        backend=opts["backend"],
+    )
+
+
+@main.command()
+@click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--timeout", type=float, default=3.0, show_default=True)
+def status(broker: str, as_json: bool, timeout: float) -> None:
+    """Show peers, pools and transfers in flight."""
+    from .status import fetch_status, render_status
+
+    try:
+        snap = anyio.run(fetch_status, broker, timeout)
+    except TimeoutError:
+        raise click.ClickException(
+            f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
+        ) from None
+    if as_json:
+        click.echo(msgspec.json.encode(snap).decode())
+    else:
+        click.echo(render_status(snap))
+
+
+@main.command()
+@click.argument("transfer_id")
+@click.argument("logs", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the matching JSON lines.")
+def trace(transfer_id: str, logs: tuple[str, ...], as_json: bool) -> None:
+    """One transfer's timeline across processes, from their JSON log files."""
+    events = []
+    for path in logs or ("-",):
+        stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+        with stream:
+            for line in stream:
+                if transfer_id not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and event.get("transfer_id") == transfer_id:
+                    event.setdefault("source", Path(path).name)
+                    events.append(event)
+    if not events:
+        raise click.ClickException(f"no log line carries transfer_id {transfer_id}; pass the JSON log files of every process")
+    events.sort(key=lambda e: str(e.get("timestamp", "")))
+    for e in events:
+        if as_json:
+            click.echo(json.dumps(e))
+            continue
+        extra = {k: v for k, v in e.items() if k not in ("timestamp", "event", "level", "transfer_id", "role", "instance", "source")}
+        who = f"{e.get('role', '?')}/{e.get('instance', e.get('source'))}"
+        click.echo(f"{e.get('timestamp', '?'):32} {who:24} {e.get('event', '?'):24} {json.dumps(extra, default=str)}")
+
+
+if __name__ == "__main__":
+    main()

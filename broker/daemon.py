@@ -1,0 +1,153 @@
+"""The broker daemon: a ZMQ ROUTER socket driven by anyio around the pure core.
+
+Every frame is decoded, handed to `Broker.handle` without awaiting, and the returned
+messages are sent without blocking: a peer whose queue is full loses that message (it
+will time out and retry) rather than stall the broker for everyone. One task group
+holds the receive loop, the lease timer and the status snapshot for metrics.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio
+import structlog
+import zmq
+
+from protocols.channel import PeerUnreachable, ZmqChannel, router
+from protocols.codec import Codec
+from protocols.errors import ChannelClosed, LocalProtocolError, RemoteProtocolError
+from protocols.messages import Error, Status
+
+from .core import Broker, BrokerConfig, Note, Send
+
+log = structlog.get_logger("kvbroker.broker")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    bind: str = "tcp://127.0.0.1:7100"
+    max_frame: int = 1 << 20
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    curve_secret_key: bytes | None = None
+    core: BrokerConfig = field(default_factory=BrokerConfig)
+
+
+class BrokerDaemon:
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.core = Broker(config.core)
+        self.codec = Codec(config.max_frame)
+        self.endpoint: str | None = None
+        self.bad_frames = 0
+        self.dropped_sends = 0
+        self.snapshot: Status = Status()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. `task_status.started` reports the bound endpoint (port 0 too)."""
+        ctx = zmq.Context()
+        try:
+            sock, self.endpoint = router(
+                ctx, self.config.bind, max_frame=self.config.max_frame, curve_secret=self.config.curve_secret_key
+            )
+        except zmq.ZMQError as exc:
+            ctx.term()
+            raise SystemExit(f"cannot bind {self.config.bind}: {exc}; pick a free address with --bind") from None
+        metrics = None
+        async with ZmqChannel(sock) as chan, anyio.create_task_group() as tg:
+            if self.config.metrics_port is not None:
+                from .metrics import serve_metrics
+
+                metrics = serve_metrics(self, self.config.metrics_host, self.config.metrics_port)
+            tg.start_soon(self._timer, chan)
+            log.info("broker.serving", endpoint=self.endpoint, metrics_port=self.config.metrics_port)
+            task_status.started(self.endpoint)
+            try:
+                await self._receive_loop(chan)
+            finally:
+                tg.cancel_scope.cancel()
+                if metrics is not None:
+                    metrics.shutdown()
+        ctx.term()
+
+    async def _receive_loop(self, chan: ZmqChannel) -> None:
+        while True:
+            try:
+                frames = await chan.receive()
+            except ChannelClosed:
+                return
+            self.on_frames(chan, frames)
+
+    def on_frames(self, chan: ZmqChannel, frames: list[bytes]) -> None:
+        """Handle one ROUTER message: [identity, payload]. Never raises on bad input."""
+        if len(frames) != 2:
+            self.bad_frames += 1
+            log.warning("frame.dropped", reason=f"expected 2 frames, got {len(frames)}")
+            return
+        identity, payload = frames
+        try:
+            msg = self.codec.decode(payload)
+        except RemoteProtocolError as exc:
+            self.bad_frames += 1
+            if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
+                log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=self.bad_frames)
+            self._send(chan, Send(identity, Error(code=exc.code, detail=str(exc)[:2000])))
+            return
+        for effect in self.core.handle(self.clock(), identity, msg):
+            self._apply(chan, effect)
+
+    def _apply(self, chan: ZmqChannel, effect: Send | Note) -> None:
+        if isinstance(effect, Send):
+            self._send(chan, effect)
+        else:
+            fields: dict[str, Any] = dict(effect.fields)
+            if "transfer_id" in fields:
+                fields.setdefault("phase", effect.event.split(".", 1)[-1])
+            log.info(effect.event, **fields)
+
+    def _send(self, chan: ZmqChannel, send: Send) -> None:
+        try:
+            chan.send_nowait([send.identity, self.codec.encode(send.msg)])
+        except (PeerUnreachable, anyio.WouldBlock, LocalProtocolError) as exc:
+            # The peer is gone or not reading; its lease will expire and the core cleans up.
+            self.dropped_sends += 1
+            log.warning(
+                "send.dropped",
+                msg=type(send.msg).__name__,
+                transfer_id=getattr(send.msg, "transfer_id", None),
+                reason=type(exc).__name__,
+            )
+        except ChannelClosed:
+            pass
+
+    async def _timer(self, chan: ZmqChannel) -> None:
+        """Run the core's lease clock; sleep until its next deadline, but at least every 100 ms."""
+        while True:
+            now = self.clock()
+            for effect in self.core.tick(now):
+                self._apply(chan, effect)
+            self.snapshot = self.core.status(now)
+            deadline = self.core.next_deadline()
+            wait = 0.1 if deadline is None else min(0.1, max(0.005, deadline - now))
+            await anyio.sleep(wait)
+
+
+def serve(config: DaemonConfig, backend: str = "asyncio") -> None:
+    """Run the daemon in the foreground until SIGINT or SIGTERM."""
+
+    async def main() -> None:
+        daemon = BrokerDaemon(config)
+        async with anyio.create_task_group() as tg:
+            await tg.start(daemon.run)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("broker.stopping", signal=signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(main, backend=backend)

@@ -1,0 +1,51 @@
+"""Prometheus `/metrics` for the broker, read from the daemon's latest status snapshot.
+
+The HTTP server runs in its own thread; it reads only the frozen snapshot the loop
+publishes each tick, never the live core, so a scrape cannot race a transfer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .daemon import BrokerDaemon
+
+
+class StatusCollector:
+    def __init__(self, daemon: BrokerDaemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Any]:
+        snap = self.daemon.snapshot
+        peers = GaugeMetricFamily("kvbroker_peers", "Registered peers", labels=["role"])
+        for role in ("prefill", "decode"):
+            peers.add_metric([role], sum(1 for p in snap.peers if p.role == role))
+        yield peers
+        states = GaugeMetricFamily("kvbroker_transfers_in_flight", "Transfers held by the broker", labels=["state"])
+        for state in ("expected", "unrouted", "waiting_credit", "preparing", "sending"):
+            states.add_metric([state], sum(1 for t in snap.transfers if t.state == state))
+        yield states
+        for name, attr, doc in (
+            ("kvbroker_pool_capacity_bytes", "capacity", "Decode receive pool capacity"),
+            ("kvbroker_pool_reserved_bytes", "reserved", "Credit reserved on a decode pool"),
+            ("kvbroker_pool_waiting", "waiting", "Transfers queued for credit"),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["peer"])
+            for pool in snap.pools:
+                g.add_metric([pool.peer_id], getattr(pool, attr))
+            yield g
+        for key, value in sorted(snap.counters.items()):
+            yield CounterMetricFamily(f"kvbroker_{key}", f"Broker counter {key}", value=value)
+        yield CounterMetricFamily("kvbroker_bad_frames", "Frames rejected as malformed", value=self.daemon.bad_frames)
+
+
+def serve_metrics(daemon: BrokerDaemon, host: str, port: int) -> Any:
+    """Start `/metrics` on host:port; returns the server (call `.shutdown()` to stop it)."""
+    registry = CollectorRegistry()
+    registry.register(StatusCollector(daemon))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

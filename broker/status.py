@@ -1,0 +1,67 @@
+"""Ask a running broker for its state, and print it as tables."""
+
+from __future__ import annotations
+
+import anyio
+import zmq
+
+from protocols.channel import ZmqChannel, dealer
+from protocols.codec import Codec
+from protocols.messages import Status, StatusRequest
+
+# A status reply lists up to 1,000 transfers: allow it a larger frame than requests get.
+STATUS_MAX_FRAME = 64 << 20
+
+
+async def fetch_status(broker: str, timeout: float = 3.0) -> Status:
+    """One StatusRequest round trip; raises TimeoutError if the broker is silent."""
+    codec = Codec(STATUS_MAX_FRAME)
+    ctx = zmq.Context()
+    try:
+        async with ZmqChannel(dealer(ctx, broker, max_frame=STATUS_MAX_FRAME)) as chan:
+            with anyio.fail_after(timeout):
+                await chan.send([codec.encode(StatusRequest())])
+                while True:
+                    frames = await chan.receive()
+                    msg = codec.decode(frames[-1])
+                    if isinstance(msg, Status):
+                        return msg
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+def render_status(s: Status) -> str:
+    parts = [
+        f"peers ({len(s.peers)})",
+        _table(
+            ["peer", "role", "rank", "lease_left_s", "transfers", "endpoints"],
+            [[p.peer_id, p.role, p.rank, p.lease_left_s, p.transfers, " ".join(f"{k}={v}" for k, v in p.endpoints.items())] for p in s.peers],
+        ),
+        "",
+        f"pools ({len(s.pools)})",
+        _table(
+            ["peer", "capacity_MiB", "reserved_MiB", "free_MiB", "waiting"],
+            [[p.peer_id, _mib(p.capacity), _mib(p.reserved), _mib(p.free), p.waiting] for p in s.pools],
+        ),
+        "",
+        f"transfers in flight ({len(s.transfers)})",
+        _table(
+            ["transfer_id", "rank", "state", "prefill", "decode", "MiB", "attempt", "lease_left_s"],
+            [[t.transfer_id, t.rank, t.state, t.prefill, t.decode, _mib(t.nbytes), t.attempt, t.lease_left_s] for t in s.transfers],
+        ),
+        "",
+        "counters: " + ", ".join(f"{k}={v}" for k, v in sorted(s.counters.items())),
+    ]
+    return "\n".join(parts)

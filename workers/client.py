@@ -1,0 +1,307 @@
+"""The broker client used inside worker processes.
+
+`BrokerClient` is async and lives on one anyio event loop: it registers, sends
+heartbeats, hands the broker's messages to a `TransferHandler`, and when the broker
+stops answering (a restart, a network cut) it reconnects with backoff, registers again
+and re-sends what it still has staged or expects, so a broker restart loses no transfer
+that has not started moving.
+
+`SyncBrokerClient` runs that loop in a background thread behind a blocking portal, for
+synchronous callers such as vLLM's connector hooks: each method is one `portal.call`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import anyio
+import anyio.abc
+import anyio.from_thread
+import structlog
+import zmq
+
+from protocols.channel import ZmqChannel, dealer
+from protocols.codec import Codec
+from protocols.errors import BrokerUnavailable, ChannelClosed, Refused, RemoteProtocolError
+from protocols.messages import (
+    Abort,
+    Done,
+    Error,
+    Expect,
+    Go,
+    Goodbye,
+    Heartbeat,
+    Layout,
+    Message,
+    Offer,
+    Prepare,
+    Ready,
+    Register,
+    Registered,
+    Relay,
+    Release,
+)
+
+log = structlog.get_logger("kvbroker.client")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    broker: str = "tcp://127.0.0.1:7100"
+    register_timeout_s: float = 5.0
+    reconnect_max_s: float = 2.0
+    max_frame: int = 1 << 20
+    # (client public, client secret, server public) for CURVE; None for plain TCP.
+    curve: tuple[bytes, bytes, bytes] | None = None
+
+
+class TransferHandler(Protocol):
+    """What a worker does when the broker speaks. Each call runs in its own task."""
+
+    async def on_prepare(self, msg: Prepare) -> None: ...
+    async def on_go(self, msg: Go) -> None: ...
+    async def on_release(self, msg: Release) -> None: ...
+    async def on_abort(self, msg: Abort) -> None: ...
+    async def on_relay(self, msg: Relay) -> None: ...
+
+
+class NullHandler:
+    async def on_prepare(self, msg: Prepare) -> None: ...
+    async def on_go(self, msg: Go) -> None: ...
+    async def on_release(self, msg: Release) -> None: ...
+    async def on_abort(self, msg: Abort) -> None: ...
+    async def on_relay(self, msg: Relay) -> None: ...
+
+
+class BrokerClient:
+    def __init__(
+        self,
+        config: ClientConfig,
+        registration: Register,
+        handler: TransferHandler | None = None,
+        pool_free: Callable[[], int] | None = None,
+    ) -> None:
+        self.config = config
+        self.registration = registration
+        self.handler: TransferHandler = handler or NullHandler()
+        self.pool_free = pool_free
+        self.codec = Codec(config.max_frame)
+        self.registered: Registered | None = None
+        self.registrations = 0
+        self._chan: ZmqChannel | None = None
+        self._connected: anyio.Event | None = None
+        self._offers: dict[str, Offer] = {}
+        self._expects: set[str] = set()
+        self._log = log.bind(role=registration.role, instance=registration.instance_id, rank=registration.rank)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[Registered] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Stay registered until cancelled; `task_status.started` gets the first `Registered`.
+
+        Raises `BrokerUnavailable` if the first registration gets no answer in time and
+        `Refused` if the broker turns this peer away; later outages are retried forever.
+        """
+        ctx = zmq.Context()
+        backoff = 0.05
+        self._connected = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tasks:
+                while True:
+                    sock = dealer(ctx, self.config.broker, max_frame=self.config.max_frame, curve=self.config.curve)
+                    async with ZmqChannel(sock) as chan:
+                        try:
+                            with anyio.fail_after(self.config.register_timeout_s):
+                                reg = await self._register(chan)
+                        except TimeoutError:
+                            if self.registered is None:
+                                raise BrokerUnavailable(
+                                    f"the broker at {self.config.broker} did not answer within "
+                                    f"{self.config.register_timeout_s:g} s; start `kvbroker serve --bind "
+                                    f"{self.config.broker}` or fix the broker address"
+                                ) from None
+                            self._log.warning("broker.unreachable", broker=self.config.broker, retry_s=backoff)
+                        else:
+                            backoff = 0.05
+                            first = self.registered is None
+                            self.registered = reg
+                            self.registrations += 1
+                            self._chan = chan
+                            self._connected.set()  # type: ignore[union-attr]
+                            if first:
+                                task_status.started(reg)
+                            else:
+                                self._log.info("broker.reregistered", peer=reg.peer_id)
+                                await self._resend()
+                            await self._session(chan, reg, tasks)
+                            self._chan = None
+                            self._connected = anyio.Event()
+                    await anyio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, self.config.reconnect_max_s)
+        finally:
+            ctx.destroy(linger=0)
+
+    async def goodbye(self) -> None:
+        """Tell the broker we leave, so it re-routes at once instead of waiting for our lease."""
+        if self._chan is not None:
+            with anyio.move_on_after(0.5, shield=True):
+                await self.send(Goodbye())
+
+    async def _register(self, chan: ZmqChannel) -> Registered:
+        await chan.send([self.codec.encode(self.registration)])
+        while True:
+            msg = self._decode(await chan.receive())
+            if isinstance(msg, Registered):
+                return msg
+            if isinstance(msg, Error):
+                raise Refused(msg.code, f"the broker refused {self.registration.instance_id}: {msg.detail}")
+
+    async def _session(self, chan: ZmqChannel, reg: Registered, tasks: anyio.abc.TaskGroup) -> None:
+        """Receive and heartbeat until the broker is silent for a whole lease."""
+        last_rx = time.monotonic()
+
+        async def heartbeat(scope: anyio.CancelScope) -> None:
+            seq = 0
+            while True:
+                await anyio.sleep(reg.heartbeat_s)
+                if time.monotonic() - last_rx > reg.lease_s:
+                    self._log.warning("broker.lost", silent_s=round(time.monotonic() - last_rx, 2))
+                    scope.cancel()
+                    return
+                seq += 1
+                free = self.pool_free() if self.pool_free else -1
+                await chan.send([self.codec.encode(Heartbeat(seq=seq, pool_free=free))])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat, tg.cancel_scope)
+            while True:
+                try:
+                    frames = await chan.receive()
+                except ChannelClosed:
+                    tg.cancel_scope.cancel()
+                    return
+                last_rx = time.monotonic()
+                msg = self._decode(frames)
+                if msg is None:
+                    continue
+                if isinstance(msg, Error) and msg.code == "not_registered":
+                    self._log.warning("broker.forgot_us", detail=msg.detail)
+                    tg.cancel_scope.cancel()
+                    return
+                self._dispatch(msg, tasks)
+
+    def _decode(self, frames: list[bytes]) -> Message | None:
+        if len(frames) != 1:
+            self._log.warning("frame.dropped", frames=len(frames))
+            return None
+        try:
+            return self.codec.decode(frames[0])
+        except RemoteProtocolError as exc:
+            self._log.warning("frame.rejected", code=exc.code, detail=str(exc))
+            return None
+
+    def _dispatch(self, msg: Message, tasks: anyio.abc.TaskGroup) -> None:
+        h = self.handler
+        if isinstance(msg, Prepare):
+            self._expects.discard(msg.transfer_id)
+            tasks.start_soon(h.on_prepare, msg)
+        elif isinstance(msg, Go):
+            tasks.start_soon(h.on_go, msg)
+        elif isinstance(msg, Release):
+            self._offers.pop(msg.transfer_id, None)
+            tasks.start_soon(h.on_release, msg)
+        elif isinstance(msg, Abort):
+            self._offers.pop(msg.transfer_id, None)
+            self._expects.discard(msg.transfer_id)
+            tasks.start_soon(h.on_abort, msg)
+        elif isinstance(msg, Relay):
+            tasks.start_soon(h.on_relay, msg)
+        elif isinstance(msg, Error):
+            self._log.warning("broker.error", code=msg.code, detail=msg.detail, transfer_id=msg.transfer_id or None)
+            if msg.transfer_id and (msg.transfer_id in self._offers or msg.transfer_id in self._expects):
+                self._offers.pop(msg.transfer_id, None)
+                self._expects.discard(msg.transfer_id)
+                tasks.start_soon(h.on_abort, Abort(transfer_id=msg.transfer_id, reason=msg.detail))
+        # Heartbeat echoes only refresh last_rx.
+
+    async def _resend(self) -> None:
+        for offer in list(self._offers.values()):
+            await self.send(offer)
+        for tid in list(self._expects):
+            await self.send(Expect(transfer_id=tid))
+
+    # -- requests -----------------------------------------------------------------
+
+    async def send(self, msg: Message) -> None:
+        """Send one message, waiting (under the caller's deadline) while reconnecting."""
+        while self._chan is None:
+            if self._connected is None:
+                raise BrokerUnavailable("the broker client is not running; start it with run() first")
+            await self._connected.wait()
+        await self._chan.send([self.codec.encode(msg)])
+
+    async def offer(self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "") -> None:
+        msg = Offer(transfer_id=transfer_id, nbytes=nbytes, layout=layout or Layout(), decode=decode)
+        self._offers[transfer_id] = msg
+        await self.send(msg)
+
+    async def expect(self, transfer_id: str) -> None:
+        self._expects.add(transfer_id)
+        await self.send(Expect(transfer_id=transfer_id))
+
+    async def ready(self, transfer_id: str, nbytes: int, offset: int = 0) -> None:
+        await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes))
+
+    async def done(self, transfer_id: str, nbytes: int) -> None:
+        await self.send(Done(transfer_id=transfer_id, nbytes=nbytes))
+
+    async def abort(self, transfer_id: str, reason: str) -> None:
+        self._offers.pop(transfer_id, None)
+        self._expects.discard(transfer_id)
+        await self.send(Abort(transfer_id=transfer_id, reason=reason[:2000]))
+
+    async def relay(self, to: str, key: str, payload: bytes) -> None:
+        await self.send(Relay(to=to, key=key, payload=payload))
+
+
+class SyncBrokerClient:
+    """A `BrokerClient` on a background event-loop thread, for synchronous code."""
+
+    def __init__(self, client: BrokerClient, backend: str = "asyncio") -> None:
+        self.client = client
+        self._portal_cm = anyio.from_thread.start_blocking_portal(backend)
+        self.portal = self._portal_cm.__enter__()
+        try:
+            self._future, self.registered = self.portal.start_task(client.run, name="kvbroker-client")
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.portal.call(fn, *args)
+
+    def offer(self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "") -> None:
+        self.portal.call(self.client.offer, transfer_id, nbytes, layout, decode)
+
+    def expect(self, transfer_id: str) -> None:
+        self.portal.call(self.client.expect, transfer_id)
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self.portal.call(self.client.abort, transfer_id, reason)
+
+    def close(self) -> None:
+        """Say goodbye, stop the loop and join its thread."""
+        try:
+            self.portal.call(self.client.goodbye)
+        finally:
+            self._future.cancel()
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> SyncBrokerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

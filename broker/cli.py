@@ -34,6 +34,7 @@ def main() -> None:
 @click.option("--max-transfers", type=int, default=100_000, show_default=True)
 @click.option("--max-peers", type=int, default=4096, show_default=True)
 @click.option("--curve-secret-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Z85 CURVE secret key: peers must authenticate.")
+@click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound endpoint here once serving (for --bind ...:0).")
 def serve(**opts: Any) -> None:
     """Run the broker daemon (binds to loopback unless told otherwise)."""
     from .core import BrokerConfig
@@ -60,6 +61,7 @@ def serve(**opts: Any) -> None:
             metrics_port=opts["metrics_port"],
             metrics_host=opts["metrics_host"],
             curve_secret_key=secret,
+            port_file=opts["port_file"],
             core=core,
         ),
         backend=opts["backend"],

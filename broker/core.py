@@ -33,6 +33,7 @@ from protocols.messages import (
     Go,
     Goodbye,
     Heartbeat,
+    Id,
     Message,
     Offer,
     PeerInfo,
@@ -51,6 +52,7 @@ from protocols.messages import (
 from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, TransferState, check_transition
 
 S = TransferState
+_MAX_ID = Id.__metadata__[0].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class Broker:
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
         self.counters: dict[str, int] = {
-            k: 0 for k in ("offered", "completed", "aborted", "retried", "evicted", "bytes", "refused", "errors")
+            k: 0 for k in ("offered", "completed", "aborted", "retried", "evicted", "bytes", "errors", "bad_frames")
         }
 
     # -- entry points -------------------------------------------------------------
@@ -156,8 +158,9 @@ class Broker:
                 out.append(Send(identity, self.status(now)))
             else:
                 peer = self._peer_for(identity, msg)
-                peer.lease_until = now + self.config.peer_lease_s
                 self._dispatch(now, peer, msg, out)
+                # Renewed only once accepted: a refused message changes nothing.
+                peer.lease_until = now + self.config.peer_lease_s
         except RemoteProtocolError as exc:
             self.counters["errors"] += 1
             tid = getattr(msg, "transfer_id", "")
@@ -207,6 +210,11 @@ class Broker:
         if reg.role == "decode" and reg.pool_capacity <= 0:
             raise _Refused("a decode peer must register a receive pool; set pool_capacity (bytes) above 0")
         pid = peer_id_of(reg)
+        if len(pid) > _MAX_ID:
+            raise _Refused(
+                f"peer id {pid[:40]}... is {len(pid)} characters, over the {_MAX_ID} that messages carry; "
+                "use a shorter instance_id"
+            )
         old = self.peers.get(pid)
         if old is None and len(self.peers) >= self.config.max_peers:
             raise _Refused(f"the broker already holds {self.config.max_peers} peers; raise --max-peers")
@@ -331,6 +339,9 @@ class Broker:
             return
         # Not yet granted elsewhere: move it to the decode peer that holds the request.
         self._unroute(t, out)
+        before = self.peers.get(t.expected_by or "")
+        if before is not None:
+            before.transfers.discard(key)  # it no longer holds the request
         t.expected_by = peer.peer_id
         self._route(now, t, out)
 
@@ -403,7 +414,7 @@ class Broker:
         d: Peer | None = None
         prefill = self.peers[t.prefill] if t.prefill else None
         for pid in (t.expected_by, f"{t.decode_hint}:{t.rank}" if t.decode_hint else None):
-            if pid and pid in self.peers:
+            if pid and pid in self.peers and self.peers[pid].pool is not None:  # a hint may name a prefill peer
                 d = self.peers[pid]
                 if prefill is not None and d.reg.compat_hash != t.compat_hash:
                     self._abort(t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)

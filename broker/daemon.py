@@ -8,6 +8,7 @@ holds the receive loop, the lease timer and the status snapshot for metrics.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class DaemonConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     curve_secret_key: bytes | None = None
+    # Written with the bound endpoint once serving, so a launcher can use port 0.
+    port_file: str | None = None
     core: BrokerConfig = field(default_factory=BrokerConfig)
 
 
@@ -44,7 +47,6 @@ class BrokerDaemon:
         self.core = Broker(config.core)
         self.codec = Codec(config.max_frame)
         self.endpoint: str | None = None
-        self.bad_frames = 0
         self.dropped_sends = 0
         self.snapshot: Status = Status()
 
@@ -58,6 +60,7 @@ class BrokerDaemon:
         except zmq.ZMQError as exc:
             ctx.term()
             raise SystemExit(f"cannot bind {self.config.bind}: {exc}; pick a free address with --bind") from None
+        structlog.contextvars.bind_contextvars(role="broker", instance=self.endpoint)
         metrics = None
         async with ZmqChannel(sock) as chan, anyio.create_task_group() as tg:
             if self.config.metrics_port is not None:
@@ -66,6 +69,11 @@ class BrokerDaemon:
                 metrics = serve_metrics(self, self.config.metrics_host, self.config.metrics_port)
             tg.start_soon(self._timer, chan)
             log.info("broker.serving", endpoint=self.endpoint, metrics_port=self.config.metrics_port)
+            if self.config.port_file:
+                tmp = f"{self.config.port_file}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(self.endpoint)
+                os.replace(tmp, self.config.port_file)
             task_status.started(self.endpoint)
             try:
                 await self._receive_loop(chan)
@@ -85,17 +93,18 @@ class BrokerDaemon:
 
     def on_frames(self, chan: ZmqChannel, frames: list[bytes]) -> None:
         """Handle one ROUTER message: [identity, payload]. Never raises on bad input."""
+        counters = self.core.counters
         if len(frames) != 2:
-            self.bad_frames += 1
+            counters["bad_frames"] += 1
             log.warning("frame.dropped", reason=f"expected 2 frames, got {len(frames)}")
             return
         identity, payload = frames
         try:
             msg = self.codec.decode(payload)
         except RemoteProtocolError as exc:
-            self.bad_frames += 1
-            if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
-                log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=self.bad_frames)
+            counters["bad_frames"] += 1
+            if counters["bad_frames"] <= 10 or counters["bad_frames"] % 1000 == 0:
+                log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=counters["bad_frames"])
             self._send(chan, Send(identity, Error(code=exc.code, detail=str(exc)[:2000])))
             return
         for effect in self.core.handle(self.clock(), identity, msg):

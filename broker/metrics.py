@@ -40,7 +40,6 @@ class StatusCollector:
             yield g
         for key, value in sorted(snap.counters.items()):
             yield CounterMetricFamily(f"kvbroker_{key}", f"Broker counter {key}", value=value)
-        yield CounterMetricFamily("kvbroker_bad_frames", "Frames rejected as malformed", value=self.daemon.bad_frames)
 
 
 def serve_metrics(daemon: BrokerDaemon, host: str, port: int) -> Any:

@@ -1,0 +1,222 @@
+"""A real `kvbroker serve` process on loopback, driven by real client processes and sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+import zmq
+
+from protocols.codec import HEADER, Codec, encode
+from protocols.messages import Abort, Done, Expect, Layout, Offer, Prepare, Ready, Register
+from tests.support import ROOT, BrokerProcess, env, wait_until
+from workers.client import BrokerClient, ClientConfig, NullHandler
+
+pytestmark = pytest.mark.slow
+
+PEER = Path(__file__).with_name("handshake_peer.py")
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "5")
+    b.start()
+    yield b
+    assert b.stop() == 0, b.log_path.read_text()
+
+
+def spawn_peer(endpoint: str, role: str, instance: str, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(PEER), "--broker", endpoint, "--role", role, "--instance", instance, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen[str]) -> dict:
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def structure(status: dict) -> dict:
+    """Status without the fields that move with the clock or count rejected frames."""
+    peers = [{k: v for k, v in p.items() if k != "lease_left_s"} for p in status["peers"]]
+    transfers = [{k: v for k, v in t.items() if k != "lease_left_s"} for t in status["transfers"]]
+    return {"peers": peers, "pools": status["pools"], "transfers": transfers}
+
+
+def test_serve_and_status(broker: BrokerProcess) -> None:
+    st = broker.status()
+    assert st["type"] == "status" and st["peers"] == [] and st["transfers"] == []
+    table = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", "--broker", broker.endpoint],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert table.returncode == 0 and "peers (0)" in table.stdout and "transfers in flight (0)" in table.stdout
+
+
+def test_status_names_a_dead_broker() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", "--broker", f"tcp://127.0.0.1:{port}", "--timeout", "0.5"],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert out.returncode != 0 and "did not answer" in out.stderr
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_offer_to_release_between_client_processes(broker: BrokerProcess, backend: str) -> None:
+    # The decode pool holds 4 transfers at a time: the rest wait for credit.
+    d = spawn_peer(broker.endpoint, "decode", "d0", "--count", "200", "--pool", str(4 << 20), "--backend", backend)
+    assert json.loads(d.stdout.readline())["registered"]
+    p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", "200", "--nbytes", str(1 << 20), "--backend", backend)
+    pres, dres = finish(p), finish(d)
+    assert pres["released"] == 200 and pres["aborted"] == 0 and pres["go"] == 200
+    assert dres["done"] == 200
+    st = broker.status()
+    assert st["transfers"] == [] and st["counters"]["completed"] == 200
+    log = broker.log_path.read_text().splitlines()
+    done = [json.loads(line) for line in log if '"transfer.done"' in line]
+    assert len(done) == 200 and all(e["transfer_id"].startswith("p0-") and e["role"] == "broker" for e in done)
+
+
+def garbage_frames(rng: random.Random, codec: Codec) -> list[list[bytes]]:
+    valid = codec.encode(Offer(transfer_id="x", nbytes=10, layout=Layout(num_layers=2)))
+    kinds = [
+        lambda: [rng.randbytes(rng.randrange(0, 64))],
+        lambda: [valid[: rng.randrange(0, len(valid))]],
+        lambda: [bytes(b ^ (1 << rng.randrange(8)) if rng.random() < 0.1 else b for b in valid)],
+        lambda: [HEADER + msgspec.msgpack.encode({"type": "nonsense", "a": 1})],
+        lambda: [HEADER + msgspec.msgpack.encode({"type": "offer", "transfer_id": 5, "nbytes": "many"})],
+        lambda: [HEADER + msgspec.msgpack.encode({"type": "offer", "transfer_id": "y", "nbytes": -1})],
+        lambda: [bytes([HEADER[0], 99]) + valid[2:]],
+        lambda: [valid, valid],
+        lambda: [b""],
+        # Well-formed but not allowed: unregistered sender, unknown transfers.
+        lambda: [encode(Ready(transfer_id="nope", nbytes=1))],
+        lambda: [encode(Done(transfer_id="keep", nbytes=1))],
+        lambda: [encode(Abort(transfer_id="keep", reason="x"))],
+    ]
+    return [rng.choice(kinds)() for _ in range(10_000)]
+
+
+def test_garbage_leaves_broker_serving_and_state_unchanged(tmp_path: Path) -> None:
+    broker = BrokerProcess(tmp_path, "--peer-lease", "120", "--heartbeat", "30")
+    broker.start()
+    ctx = zmq.Context()
+    try:
+        codec = Codec()
+        member = ctx.socket(zmq.DEALER)
+        member.setsockopt(zmq.LINGER, 0)
+        member.connect(broker.endpoint)
+        member.send(codec.encode(Register(role="decode", instance_id="d0", pool_capacity=1000, compat_hash="h")))
+        assert member.poll(5000) and type(codec.decode(member.recv())).__name__ == "Registered"
+        member.send(codec.encode(Expect(transfer_id="keep")))
+        before = wait_until(lambda: (s := broker.status())["transfers"] and s, 10, "the expected transfer")
+
+        rng = random.Random(7)
+        senders = [ctx.socket(zmq.DEALER) for _ in range(4)]
+        for s in senders:
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.connect(broker.endpoint)
+        frames = garbage_frames(rng, codec)
+        for i, msg in enumerate(frames):
+            senders[i % len(senders)].send_multipart(msg)
+        # An oversized frame: zmq drops that connection before the broker sees it.
+        senders[0].send(b"\x00" * (2 << 20))
+        # The registered peer misbehaves too: illegal transitions, refused without effect.
+        member.send(codec.encode(Ready(transfer_id="keep", nbytes=1)))
+        member.send(codec.encode(Offer(transfer_id="keep", nbytes=5)))
+        member.send(codec.encode(Done(transfer_id="keep", nbytes=1)))
+
+        def rejected_all() -> dict | None:
+            # Every garbage message and the member's three illegal ones, each refused once.
+            s = broker.status()
+            c = s["counters"]
+            assert c["bad_frames"] + c["errors"] <= len(frames) + 3
+            return s if c["bad_frames"] + c["errors"] == len(frames) + 3 else None
+
+        after = wait_until(rejected_all, 60, "the broker to reject every garbage message")
+        assert structure(after) == structure(before)
+        # Raw TCP junk, not even ZMTP (libzmq may read some of it as legacy frames: more garbage).
+        host, port = broker.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        for _ in range(20):
+            with socket.create_connection((host, int(port)), timeout=5) as raw:
+                raw.sendall(rng.randbytes(rng.randrange(1, 4096)))
+        after = broker.status()
+        assert broker.proc is not None and broker.proc.poll() is None
+        assert structure(after) == structure(before)
+        log = broker.log_path.read_text()
+        assert '"frame.rejected"' in log and "Traceback" not in log
+    finally:
+        ctx.destroy(linger=0)
+        assert broker.stop() == 0
+
+
+@pytest.mark.anyio
+async def test_clients_register_again_after_broker_restart(tmp_path: Path, anyio_backend: str) -> None:
+    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
+    broker.start()
+
+    class Prefill(NullHandler):
+        def __init__(self) -> None:
+            self.go = anyio.Event()
+
+        async def on_go(self, msg: object) -> None:
+            self.go.set()
+
+    class Decode(NullHandler):
+        async def on_prepare(self, msg: Prepare) -> None:
+            await d.ready(msg.transfer_id, msg.nbytes)
+
+    handler = Prefill()
+    cfg = ClientConfig(broker=broker.endpoint, register_timeout_s=5)
+    p = BrokerClient(cfg, Register(role="prefill", instance_id="p0", compat_hash="h"), handler)
+    d = BrokerClient(cfg, Register(role="decode", instance_id="d0", pool_capacity=1 << 20, compat_hash="h"), Decode())
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(p.run)
+            # No decode peer yet: the offer waits unrouted, and dies with the broker.
+            await p.offer("t-survives", 1000)
+            broker.stop()
+            broker.start()
+            assert broker.endpoint == cfg.broker
+            with anyio.fail_after(20):
+                while p.registrations < 2:
+                    await anyio.sleep(0.02)
+                # The client re-sent its staged offer; a decode peer arriving now gets it.
+                await tg.start(d.run)
+                await handler.go.wait()
+            peers = {x["peer_id"] for x in broker.status()["peers"]}
+            assert peers == {"p0:0", "d0:0"}
+            tg.cancel_scope.cancel()
+    finally:
+        broker.stop()
+
+
+def test_refuses_incompatible_peer(broker: BrokerProcess) -> None:
+    ctx = zmq.Context()
+    try:
+        codec = Codec()
+        a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for s in (a, b):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(broker.endpoint)
+        a.send(codec.encode(Register(role="prefill", instance_id="p", compat_hash="1", compat={"dtype": "bfloat16"})))
+        assert a.poll(5000) and type(codec.decode(a.recv())).__name__ == "Registered"
+        b.send(codec.encode(Register(role="decode", instance_id="d", pool_capacity=10, compat_hash="2", compat={"dtype": "float16"})))
+        assert b.poll(5000)
+        err = codec.decode(b.recv())
+        assert type(err).__name__ == "Error" and err.code == "refused"  # type: ignore[attr-defined]
+        assert "dtype: float16 vs bfloat16" in err.detail  # type: ignore[attr-defined]
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,387 @@
+"""Gather a request's blocks out of a paged KV cache, and scatter them into another.
+
+Theory of operation
+-------------------
+vLLM keeps one tensor per attention layer whose shape depends on the attention
+backend. Every such tensor has a *block axis*; once we view the tensor as raw bytes
+and move that axis to the front (a view, never a copy), one block of one layer is a
+fixed number of bytes, `block_nbytes`, with K and V both inside. Gather is then a
+single ``index_select`` along that axis into a byte buffer, and scatter a single
+``index_copy_`` back: one kernel per call, whatever the number of blocks. Working on
+bytes makes both exact bit copies (bf16 NaN payloads and fp8 codes survive), and makes
+the code the same for every dtype.
+
+The layout is derived from the tensor's shape and the layer's KV cache spec (block
+size, KV heads, head size, MLA or not), never from attention metadata, which may be
+None or a dict (a failure seen in other connectors). Kinds, with bs = block size,
+H = KV heads, D/Dv = K/V head size:
+
+- ``kv_first``: ``[2, num_blocks, bs, H, D]`` (flash-attn style). Block bytes: K
+  ``[bs, H, D]`` then V ``[bs, H, D]``.
+- ``blocks_first``: ``[num_blocks, 2, bs, H, D]`` (FlashInfer style). Same block bytes.
+- ``cpu``: ``[num_blocks, H, bs, D + Dv]``, K and V side by side on the last axis.
+  Block bytes: ``[H, bs, K|V]``.
+- ``mla``: ``[num_blocks, bs, D]``, or ``[num_blocks, 1, bs, D]`` as the installed vLLM
+  hands it out. Block bytes: ``[bs, D]``, one latent per token, no V.
+
+The ``cpu`` shape comes from the installed vLLM's CPU backend
+(``vllm/v1/attention/backends/cpu_attn.py``: ``kv_cache: shape = [num_blocks,
+num_kv_heads, block_size, 2 * head_size]``, split into K and V along the last axis).
+That vLLM gives every attention backend's layer this logical ``[B, H, N, C]`` view of
+one shared buffer (``vllm/v1/worker/utils.py: create_kv_cache_views``), strided when
+the physical layout is head/token-permuted or block-outermost; the byte view handles
+strides, so those work too.
+
+A block's bytes are in the tensor's *logical* order, with K ahead of V wherever the
+layout keeps them apart. For a tensor that is contiguous per block this is a straight
+copy; for a permuted view the kernel does the strided read. Logical order also means
+two vLLM instances whose physical layouts differ (LBHNC vs LBNHC) stage identical
+bytes. P and D must still agree on the kind, which the compatibility hash covers.
+When ``num_blocks == 2`` a 5-D ``[2, 2, bs, H, D]`` fits both ``kv_first`` and
+``blocks_first``; neither the shape nor the spec can tell them apart, so
+`detect_layout` then requires an explicit `hint` (the caller maps its attention
+backend to the kind).
+
+Staging is block-major (see `protocols.messages.Layout`): ``[num_blocks, num_layers,
+block_nbytes]``. P stages all of a request's blocks, layer by layer. D already holds
+the first ``num_cached_blocks`` in its prefix cache, so it asks for the byte range
+`tail_range` returns, receives it into a buffer viewed with ``staging_view(buf, n - k,
+...)``, and scatters into ``tail(its_block_ids, k)`` only: a prefix-cached block is
+never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence, get_args
+
+import torch
+
+from protocols.errors import KvBrokerError
+from protocols.messages import Layout
+
+__all__ = [
+    "CacheSpec",
+    "LayerLayout",
+    "LayoutError",
+    "LayoutKind",
+    "detect_layout",
+    "gather",
+    "gather_layer_into_staging",
+    "scatter",
+    "scatter_layer_from_staging",
+    "staging_view",
+    "tail",
+    "tail_range",
+    "wire_layout",
+]
+
+LayoutKind = Literal["kv_first", "blocks_first", "cpu", "mla"]
+LAYOUT_KINDS: tuple[str, ...] = get_args(LayoutKind)
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+class LayoutError(KvBrokerError, ValueError):
+    """A cache tensor, buffer or block list does not fit the layout."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What the layout is derived from: one layer's KV cache spec.
+
+    `head_size_v` is V's head size where it differs from K's (None: the same). MLA
+    layers store one latent of `head_size` per token and ignore it.
+    """
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    use_mla: bool = False
+    head_size_v: int | None = None
+
+    @classmethod
+    def from_vllm(cls, spec: Any) -> CacheSpec:
+        """Read a vLLM ``AttentionSpec``-like object (duck-typed, so no vLLM import)."""
+        use_mla = getattr(spec, "use_mla", None)
+        if use_mla is None:
+            use_mla = any("MLA" in klass.__name__ for klass in type(spec).__mro__)
+        heads = getattr(spec, "num_head_slots", None) or spec.num_kv_heads
+        head_size_v = getattr(spec, "head_size_v", None)
+        return cls(
+            block_size=int(spec.block_size),
+            num_kv_heads=int(heads),
+            head_size=int(spec.head_size),
+            use_mla=bool(use_mla),
+            head_size_v=None if use_mla or head_size_v is None else int(head_size_v),
+        )
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """How one layer's cache tensor is arranged; `block_nbytes` is one block, K and V."""
+
+    kind: LayoutKind
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    num_blocks: int
+    block_nbytes: int
+
+    def describe(self) -> str:
+        return f"{self.kind} {list(self.shape)} {_dtype_name(self.dtype)}"
+
+
+def detect_layout(tensor: torch.Tensor, spec: CacheSpec, *, hint: LayoutKind | None = None) -> LayerLayout:
+    """Work out a layer's layout from its tensor's shape and its KV cache spec.
+
+    Args:
+        tensor: the layer's KV cache.
+        spec: the layer's cache spec (`CacheSpec.from_vllm` reads vLLM's).
+        hint: the kind, when the caller knows it; required only for the ambiguous
+            ``[2, 2, block_size, H, D]``, and checked against the shape otherwise.
+
+    Raises:
+        LayoutError: the shape fits no kind, fits two and no hint decides, or
+            contradicts the hint; the message names the shape and the spec.
+    """
+    if hint is not None and hint not in LAYOUT_KINDS:
+        raise LayoutError(f"unknown layout hint {hint!r}; use one of {', '.join(LAYOUT_KINDS)}.")
+    shape = tuple(tensor.shape)
+    bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
+    dv = d if spec.head_size_v is None else spec.head_size_v
+    fits: dict[str, int] = {}  # kind -> num_blocks
+    if spec.use_mla:
+        if len(shape) == 3 and shape[1:] == (bs, d):
+            fits["mla"] = shape[0]
+        if len(shape) == 4 and shape[1:] == (1, bs, d):
+            fits["mla"] = shape[0]
+    else:
+        if len(shape) == 5 and dv == d:
+            if shape[0] == 2 and shape[2:] == (bs, heads, d):
+                fits["kv_first"] = shape[1]
+            if shape[1] == 2 and shape[2:] == (bs, heads, d):
+                fits["blocks_first"] = shape[0]
+        if len(shape) == 4 and shape[1:] == (heads, bs, d + dv):
+            fits["cpu"] = shape[0]
+    where = f"KV cache of shape {list(shape)} with {spec}"
+    if hint is not None:
+        if hint not in fits:
+            fit = f"it fits {', '.join(fits)}" if fits else "it fits no known layout"
+            raise LayoutError(f"{where} is not a {hint!r} layout; {fit}.")
+        kind = hint
+    elif len(fits) == 1:
+        kind = next(iter(fits))
+    elif fits:
+        raise LayoutError(
+            f"{where} fits both {' and '.join(fits)} (num_blocks == 2); pass hint= with the "
+            f"attention backend's layout kind."
+        )
+    else:
+        raise LayoutError(
+            f"{where} fits no known layout ({', '.join(LAYOUT_KINDS)}); check that the spec "
+            f"is this layer's, or that the backend is supported."
+        )
+    block_nbytes = _block_elems(shape, kind) * tensor.element_size()
+    return LayerLayout(kind, shape, tensor.dtype, fits[kind], block_nbytes)  # type: ignore[arg-type]
+
+
+def gather(layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds, out: torch.Tensor) -> torch.Tensor:
+    """Copy blocks `block_ids` of a layer, in that order, into `out`; one kernel.
+
+    Args:
+        out: a contiguous buffer (any dtype) of exactly ``len(block_ids) * block_nbytes``
+            bytes, such as a pool lease's tensor.
+
+    Returns:
+        `out` viewed as uint8 ``[len(block_ids), block_nbytes]``.
+
+    Raises:
+        LayoutError: the cache does not match `layout`, a block id is out of range, or
+            `out` has the wrong size.
+    """
+    src = _blocks(layer_cache, layout)
+    idx = _index(block_ids, layout, src.device, unique=False)
+    dst = _out_bytes(out, len(idx), layout)
+    torch.index_select(src, 0, idx, out=dst.view(len(idx), *src.shape[1:]))
+    return dst
+
+
+def scatter(layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds, src: torch.Tensor) -> None:
+    """Copy `src` (as `gather` wrote it) into blocks `block_ids`; no other byte changes.
+
+    Raises:
+        LayoutError: as for `gather`, or a block id repeats (its final value would be
+            undefined).
+    """
+    dst = _blocks(layer_cache, layout)
+    idx = _index(block_ids, layout, dst.device, unique=True)
+    data = _out_bytes(src, len(idx), layout)
+    dst.index_copy_(0, idx, data.view(len(idx), *dst.shape[1:]))
+
+
+def staging_view(buf: torch.Tensor, num_blocks: int, num_layers: int, block_nbytes: int) -> torch.Tensor:
+    """View a contiguous buffer of exactly the right size as ``[num_blocks, num_layers, block_nbytes]`` uint8."""
+    need = num_blocks * num_layers * block_nbytes
+    flat = _flat_bytes(buf)
+    if flat.numel() != need:
+        raise LayoutError(
+            f"a staging buffer for {num_blocks} blocks x {num_layers} layers x {block_nbytes} B "
+            f"needs {need} B but holds {flat.numel()} B."
+        )
+    return flat.view(num_blocks, num_layers, block_nbytes)
+
+
+def gather_layer_into_staging(
+    staging: torch.Tensor, layer_idx: int, layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds
+) -> None:
+    """Write layer `layer_idx` of each block into block-major `staging` (see `staging_view`)."""
+    src = _blocks(layer_cache, layout)
+    idx = _index(block_ids, layout, src.device, unique=False)
+    dst = _staging_slice(staging, layer_idx, len(idx), layout)
+    torch.index_select(src, 0, idx, out=dst.view(len(idx), *src.shape[1:]))
+
+
+def scatter_layer_from_staging(
+    staging: torch.Tensor, layer_idx: int, layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds
+) -> None:
+    """Copy layer `layer_idx` of each staged block into `block_ids`; inverse of the gather."""
+    dst = _blocks(layer_cache, layout)
+    idx = _index(block_ids, layout, dst.device, unique=True)
+    src = _staging_slice(staging, layer_idx, len(idx), layout)
+    dst.index_copy_(0, idx, src.view(len(idx), *dst.shape[1:]))
+
+
+def tail(block_ids: Sequence[int], num_cached_blocks: int) -> Sequence[int]:
+    """The blocks after the first `num_cached_blocks`: the only ones D may write."""
+    _check_cached(len(block_ids), num_cached_blocks)
+    return block_ids[num_cached_blocks:]
+
+
+def tail_range(num_blocks: int, num_cached_blocks: int, num_layers: int, block_nbytes: int) -> tuple[int, int]:
+    """``(offset, nbytes)`` of the staged bytes D needs when it holds the first `num_cached_blocks`.
+
+    Staging is block-major, so skipping a head of blocks is an offset and the rest is
+    one contiguous range (these go into `protocols.messages.Ready`).
+    """
+    _check_cached(num_blocks, num_cached_blocks)
+    per_block = num_layers * block_nbytes
+    return num_cached_blocks * per_block, (num_blocks - num_cached_blocks) * per_block
+
+
+def wire_layout(layout: LayerLayout, num_layers: int, num_blocks: int) -> Layout:
+    """The wire description of a staged transfer of `num_blocks` blocks."""
+    return Layout(
+        kind=layout.kind,
+        dtype=_dtype_name(layout.dtype),
+        num_layers=num_layers,
+        num_blocks=num_blocks,
+        block_nbytes=layout.block_nbytes,
+    )
+
+
+# -- internals -------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def _block_elems(shape: tuple[int, ...], kind: str) -> int:
+    if kind == "kv_first":
+        return 2 * _prod(shape[2:])
+    return _prod(shape[1:])
+
+
+def _merge_tail(t: torch.Tensor, start: int) -> torch.Tensor:
+    """Merge dims ``start:`` into one when that is a view; keep them apart otherwise."""
+    try:
+        return t.view(*t.shape[:start], -1)
+    except RuntimeError:
+        return t
+
+
+def _blocks(cache: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """A uint8 view of `cache` with the block axis first; never a copy."""
+    if tuple(cache.shape) != layout.shape or cache.dtype != layout.dtype:
+        raise LayoutError(
+            f"the cache tensor is {list(cache.shape)} {_dtype_name(cache.dtype)} but the layout "
+            f"says {layout.describe()}; detect the layout of this very tensor."
+        )
+    if cache.element_size() > 1 and cache.stride(-1) != 1:
+        raise LayoutError(
+            f"the cache tensor's last axis has stride {cache.stride(-1)}; its bytes cannot be "
+            f"viewed in place ({layout.describe()})."
+        )
+    raw = cache.view(torch.uint8)
+    if layout.kind == "kv_first":
+        return _merge_tail(raw, 2).transpose(0, 1)
+    return _merge_tail(raw, 1)
+
+
+def _index(block_ids: BlockIds, layout: LayerLayout, device: torch.device, *, unique: bool) -> torch.Tensor:
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+            raise LayoutError(f"block ids must be a 1-D integer tensor, not {block_ids.dtype} {list(block_ids.shape)}.")
+        idx = block_ids.to(dtype=torch.long)
+        # A host-side check is free; on a device it would force a sync, so the kernel's
+        # own bounds check stands in.
+        ids = idx.tolist() if idx.device.type == "cpu" else None
+        idx = idx.to(device)
+    else:
+        ids = [int(b) for b in block_ids]
+        idx = torch.tensor(ids, dtype=torch.long).to(device)
+    if ids is not None:
+        bad = [b for b in ids if not 0 <= b < layout.num_blocks]
+        if bad:
+            raise LayoutError(f"block id {bad[0]} is outside the cache's {layout.num_blocks} blocks.")
+        if unique and len(set(ids)) != len(ids):
+            raise LayoutError(f"block ids to write must be distinct; got {ids}.")
+    return idx
+
+
+def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
+    if not buf.is_contiguous():
+        raise LayoutError(f"the buffer must be contiguous (shape {list(buf.shape)}, strides {buf.stride()}).")
+    return buf.reshape(-1).view(torch.uint8)
+
+
+def _out_bytes(buf: torch.Tensor, n: int, layout: LayerLayout) -> torch.Tensor:
+    flat = _flat_bytes(buf)
+    need = n * layout.block_nbytes
+    if flat.numel() != need:
+        raise LayoutError(
+            f"{n} block(s) of {layout.block_nbytes} B ({layout.describe()}) need a {need} B "
+            f"buffer, not {flat.numel()} B."
+        )
+    return flat.view(n, layout.block_nbytes)
+
+
+def _staging_slice(staging: torch.Tensor, layer_idx: int, n: int, layout: LayerLayout) -> torch.Tensor:
+    if staging.dtype != torch.uint8 or staging.dim() != 3:
+        raise LayoutError(
+            f"staging must be uint8 [num_blocks, num_layers, block_nbytes] (see staging_view), "
+            f"not {_dtype_name(staging.dtype)} {list(staging.shape)}."
+        )
+    blocks, layers, nbytes = staging.shape
+    if blocks != n or nbytes != layout.block_nbytes:
+        raise LayoutError(
+            f"staging {list(staging.shape)} does not fit {n} blocks of {layout.block_nbytes} B "
+            f"({layout.describe()})."
+        )
+    if not 0 <= layer_idx < layers:
+        raise LayoutError(f"layer {layer_idx} is outside the staging buffer's {layers} layers.")
+    return staging[:, layer_idx, :]
+
+
+def _check_cached(num_blocks: int, num_cached_blocks: int) -> None:
+    if not 0 <= num_cached_blocks <= num_blocks:
+        raise LayoutError(
+            f"{num_cached_blocks} cached blocks is outside 0..{num_blocks} (the request's blocks)."
+        )

@@ -27,6 +27,8 @@ from .core import Broker, BrokerConfig, Note, Send
 
 log = structlog.get_logger("kvbroker.broker")
 
+DRAIN_BATCH = 256
+
 
 @dataclass(frozen=True)
 class DaemonConfig:
@@ -87,9 +89,15 @@ class BrokerDaemon:
         while True:
             try:
                 frames = await chan.receive()
+                self.on_frames(chan, frames)
+                # Drain a burst without a scheduler round trip per message, bounded so the
+                # lease timer still runs under sustained load.
+                for _ in range(DRAIN_BATCH):
+                    self.on_frames(chan, chan.receive_nowait())
+            except anyio.WouldBlock:
+                continue
             except ChannelClosed:
                 return
-            self.on_frames(chan, frames)
 
     def on_frames(self, chan: ZmqChannel, frames: list[bytes]) -> None:
         """Handle one ROUTER message: [identity, payload]. Never raises on bad input."""

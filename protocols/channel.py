@@ -163,7 +163,7 @@ class ZmqChannel:
             except zmq.Again:
                 # A ROUTER with ROUTER_MANDATORY shows POLLOUT while any peer has room,
                 # yet one full peer gives Again: retry once per wake, then sleep, never spin.
-                if self._events() & flag and not retried:
+                if self._events() & flag:
                     retried = True
                     continue
                 retried = False
@@ -315,7 +315,7 @@ def dealer(
     identity: bytes | None = None,
     curve: tuple[bytes, bytes, bytes] | None = None,
     *,
-    max_frame: int | None = DEFAULT_MAX_FRAME,
+    max_frame: int | None = None,
     hwm: int = DEFAULT_HWM,
     linger_ms: int = DEFAULT_LINGER_MS,
 ) -> zmq.Socket:
@@ -325,7 +325,10 @@ def dealer(
         ctx: a plain (not `zmq.asyncio`) context.
         identity: the routing id the ROUTER sees; zmq picks one if None.
         curve: (public, secret, server_public) keys, z85 or raw, to talk to a CURVE router.
-        max_frame: largest inbound frame; None for no limit.
+        max_frame: largest inbound frame for zmq to accept. None (the default) leaves the
+            limit to the codec: a DEALER that gets a frame over MAXMSGSIZE drops the
+            connection and never reconnects (libzmq counts it as a protocol error), after
+            which its sends vanish silently. Set it only to at least the broker's limit.
     """
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -355,7 +358,10 @@ def router(
 ) -> tuple[zmq.Socket, str]:
     """A ROUTER bound to `bind_addr`; returns it and the endpoint actually bound.
 
-    Port 0 or `*` (`tcp://127.0.0.1:0`) picks a free port. ROUTER_MANDATORY makes a send
+    Port 0 or `*` (`tcp://127.0.0.1:0`) picks a free port. A peer that sends a frame over
+    `max_frame` is disconnected by zmq (the frame is never delivered); a DEALER peer
+    reconnects after its RECONNECT_IVL, and frames it sent right behind the big one may
+    be lost with the old connection. ROUTER_MANDATORY makes a send
     to an unknown identity fail (`PeerUnreachable`) instead of vanishing, and
     ROUTER_HANDOVER lets a restarted peer reclaim its identity while the old connection
     is still half-open. With `curve_secret`, clients must use CURVE and know the server's

@@ -116,6 +116,21 @@ class ZmqChannel:
             raise self._error(exc, frames[0]) from exc
         self._after_op()
 
+    def receive_nowait(self) -> list[bytes]:
+        """Take the next multipart message if one is queued, else raise `anyio.WouldBlock`.
+
+        Lets a busy loop drain a burst without a scheduler round trip per message.
+        """
+        self._check_open()
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            raise anyio.WouldBlock from None
+        except zmq.ZMQError as exc:
+            raise self._error(exc) from exc
+        self._after_op()
+        return frames
+
     async def receive(self) -> list[bytes]:
         """Wait for the next multipart message.
 
@@ -163,7 +178,7 @@ class ZmqChannel:
             except zmq.Again:
                 # A ROUTER with ROUTER_MANDATORY shows POLLOUT while any peer has room,
                 # yet one full peer gives Again: retry once per wake, then sleep, never spin.
-                if self._events() & flag:
+                if self._events() & flag and not retried:
                     retried = True
                     continue
                 retried = False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 import anyio.lowlevel
@@ -76,7 +76,7 @@ class ZmqChannel:
 
     def __init__(self, sock: zmq.Socket) -> None:
         self._sock = sock
-        self._fd: int = sock.getsockopt(zmq.FD)
+        self._fd = cast(int, sock.getsockopt(zmq.FD))
         self._closed = False
         self._poll_scope: anyio.CancelScope | None = None  # set while a task waits on the fd
         self._changed: anyio.Event | None = None  # where the other waiters park
@@ -230,7 +230,7 @@ class ZmqChannel:
     def _events(self) -> int:
         """Read `zmq.EVENTS`, handing any readiness on to parked tasks (rule 3)."""
         try:
-            events: int = self._sock.getsockopt(zmq.EVENTS)
+            events = cast(int, self._sock.getsockopt(zmq.EVENTS))
         except zmq.ZMQError as exc:
             raise self._error(exc) from exc
         if (events & zmq.POLLIN and self._want_in) or (events & zmq.POLLOUT and self._want_out):

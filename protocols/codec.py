@@ -68,6 +68,9 @@ class Codec:
             if "truncated" in text:
                 raise TruncatedMessage(f"truncated message: {text}") from None
             raise InvalidMessage(f"undecodable message: {text}") from None
+        except RecursionError:
+            # Deep nesting, even inside an ignored field, hits msgspec's recursion guard.
+            raise InvalidMessage("message is nested too deeply") from None
 
 
 _default = Codec()

@@ -1,0 +1,22 @@
+"""Fixtures for the end-to-end tests that run real vLLM engines on the CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# engine_runner.py and tiny_model.py sit next to this file and are imported by
+# name, here and inside the engine processes.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from tiny_model import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A deterministic random bf16 Llama checkpoint, built once per session."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,71 @@
+"""A tiny random-weight Llama checkpoint for end-to-end tests on the CPU.
+
+No model can be downloaded in the test environment, so the tests build one
+locally. Greedy decoding of a random model is deterministic, which is all the
+tests need: they compare token ids between engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# Kept small so an engine starts in seconds on a CPU. head_dim = 128 / 4 = 32,
+# the smallest head size the CPU attention backend accepts.
+TINY_LLAMA = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+SEED = 1234
+_MARKER = ".tiny-llama-complete"
+
+
+def make_tiny_llama(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
+    """Write a deterministic random bf16 Llama to `dir` and return `dir`.
+
+    Idempotent: an existing complete checkpoint in `dir` is reused.
+    """
+    out = Path(dir)
+    marker = out / _MARKER
+    if marker.exists():
+        return out
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        **TINY_LLAMA,
+        dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    # A generation config that does not stop early; the tests pass
+    # ignore_eos anyway, this only keeps vLLM from looking elsewhere.
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    marker.write_text(json.dumps({"seed": seed, **TINY_LLAMA}))
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(make_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))

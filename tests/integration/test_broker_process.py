@@ -220,3 +220,40 @@ def test_refuses_incompatible_peer(broker: BrokerProcess) -> None:
         assert "dtype: float16 vs bfloat16" in err.detail  # type: ignore[attr-defined]
     finally:
         ctx.destroy(linger=0)
+
+
+def test_metrics_and_trace(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    broker = BrokerProcess(tmp_path, "--metrics-port", str(port))
+    broker.start()
+    try:
+        d = spawn_peer(broker.endpoint, "decode", "d0", "--count", "3")
+        assert json.loads(d.stdout.readline())["registered"]  # type: ignore[union-attr]
+        p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", "3")
+        assert finish(p)["released"] == 3 and finish(d)["done"] == 3
+
+        import urllib.request
+
+        def scraped() -> str | None:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            return body if "kvbroker_completed_total 3.0" in body else None
+
+        body = wait_until(scraped, 10, "metrics to show 3 completed transfers")
+        assert "kvbroker_peers" in body and "kvbroker_transfers_in_flight" in body
+
+        out = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "trace", "p0-1", str(broker.log_path)],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        events = [line.split()[2] for line in out.stdout.splitlines()]
+        assert events == ["transfer.offered", "transfer.done"]
+        missing = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "trace", "nope", str(broker.log_path)],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert missing.returncode != 0 and "no log line carries transfer_id nope" in missing.stderr
+    finally:
+        assert broker.stop() == 0

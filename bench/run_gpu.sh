@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The NCCL transport's GPU checks on one host with 2 GPUs: the gpu-marked tests, then the
+# end-to-end benchmark. Run from the project root with the wheels of `.whl/` present
+# (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu).
+#   bash bench/run_gpu.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site || exit
+OUT=${OUT:-/tmp/kvbroker-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KVB_TEST_OUT="$OUT"
+set -o pipefail
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m
+  python3 - <<'EOF'
+import datetime, torch, torch.distributed as dist
+print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())
+pg = dist.ProcessGroupNCCL
+print("pg api:", {n: hasattr(pg, n) for n in ("abort", "_shutdown", "_start_coalescing", "_end_coalescing",
+                                               "eager_connect_single_device", "bound_device_id")})
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+print("tcpstore port 0 ->", s.port)
+EOF
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+timeout 240 python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" 2>&1 | tee "$OUT/bench.log"
+echo "bench rc=$?"
+timeout 300 python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+echo "pytest rc=$?"

@@ -1,0 +1,286 @@
+"""The seed fix on two GPUs: staged KV survives reuse of P's blocks; the NCCL transport's
+timeouts abort and rebuild; and the staging layout round-trips.
+
+The two-GPU tests run P on cuda:0 and D on cuda:1 in spawned processes. Each P step
+runs heavy compute, writes the prompt's KV into its blocks, stages them, and at once
+overwrites the blocks as the next request would; D checks every received block against
+the prompt's KV, which both sides derive from one seed. The unsafe variants break the
+ordering on purpose and must be able to fail, or the safe run proves nothing.
+
+Set KVB_TEST_OUT to a directory to get each scenario's numbers as JSON there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from workers.gpu_staging import PagedKv, Stager, pipeline_bounds
+from workers.pool import BufferPool
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LAYERS, BLOCKS, BLOCK, HEADS, DIM = 4, 64, 16, 8, 128
+REQ_P = [3, 17, 18, 40, 41, 42, 9, 60]  # the request's blocks on P (the same every time)
+REQ_D = [50, 2, 33, 34, 7, 8, 61, 20]  # where D puts them
+
+
+def _cache(device: torch.device | str, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, BLOCKS, BLOCK, HEADS, DIM)
+    return [torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for _ in range(LAYERS)]
+
+
+def _prompt_kv(device: torch.device | str) -> torch.Tensor:
+    """The prompt's KV, ``[layers, 2, n, block, heads, dim]``, identical on P and D."""
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(LAYERS, 2, len(REQ_P), BLOCK, HEADS, DIM, generator=g).to(torch.bfloat16).to(device)
+
+
+# -- CPU: layout -----------------------------------------------------------------------
+
+
+def test_pipeline_bounds_cover_and_ramp() -> None:
+    mib = 1 << 20
+    assert pipeline_bounds(32, 2 * mib) == [32]
+    for n in (128, 512, 1000):
+        ends = pipeline_bounds(n, 2 * mib)
+        assert ends[-1] == n and ends == sorted(set(ends))
+        sizes = [b - a for a, b in zip([0] + ends, ends)]
+        assert sizes[0] == sizes[-1] == 16 and max(sizes) <= 2 * 128
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_gather_scatter_roundtrip_cpu(block_dim: int) -> None:
+    shape = (BLOCKS, 2, BLOCK, HEADS, DIM) if block_dim == 0 else (2, BLOCKS, BLOCK, HEADS, DIM)
+    src = [torch.randn(shape).to(torch.bfloat16) for _ in range(LAYERS)]
+    dst = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    p, d = PagedKv(src, block_dim=block_dim), PagedKv(dst, block_dim=block_dim)
+    stager = Stager(p, BufferPool(p.staged_block_nbytes * 16))
+    staged = stager.stage(REQ_P, bounds=[3, 8])
+    # Block-major: staged block i holds every layer of P's block REQ_P[i].
+    row = staged.words.view(len(REQ_P), LAYERS, -1)
+    want = src[2].select(block_dim, REQ_P[5]).reshape(-1).view(torch.int64)
+    assert torch.equal(row[5, 2], want)
+    d.scatter(d.block_ids(REQ_D), staged.words)
+    for s, t in zip(src, dst):
+        idx = (slice(None),) * block_dim
+        assert torch.equal(t[idx + (REQ_D,)], s[idx + (REQ_P,)])
+    staged.release()
+
+
+# -- one GPU: the Triton gather equals the per-layer one --------------------------------
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_triton_and_per_layer_gather_agree() -> None:
+    kv = _cache("cuda")
+    fast, slow = PagedKv(kv, use_triton=None), PagedKv(kv, use_triton=False)
+    ids = fast.block_ids(REQ_P)
+    a = torch.empty(len(REQ_P) * fast.staged_block_nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    fast.gather(ids, fast.staging_view(a, len(REQ_P)))
+    slow.gather(ids, slow.staging_view(b, len(REQ_P)))
+    assert torch.equal(a, b)
+    out = _cache("cuda", seed=7)
+    PagedKv(out).scatter(ids, fast.staging_view(a, len(REQ_P)))
+    for s, t in zip(kv, out):
+        assert torch.equal(s[:, REQ_P], t[:, REQ_P])
+    print(f"triton gather used: {fast.use_triton}")
+
+
+# -- two GPUs ---------------------------------------------------------------------------
+
+
+def _run_pair(target: Any, cfg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [
+        ctx.Process(target=target, args=("P", 0, p_to_d, d_to_p, results, cfg)),
+        ctx.Process(target=target, args=("D", 1, d_to_p, p_to_d, results, cfg)),
+    ]
+    for proc in procs:
+        proc.start()
+    out: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < 2 and time.monotonic() < deadline:
+            try:
+                role, res = results.get(timeout=1.0)
+                out[role] = res
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+    for role in ("P", "D"):
+        assert role in out, f"{role} gave no result (exit codes {[p.exitcode for p in procs]}); got {out}"
+        assert "error" not in out[role], f"{role} failed:\n{out[role]['error']}"
+    return out
+
+
+def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) -> tuple[Any, ...]:
+    from workers.transports.nccl import CommunicatorCache, NcclTransport, QueueRendezvous
+
+    torch.cuda.set_device(dev)
+    device = torch.device("cuda", dev)
+    rdv = QueueRendezvous(outbox, inbox, timeout_s=60.0)
+    cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4))
+    transport = NcclTransport(cache, unsafe_skip_event_wait=cfg.get("skip_event_wait", False))
+    return device, rdv, cache, transport
+
+
+def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    try:
+        device, _, _, transport = _setup(role, dev, outbox, inbox, cfg)
+        kv = _cache(device, seed=dev)
+        paged = PagedKv(kv)
+        prompt = _prompt_kv(device)
+        pool = BufferPool(paged.staged_block_nbytes * 16, device=device)
+        res: dict[str, Any] = {}
+        if role == "P":
+            stager = Stager(paged, pool)
+            ids = paged.block_ids(REQ_P)
+            a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            c = torch.empty_like(a)
+            side = torch.cuda.Stream(device)
+            for _ in range(cfg["iters"]):
+                for _ in range(cfg["matmuls"]):  # the model's earlier layers: keeps the stream busy
+                    torch.mm(a, a, out=c)
+                for layer in range(LAYERS):  # this step writes the prompt's KV into its blocks
+                    kv[layer].index_copy_(1, ids, prompt[layer])
+                if cfg.get("stage_on_side_stream"):
+                    with torch.cuda.stream(side):  # WRONG on purpose: not in compute-stream order
+                        staged = stager.stage(ids)
+                else:
+                    staged = stager.stage(ids)
+                for layer in range(LAYERS):  # the next step reuses the blocks at once
+                    kv[layer].index_fill_(1, ids, -7.0)
+                transport.send_staged("D", staged).wait(time.monotonic() + 30.0)
+                staged.tensor.fill_(0x55)  # another request reuses this staging memory
+                staged.release()
+                torch.cuda.current_stream().synchronize()
+        else:
+            ids = paged.block_ids(REQ_D)
+            nbytes = len(REQ_D) * paged.staged_block_nbytes
+            mismatches, bad_blocks = 0, 0
+            for _ in range(cfg["iters"]):
+                for layer in range(LAYERS):
+                    kv[layer].index_fill_(1, ids, 3.0)  # so a missing write cannot pass
+                lease = pool.acquire_nowait(nbytes)
+                transport.recv_staged("P", lease.tensor, paged, ids).wait(time.monotonic() + 30.0)
+                got = torch.stack([kv[layer][:, ids] for layer in range(LAYERS)])
+                if not torch.equal(got, prompt):
+                    mismatches += 1
+                    bad_blocks += int((got != prompt).flatten(3).any(-1).any(0).any(0).sum())
+                lease.release()
+            res = {"iters": cfg["iters"], "mismatches": mismatches, "bad_blocks": bad_blocks}
+        torch.cuda.synchronize()
+        transport.cache.close()
+        results.put((role, res))
+    except BaseException:
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+def _report(name: str, data: dict[str, Any]) -> None:
+    print(f"{name}: {json.dumps(data)}")
+    out = os.environ.get("KVB_TEST_OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gpu_tests.jsonl"), "a") as f:
+            f.write(json.dumps({"name": name, **data}) + "\n")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_repeated_prompt_survives_block_reuse() -> None:
+    """1,000 identical prompts, blocks overwritten right after staging: zero mismatches."""
+    res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6})["D"]
+    _report("safe", res)
+    assert res["mismatches"] == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_unsafe_variants_can_fail() -> None:
+    """Without the event wait, or with staging off the compute stream, corruption shows."""
+    skip = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "skip_event_wait": True})["D"]
+    _report("unsafe_skip_event_wait", skip)
+    side = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "stage_on_side_stream": True})["D"]
+    _report("unsafe_stage_on_side_stream", side)
+    assert skip["mismatches"] > 0 or side["mismatches"] > 0, "the race never showed: the safe test proves nothing"
+
+
+def _timeout_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    from protocols.errors import RecvTimeout
+
+    try:
+        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"capacity": 1})
+        mib = lambda: torch.cuda.mem_get_info(device)[0] / 2**20  # noqa: E731
+        x = torch.arange(1 << 20, device=device, dtype=torch.int32)
+        res: dict[str, Any] = {}
+        free0 = mib()
+        if role == "P":
+            cache.get("D", initiator=True)
+            rdv.receive("D", "test/aborted")  # D timed out and aborted its side
+            cache.discard("D")
+            transport.send_tensors("D", [x]).wait(time.monotonic() + 30.0)
+            transport.send_tensors("D2", [x * 2]).wait(time.monotonic() + 30.0)  # evicts "D"
+            res = {"stats": cache.statistics().__dict__}
+            cache.close()
+        else:
+            comm = cache.get("P", initiator=False)
+            res["comm_mem_mib"] = round(comm.mem_bytes / 2**20, 1)
+            y = torch.zeros_like(x)
+            t0 = time.monotonic()
+            try:
+                transport.recv_tensors("P", [y]).wait(time.monotonic() + 2.0)
+                res["timed_out"] = False
+            except RecvTimeout:
+                res["timed_out"] = True
+            res["timeout_after_s"] = round(time.monotonic() - t0, 2)
+            res["freed_by_abort_mib"] = round(mib() - (free0 - res["comm_mem_mib"]), 1)
+            rdv.publish("P", "test/aborted", b"1")
+            transport.recv_tensors("P", [y]).wait(time.monotonic() + 30.0)  # rebuilt communicator
+            res["rebuilt_ok"] = bool(torch.equal(y, x))
+            # P's second peer "D2" lives here too, with its own cache; P evicts "D" for it.
+            from workers.transports.nccl import CommunicatorCache, NcclTransport
+
+            other = NcclTransport(CommunicatorCache("D2", device, rdv, capacity=1))
+            other.recv_tensors("P", [y]).wait(time.monotonic() + 30.0)
+            res["second_comm_mem_mib"] = round(other.cache.get("P", initiator=False).mem_bytes / 2**20, 1)
+            res["evicted_ok"] = bool(torch.equal(y, x * 2))
+            res["stats"] = cache.statistics().__dict__
+            res["mem_in_use_mib"] = round(free0 - mib(), 1)
+            other.cache.close()
+            cache.close()
+        torch.cuda.synchronize()
+        results.put((role, res))
+    except BaseException:
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_timeout_aborts_then_rebuilds_and_evicts() -> None:
+    out = _run_pair(_timeout_worker, {}, timeout_s=120.0)
+    _report("timeout_abort_rebuild", {"P": out["P"], "D": out["D"]})
+    d = out["D"]
+    assert d["timed_out"] and d["timeout_after_s"] < 10
+    assert d["rebuilt_ok"] and d["evicted_ok"]
+    assert d["stats"]["aborted"] == 1
+    assert out["P"]["stats"]["evicted"] == 1 and out["P"]["stats"]["size"] == 1

@@ -1,0 +1,412 @@
+"""Staging a request's KV blocks on the prefill GPU, and scattering them on the decode GPU.
+
+Theory of operation
+-------------------
+The seed bug: KV was read out of P's paged cache later, from another thread, with no
+ordering against the compute stream. By then vLLM had freed the blocks and the next
+step had written other KV into them, so a repeated identical prompt (same block ids)
+sent garbage. The fix, and the one rule of this module:
+
+    the gather is enqueued on the *current* (compute) stream, before `stage()` or
+    `gather_layer()` returns, and a CUDA event is recorded right after it.
+
+Stream order then guarantees the gather reads the blocks as they were when the call
+was made, whatever later kernels on that stream write. The transport's own stream
+waits on the event before it posts the send (`workers.transports.nccl`), so the send
+never reads a half-written staging buffer. P's blocks can be freed as soon as the call
+returns; the staging lease lives until D confirms.
+
+Layout
+------
+Staging is block-major, as `protocols.messages.Layout` says: request block ``i``
+holds every layer of that block, ``block_nbytes`` bytes per layer. Each layer's paged
+cache is viewed as ``[pre, num_blocks, row]`` where ``pre`` is the product of the dims
+before the block dim (2 for vLLM's ``[2, num_blocks, ...]`` FlashAttention layout, 1
+for FlashInfer's ``[num_blocks, 2, ...]`` and for MLA's 3-D cache). So the staging
+tensor is ``[n, num_layers, pre, row]``: skipping D's first k cached blocks is a byte
+offset, and any block range is contiguous, which is what lets the transport pipeline a
+transfer in block chunks. Rows are copied as 8-byte words when they allow it.
+
+Two gathers fill that layout: one `index_select` per layer (what `save_kv_layer` does,
+one layer at a time) and, on CUDA with Triton, one kernel for all layers of a block
+range (what `stage()` uses, so a chunk costs one launch, not `num_layers`).
+
+Spill
+-----
+When the GPU staging pool has no room, the transfer is staged in a pinned CPU pool:
+`stage()` gathers each chunk into a short-lived GPU scratch tensor and copies it to
+pinned memory asynchronously, still in compute-stream order. `gather_layer()` into a
+spilled transfer copies synchronously (torch cannot do a strided device-to-pinned copy
+asynchronously); it is correct but slow, and meant to be rare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+
+from protocols.messages import Layout
+from workers.pool import BufferPool, Lease, PoolError
+
+try:  # Triton is optional: the per-layer path needs only torch.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the host
+    triton = None
+
+__all__ = ["PagedKv", "StagedTransfer", "Stager", "pipeline_bounds"]
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _word_dtype(row_nbytes: int) -> torch.dtype:
+    """The widest integer dtype that divides a row: fewer, wider element copies."""
+    for dtype in _WORDS:
+        if row_nbytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8  # pragma: no cover - uint8 always divides
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_rows_kernel(
+        layer_ptrs,
+        block_ids,
+        staging,
+        num_cache_blocks,
+        ROW: tl.constexpr,
+        NUM_LAYERS: tl.constexpr,
+        PRE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TO_STAGING: tl.constexpr,
+    ):
+        # One program copies one (block, layer, pre) row of ROW words.
+        i = tl.program_id(0).to(tl.int64)
+        layer = tl.program_id(1)
+        p = tl.program_id(2).to(tl.int64)
+        base = tl.load(layer_ptrs + layer).to(tl.pointer_type(staging.dtype.element_ty))
+        blk = tl.load(block_ids + i).to(tl.int64)
+        cache_row = base + (p * num_cache_blocks + blk) * ROW
+        stage_row = staging + ((i * NUM_LAYERS + layer) * PRE + p) * ROW
+        for start in tl.range(0, ROW, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < ROW
+            if TO_STAGING:
+                tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
+            else:
+                tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
+
+
+class PagedKv:
+    """Word views of one worker's paged KV cache, made once at `register_kv_caches`.
+
+    Args:
+        kv_caches: one tensor per layer, all the same shape, dtype and device, contiguous.
+        block_dim: the index of the num_blocks dim in each layer's shape (1 for
+            ``[2, num_blocks, ...]``, 0 for ``[num_blocks, ...]``).
+        use_triton: None picks Triton on CUDA when it is installed.
+
+    Raises:
+        ValueError: the layers disagree, or are not contiguous.
+    """
+
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor], *, block_dim: int = 1, use_triton: bool | None = None
+    ) -> None:
+        if not kv_caches:
+            raise ValueError("PagedKv needs at least one layer.")
+        first = kv_caches[0]
+        for i, t in enumerate(kv_caches):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(
+                    f"layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}, but layer 0 is "
+                    f"{tuple(first.shape)} {first.dtype} on {first.device}; all layers must match."
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"layer {i} is not contiguous; the KV cache must be one dense tensor per layer.")
+        self.device = first.device
+        self.num_layers = len(kv_caches)
+        self.pre = prod(first.shape[:block_dim])
+        self.num_blocks = first.shape[block_dim]
+        self.row_nbytes = prod(first.shape[block_dim + 1 :]) * first.element_size()
+        self.word = _word_dtype(self.row_nbytes)
+        self.row_words = self.row_nbytes // self.word.itemsize
+        self.rows = [
+            t.view(self.pre, self.num_blocks, -1).view(torch.uint8).view(self.word) for t in kv_caches
+        ]
+        on_cuda = self.device.type == "cuda"
+        self.use_triton = (triton is not None and on_cuda) if use_triton is None else use_triton
+        self._layer_ptrs = (
+            torch.tensor([r.data_ptr() for r in self.rows], dtype=torch.int64, device=self.device)
+            if self.use_triton
+            else None
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer (all `pre` rows)."""
+        return self.pre * self.row_nbytes
+
+    @property
+    def staged_block_nbytes(self) -> int:
+        """Bytes of one staged block: every layer of it."""
+        return self.num_layers * self.block_nbytes
+
+    def staging_view(self, buf: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """View `num_blocks` staged blocks of a uint8 buffer as ``[n, layers, pre, row]`` words."""
+        need = num_blocks * self.staged_block_nbytes
+        return buf[:need].view(self.word).view(num_blocks, self.num_layers, self.pre, self.row_words)
+
+    def block_ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Block ids as an int64 tensor on the cache's device (one small copy)."""
+        t = torch.as_tensor(ids, dtype=torch.int64)
+        # Only host ids are checked: checking device ids would synchronize the stream.
+        if t.device.type == "cpu" and t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_blocks):
+            raise ValueError(f"block ids must lie in [0, {self.num_blocks}); got {t.tolist()[:8]}...")
+        return t.to(self.device, non_blocking=True)
+
+    # -- copies; all run on the current stream ---------------------------------------
+
+    def gather_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy one layer's blocks `ids` into `staged` (``[n, layers, pre, row]``), one kernel."""
+        out = staged[:, layer].permute(1, 0, 2)
+        torch.index_select(self.rows[layer], 1, ids, out=out)
+
+    def scatter_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy one layer of `staged` into the blocks `ids`, one kernel."""
+        self.rows[layer].index_copy_(1, ids, staged[:, layer].permute(1, 0, 2))
+
+    def gather(self, ids: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy every layer of the blocks `ids` into `staged`: one kernel with Triton."""
+        if self.use_triton and ids.numel():
+            self._triton(ids, staged, to_staging=True)
+            return
+        for layer in range(self.num_layers):
+            self.gather_layer(layer, ids, staged)
+
+    def scatter(self, ids: torch.Tensor, staged: torch.Tensor) -> None:
+        """Copy every layer of `staged` into the blocks `ids`: one kernel with Triton."""
+        if self.use_triton and ids.numel():
+            self._triton(ids, staged, to_staging=False)
+            return
+        for layer in range(self.num_layers):
+            self.scatter_layer(layer, ids, staged)
+
+    def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool) -> None:
+        assert staged.is_contiguous() and staged.shape[0] == ids.numel()
+        block = min(triton.next_power_of_2(self.row_words), 4096)
+        grid = (ids.numel(), self.num_layers, self.pre)
+        _copy_rows_kernel[grid](
+            self._layer_ptrs,
+            ids,
+            staged,
+            self.num_blocks,
+            ROW=self.row_words,
+            NUM_LAYERS=self.num_layers,
+            PRE=self.pre,
+            BLOCK=block,
+            TO_STAGING=to_staging,
+            num_warps=8,
+        )
+
+
+def pipeline_bounds(
+    num_blocks: int, block_nbytes: int, *, edge_nbytes: int = 32 << 20, cap_nbytes: int = 256 << 20
+) -> list[int]:
+    """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
+
+    Chunks start small, double up to `cap_nbytes` and shrink again at the tail, so the
+    gather before the first send and the scatter after the last receive are short,
+    while the middle sends are large enough to run at full NCCL bandwidth. A transfer
+    of at most four edge chunks goes in one piece.
+    """
+    edge = max(1, edge_nbytes // max(1, block_nbytes))
+    cap = max(edge, cap_nbytes // max(1, block_nbytes))
+    if num_blocks <= 4 * edge:
+        return [num_blocks] if num_blocks else []
+    front: list[int] = []
+    size, rem = edge, num_blocks
+    while rem > 2 * size:
+        front.append(size)
+        rem -= 2 * size
+        size = min(2 * size, cap)
+    sizes = front + [rem] + front[::-1]
+    ends, acc = [], 0
+    for s in sizes:
+        acc += s
+        ends.append(acc)
+    return ends
+
+
+@dataclass
+class StagedTransfer:
+    """One request's KV, staged block-major and safe from reuse of P's blocks.
+
+    `ready` lists ``(end_block, event)`` in order: blocks below `end_block` are staged
+    once `event` completes (event None: already complete, e.g. on the CPU). The lease
+    is held until `release()`, which the owner calls when D reports Done.
+    """
+
+    paged: PagedKv
+    lease: Lease
+    num_blocks: int
+    on_gpu: bool
+    ids: torch.Tensor
+    ready: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
+    _layers_done: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.paged.staged_block_nbytes
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The staged bytes, uint8, exactly `nbytes` long."""
+        return self.lease.tensor[: self.nbytes]
+
+    @property
+    def words(self) -> torch.Tensor:
+        return self.paged.staging_view(self.lease.tensor, self.num_blocks)
+
+    def layout(self, kind: str = "kv") -> Layout:
+        return Layout(
+            kind=kind,
+            dtype=str(self.paged.word).removeprefix("torch."),
+            num_layers=self.paged.num_layers,
+            num_blocks=self.num_blocks,
+            block_nbytes=self.paged.block_nbytes,
+        )
+
+    def event_for(self, end_block: int) -> torch.cuda.Event | None:
+        """The event after which blocks below `end_block` are staged.
+
+        Raises:
+            RuntimeError: staging has not been enqueued that far yet.
+        """
+        for end, event in self.ready:
+            if end >= end_block:
+                return event
+        raise RuntimeError(
+            f"blocks below {end_block} are not staged yet (staged up to "
+            f"{self.ready[-1][0] if self.ready else 0}); stage every layer before sending."
+        )
+
+    def release(self) -> None:
+        if not self.lease.released:
+            self.lease.release()
+
+
+class Stager:
+    """Stages requests out of one `PagedKv` into a GPU pool, spilling to a pinned pool.
+
+    Args:
+        paged: P's cache views.
+        gpu_pool: staging pool on P's GPU (None: spill everything).
+        spill_pool: pinned CPU pool used when the GPU pool has no room (None: no spill).
+    """
+
+    def __init__(self, paged: PagedKv, gpu_pool: BufferPool | None, spill_pool: BufferPool | None = None) -> None:
+        self.paged = paged
+        self.gpu_pool = gpu_pool
+        self.spill_pool = spill_pool
+
+    def begin(self, block_ids: Sequence[int] | torch.Tensor) -> StagedTransfer:
+        """Reserve staging room for a request's blocks; nothing is copied yet.
+
+        Raises:
+            PoolError: neither pool has room (`PoolExhausted`) or can ever hold it.
+        """
+        ids = self.paged.block_ids(block_ids)
+        nbytes = ids.numel() * self.paged.staged_block_nbytes
+        errors: list[str] = []
+        for pool, on_gpu in ((self.gpu_pool, True), (self.spill_pool, False)):
+            if pool is None:
+                continue
+            try:
+                lease = pool.acquire_nowait(nbytes)
+            except PoolError as exc:
+                errors.append(str(exc))
+                continue
+            return StagedTransfer(self.paged, lease, ids.numel(), on_gpu and pool.tensor.is_cuda, ids)
+        raise PoolError("no staging room for %d B: %s" % (nbytes, " / ".join(errors) or "no pool configured"))
+
+    def gather_layer(self, staged: StagedTransfer, layer: int) -> None:
+        """Gather one layer of `staged`'s blocks now, on the current stream (`save_kv_layer`).
+
+        After the last layer an event is recorded and the whole transfer becomes ready.
+        """
+        if staged.on_gpu or not self.paged.device.type == "cuda":
+            self.paged.gather_layer(layer, staged.ids, staged.words)
+        else:
+            scratch = torch.empty(
+                (staged.num_blocks, self.paged.pre, self.paged.row_words),
+                dtype=self.paged.word,
+                device=self.paged.device,
+            )
+            torch.index_select(self.paged.rows[layer], 1, staged.ids, out=scratch.permute(1, 0, 2))
+            staged.words[:, layer].copy_(scratch)  # synchronous: see "Spill" above
+        staged._layers_done += 1
+        if staged._layers_done == self.paged.num_layers:
+            staged.ready.append((staged.num_blocks, _record(self.paged.device)))
+
+    def gather_chunk(self, staged: StagedTransfer, end_block: int) -> None:
+        """Gather every layer of the next blocks, up to `end_block`, on the current stream.
+
+        Records that chunk's event, so a transport may send it while the next chunk
+        is gathered: use this to interleave gathers and sends when the gather is on the
+        critical path; `stage()` does all chunks at once.
+
+        Raises:
+            ValueError: `end_block` does not lie beyond the blocks staged so far.
+        """
+        start = staged.ready[-1][0] if staged.ready else 0
+        if not start < end_block <= staged.num_blocks:
+            raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
+        ids, words = staged.ids[start:end_block], staged.words[start:end_block]
+        if staged.on_gpu or self.paged.device.type != "cuda":
+            self.paged.gather(ids, words)
+        else:  # spilled: via a scratch tensor freed in stream order on this same stream
+            scratch = torch.empty_like(words, device=self.paged.device)
+            self.paged.gather(ids, scratch)
+            words.copy_(scratch, non_blocking=True)
+        staged.ready.append((end_block, _record(self.paged.device)))
+        if end_block == staged.num_blocks:
+            staged._layers_done = self.paged.num_layers
+
+    def stage(
+        self, block_ids: Sequence[int] | torch.Tensor, *, bounds: Sequence[int] | None = None
+    ) -> StagedTransfer:
+        """Reserve room and gather every layer of the blocks, on the current stream.
+
+        Args:
+            block_ids: the request's blocks in P's cache, in request order.
+            bounds: chunk ends in blocks (see `pipeline_bounds`); one event per chunk,
+                so a transport can send chunk k while chunk k+1 is still gathered.
+
+        Returns:
+            The staged transfer. Its copies are enqueued; P's blocks may be reused now.
+        """
+        staged = self.begin(block_ids)
+        try:
+            ends = list(bounds) if bounds else [staged.num_blocks]
+            if ends and ends[-1] != staged.num_blocks:
+                raise ValueError(f"chunk bounds must end at {staged.num_blocks}, not {ends[-1]}.")
+            for end in ends:
+                self.gather_chunk(staged, end)
+        except BaseException:
+            staged.release()
+            raise
+        return staged
+
+
+def _record(device: torch.device) -> torch.cuda.Event | None:
+    """Record an event on the current stream of `device`; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

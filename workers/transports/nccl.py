@@ -1,0 +1,572 @@
+"""The GPU transport: 2-party NCCL communicators, cached, capped, aborted on timeout.
+
+Theory of operation
+-------------------
+Each (local worker, remote worker) pair gets its own 2-rank `ProcessGroupNCCL`, built on
+a `TCPStore` without `init_process_group`: vLLM owns the global group.
+
+* Rendezvous. The initiator (the sender, P) starts a `TCPStore` on a free port and
+  publishes ``{"host", "port", "nonce"}`` through an injected `Rendezvous` (the
+  broker's `Relay` in production, queues in tests). Both sides build the group on a
+  `PrefixStore` named by the nonce (initiator = rank 0), connect it eagerly, and
+  exchange one small message each way: NCCL sets up point-to-point channels inside the
+  first group that uses them, blocking the posting thread until the peer posts too, so
+  without it a receive posted ahead of its send would hang its caller. After it,
+  posting never blocks.
+* One communicator per pair. Every op is posted in a coalescing group, even a lone
+  send: torch keys a lone point-to-point op to a second, lazily built communicator.
+* Cache. `CommunicatorCache` keeps at most `capacity` (one measured ~300 MiB of GPU
+  memory on an H200, torch 2.11, NCCL 2.28) and evicts the least recently used *idle*
+  one; busy ones are never evicted (`CommunicatorLimit` when all are). Evicted and
+  failed communicators are aborted, which frees their memory.
+* Ordering. A send of staged KV is posted on the transport's stream only after
+  ``stream.wait_event(staged_event)``; the group's NCCL stream waits on that stream at
+  posting, so the send cannot read staging before the gather that fills it.
+* Deadlines. Ops return a `Completion` (a CUDA event after the NCCL work) whose
+  `wait(deadline)` polls; past the deadline it aborts the communicator (a stuck NCCL
+  kernel then returns), drops it from the cache and raises `SendTimeout`/`RecvTimeout`.
+  The next use rebuilds it. The group's watchdog timeout is set far above any transfer
+  deadline, so the watchdog (whose default reaction kills the process) never fires first.
+* Rebuilds and eviction are one-sided, so an acceptor checks `Rendezvous.poll` on each
+  use and replaces its communicator when the initiator published a newer nonce. If the
+  initiator sends before the acceptor saw it, that transfer misses its deadline on both
+  sides and both rebuild; no bytes land in the wrong buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import structlog
+import torch
+
+from protocols.errors import KvBrokerError, RecvTimeout, SendTimeout
+from workers.gpu_staging import PagedKv, StagedTransfer
+
+__all__ = [
+    "CacheStats", "CommunicatorCache", "CommunicatorLimit", "Completion", "NcclCommunicator",
+    "NcclTransport", "QueueRendezvous", "Rendezvous", "RendezvousError",
+]
+
+log = structlog.get_logger()
+
+
+class CommunicatorLimit(KvBrokerError):
+    """Every cached communicator is busy and the cache is full."""
+
+
+class RendezvousError(KvBrokerError):
+    """The peer's rendezvous data did not arrive, or could not be used."""
+
+
+class Rendezvous(Protocol):
+    """Carries a small payload from the initiator to one acceptor (the broker's `Relay`).
+
+    `receive` blocks until a payload for `key` arrives and raises `RendezvousError`
+    past its own deadline; `poll` returns the newest unread payload or None at once.
+    """
+
+    def publish(self, peer: str, key: str, payload: bytes) -> None: ...
+
+    def receive(self, peer: str, key: str) -> bytes: ...
+
+    def poll(self, peer: str, key: str) -> bytes | None: ...
+
+
+class QueueRendezvous:
+    """A `Rendezvous` over `multiprocessing` queues, for tests and benchmarks on one host.
+
+    Args:
+        outbox: where this side's published payloads go, as ``(key, payload)``.
+        inbox: where the other side's arrive.
+        timeout_s: how long `receive` waits.
+    """
+
+    def __init__(self, outbox: Any, inbox: Any, *, timeout_s: float = 60.0) -> None:
+        self._out, self._in, self._timeout_s = outbox, inbox, timeout_s
+        self._unread: dict[str, bytes] = {}
+
+    def publish(self, peer: str, key: str, payload: bytes) -> None:
+        self._out.put((key, payload))
+
+    def _drain(self, block_until: float | None) -> None:
+        while True:
+            try:
+                if block_until is None:
+                    key, payload = self._in.get_nowait()
+                else:
+                    key, payload = self._in.get(timeout=max(0.0, block_until - time.monotonic()))
+            except queue.Empty:
+                return
+            self._unread[key] = payload
+            block_until = None
+
+    def receive(self, peer: str, key: str) -> bytes:
+        deadline = time.monotonic() + self._timeout_s
+        while key not in self._unread:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"no rendezvous data under {key!r} from {peer} in {self._timeout_s} s.")
+            self._drain(deadline)
+        self._drain(None)  # take the newest, if several generations queued up
+        return self._unread.pop(key)
+
+    def poll(self, peer: str, key: str) -> bytes | None:
+        self._drain(None)
+        return self._unread.pop(key, None)
+
+
+class Completion:
+    """A CUDA event after one or more NCCL ops. A missed deadline aborts the
+    communicator and raises `SendTimeout`/`RecvTimeout`: the bytes are then lost."""
+
+    def __init__(
+        self, comm: NcclCommunicator, event: torch.cuda.Event, op: Literal["send", "recv"], transfer_id: str,
+        keep: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self.comm, self.event, self.op, self.transfer_id = comm, event, op, transfer_id
+        self._keep = list(keep)  # bounce buffers must outlive the op
+
+    def done(self) -> bool:
+        """True once the op finished on the GPU; never blocks."""
+        return self.event.query()
+
+    def wait(self, deadline: float, *, spin_s: float = 0.002) -> None:
+        """Block until done or `deadline` (a `time.monotonic()` value) passes.
+
+        Spins for `spin_s` (transfers often end within it), then sleeps in short steps.
+
+        Raises:
+            SendTimeout, RecvTimeout: the deadline passed; the communicator is aborted.
+        """
+        start = time.monotonic()
+        pause = 0.0
+        while not self.event.query():
+            now = time.monotonic()
+            if now >= deadline:
+                self.comm.fail(f"{self.op} missed its deadline")
+                exc = SendTimeout if self.op == "send" else RecvTimeout
+                raise exc(self.transfer_id or "-", f"NCCL {self.op} with {self.comm.peer} timed out")
+            if now - start > spin_s:
+                pause = min(max(pause * 2, 5e-5), 1e-3)
+            time.sleep(pause)
+        self._keep.clear()
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    size: int
+    capacity: int
+    created: int
+    evicted: int
+    aborted: int
+
+
+class NcclCommunicator:
+    """One 2-rank NCCL process group with one peer; built by `CommunicatorCache`."""
+
+    def __init__(
+        self, *, peer: str, rank: int, device: torch.device, pg: Any, store: Any, nonce: str,
+        cache: CommunicatorCache | None, mem_bytes: int,
+    ) -> None:
+        self.peer, self.rank, self.peer_rank, self.device = peer, rank, 1 - rank, device
+        self.pg, self.nonce, self.mem_bytes = pg, nonce, mem_bytes
+        self._store = store  # the store's server must live as long as the group
+        self._cache = cache
+        self._pending: list[Completion] = []
+        self.broken = self.closed = False
+
+    def idle(self) -> bool:
+        """No op of this communicator is still running."""
+        self._pending = [c for c in self._pending if not c.done()]
+        return not self._pending
+
+    def post(
+        self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
+        after: Sequence[torch.cuda.Event | None] = (),
+    ) -> Any:
+        """Post `ops` as one NCCL group once `stream` has waited for `after`; returns the work.
+
+        The group's NCCL stream waits on `stream` now: later work on `stream` cannot
+        delay it, earlier work cannot be overtaken.
+
+        Raises:
+            RuntimeError: closed, or torch refused the ops (then it is aborted).
+        """
+        if self.closed:
+            raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+            try:
+                self.pg._start_coalescing()
+                try:
+                    for op, tensor in ops:
+                        fn = self.pg.send if op == "send" else self.pg.recv
+                        fn([tensor], self.peer_rank, 0)
+                finally:
+                    work = self.pg._end_coalescing()
+            except BaseException:
+                self.fail("posting an op failed")
+                raise
+        return work
+
+    def completion(
+        self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
+        keep: Sequence[torch.Tensor] = (),
+    ) -> Completion:
+        """Make `stream` wait for `works` (no host block) and return an event after them."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for work in works:
+                if work is not None:
+                    work.wait()
+            event = torch.cuda.Event()
+            event.record(stream)
+        done = Completion(self, event, op, transfer_id, keep)
+        self._pending.append(done)
+        return done
+
+    def fail(self, reason: str) -> None:
+        """Abort after an error or a timeout and drop out of the cache."""
+        if self.closed:
+            return
+        self.broken = True
+        log.warning("nccl.abort", peer=self.peer, nonce=self.nonce, reason=reason)
+        if self._cache is not None:
+            self._cache._forget(self)
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the NCCL communicator, freeing its memory; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            try:
+                self.pg.abort()
+            except TypeError:  # torch versions whose abort() takes a reason
+                self.pg.abort(None)
+        except Exception as exc:  # abort is best effort; the object is dropped anyway
+            log.warning("nccl.abort_failed", peer=self.peer, error=repr(exc))
+        self.pg = None
+        self._store = None
+        self._pending.clear()
+
+
+class CommunicatorCache:
+    """At most `capacity` live communicators of one local worker, LRU-evicted when idle.
+
+    Args:
+        local_id: this worker's id, as peers and the rendezvous know it.
+        device: this worker's GPU.
+        rendezvous: carries the store address to the acceptor.
+        capacity: communicators kept at once.
+        advertise_host: the address acceptors reach this host's stores at.
+        connect_timeout_s: how long building a communicator may take (store waits).
+        watchdog_timeout_s: the process group's own timeout; keep it well above every
+            transfer deadline (see the module docstring).
+    """
+
+    def __init__(
+        self, local_id: str, device: torch.device | str, rendezvous: Rendezvous, *, capacity: int = 8,
+        advertise_host: str = "127.0.0.1", connect_timeout_s: float = 60.0, watchdog_timeout_s: float = 600.0,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, not {capacity}.")
+        self.local_id, self.device, self.rendezvous = local_id, torch.device(device), rendezvous
+        self.capacity, self.advertise_host = capacity, advertise_host
+        self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
+        self._comms: OrderedDict[str, NcclCommunicator] = OrderedDict()
+        self._lock = threading.Lock()
+        self._created = self._evicted = self._aborted = 0
+
+    @staticmethod
+    def key(initiator: str, acceptor: str) -> str:
+        return f"nccl/{initiator}>{acceptor}"
+
+    def get(self, peer: str, *, initiator: bool) -> NcclCommunicator:
+        """The communicator with `peer`, built through the rendezvous if needed.
+
+        Args:
+            initiator: True on the side that creates the store (the sender).
+
+        Raises:
+            RendezvousError: the peer's address did not arrive in time or was invalid.
+            CommunicatorLimit: the cache is full of busy communicators.
+            RuntimeError: torch could not build the process group (peer gone, ...).
+        """
+        payload = None
+        with self._lock:
+            comm = self._comms.get(peer)
+            if comm is not None and not initiator:
+                payload = self.rendezvous.poll(peer, self.key(peer, self.local_id))
+                if payload is not None and _parse(payload)["nonce"] == comm.nonce:
+                    payload = None
+                if payload is not None:  # the initiator rebuilt: ours is stale
+                    self._comms.pop(peer)
+                    self._aborted += 1
+                    comm.abort()
+                    comm = None
+            if comm is not None:
+                self._comms.move_to_end(peer)
+                return comm
+            if len(self._comms) >= self.capacity and not any(c.idle() for c in self._comms.values()):
+                raise CommunicatorLimit(
+                    f"all {len(self._comms)} NCCL communicators are busy (capacity {self.capacity}); "
+                    "raise the communicator capacity or wait for transfers to finish."
+                )
+        comm = self._connect(peer, initiator, payload)
+        with self._lock:
+            old = self._comms.pop(peer, None)
+            self._comms[peer] = comm
+            self._created += 1
+            victims = self._evict_locked()
+        for victim in ([old] if old is not None else []) + victims:
+            victim.abort()
+        return comm
+
+    def discard(self, peer: str) -> None:
+        """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted)."""
+        with self._lock:
+            comm = self._comms.pop(peer, None)
+            if comm is not None:
+                self._aborted += 1
+        if comm is not None:
+            comm.abort()
+
+    def statistics(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(len(self._comms), self.capacity, self._created, self._evicted, self._aborted)
+
+    def close(self) -> None:
+        """Abort every communicator; the cache stays usable."""
+        with self._lock:
+            comms = list(self._comms.values())
+            self._comms.clear()
+        for comm in comms:
+            comm.abort()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _forget(self, comm: NcclCommunicator) -> None:
+        with self._lock:
+            if self._comms.get(comm.peer) is comm:
+                del self._comms[comm.peer]
+                self._aborted += 1
+
+    def _evict_locked(self) -> list[NcclCommunicator]:
+        victims: list[NcclCommunicator] = []
+        while len(self._comms) > self.capacity:
+            idle = next((p for p, c in self._comms.items() if c.idle()), None)
+            if idle is None:  # all became busy while we connected: over capacity until one idles
+                log.warning("nccl.over_capacity", size=len(self._comms), capacity=self.capacity)
+                break
+            victims.append(self._comms.pop(idle))
+            self._evicted += 1
+        return victims
+
+    def _connect(self, peer: str, initiator: bool, payload: bytes | None) -> NcclCommunicator:
+        from torch.distributed import PrefixStore, TCPStore
+
+        timeout = timedelta(seconds=self.connect_timeout_s)
+        if initiator:
+            store = _master_store(self.advertise_host, timeout)
+            nonce = secrets.token_hex(8)
+            self.rendezvous.publish(
+                peer, self.key(self.local_id, peer),
+                json.dumps({"v": 1, "host": self.advertise_host, "port": store.port, "nonce": nonce}).encode(),
+            )
+            # ncclCommInitRank has no deadline, so only start it once the peer is there.
+            try:
+                store.wait([f"kvbroker/{nonce}/joined"], timeout)
+            except Exception as exc:  # DistStoreError / RuntimeError, by torch version
+                raise RendezvousError(f"{peer} did not join NCCL rendezvous {nonce} in time: {exc}") from exc
+        else:
+            key = self.key(peer, self.local_id)
+            info = _parse(payload if payload is not None else self.rendezvous.receive(peer, key))
+            try:
+                store = TCPStore(info["host"], info["port"], is_master=False, timeout=timeout)
+            except Exception as exc:
+                raise RendezvousError(f"cannot reach {peer}'s store at {info['host']}:{info['port']}: {exc}") from exc
+            nonce = info["nonce"]
+            store.set(f"kvbroker/{nonce}/joined", b"1")
+        rank = 0 if initiator else 1
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pg = _new_group(PrefixStore(f"kvbroker/{nonce}/pg", store), rank, self.device, self.watchdog_timeout_s)
+        mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, mem_mib=round(mem / 2**20, 1))
+        return NcclCommunicator(
+            peer=peer, rank=rank, device=self.device, pg=pg, store=store, nonce=nonce, cache=self, mem_bytes=mem
+        )
+
+
+def _master_store(host: str, timeout: timedelta) -> Any:
+    """A TCPStore server on a free port (port 0 where torch supports it)."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        if store.port:
+            return store
+    except (RuntimeError, ValueError):
+        pass
+    with socket.socket() as s:  # older stores: pick a port, accepting a small race
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def _parse(payload: bytes) -> dict[str, Any]:
+    try:
+        info = json.loads(payload)
+        if info.get("v") != 1 or not isinstance(info["port"], int) or not isinstance(info["nonce"], str):
+            raise ValueError("bad fields")
+        return {"host": str(info["host"]), "port": info["port"], "nonce": info["nonce"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousError(f"unusable NCCL rendezvous payload ({exc}): {payload[:120]!r}") from exc
+
+
+def _new_group(store: Any, rank: int, device: torch.device, watchdog_timeout_s: float) -> Any:
+    """A 2-rank ProcessGroupNCCL on `store`, connected now rather than at the first op."""
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=watchdog_timeout_s)
+    pg = ProcessGroupNCCL(store, rank, 2, opts)
+    try:
+        pg.bound_device_id = device
+    except (AttributeError, RuntimeError):  # older torch: eager connect alone suffices
+        pass
+    with torch.cuda.device(device):
+        pg.eager_connect_single_device(device)
+        # NCCL connects point-to-point channels lazily, inside the first group that uses
+        # them, and that blocks until the peer posts its side. A receive posted long
+        # before its send (normal for D) would then block its thread, deadline or not.
+        # One small exchange each way, while both sides are here, connects them now.
+        buf = torch.zeros(2, 1 << 20, dtype=torch.uint8, device=device)
+        pg._start_coalescing()
+        pg.send([buf[0]], 1 - rank, 0)
+        pg.recv([buf[1]], 1 - rank, 0)
+        pg._end_coalescing().wait()
+        torch.cuda.current_stream(device).synchronize()
+    return pg
+
+
+class NcclTransport:
+    """Moves bytes and staged KV between GPUs over cached NCCL communicators.
+
+    Args:
+        cache: the communicators of this worker.
+        unsafe_skip_event_wait: TEST ONLY. Post sends without waiting for the staging
+            event, to show that the race this transport prevents is real.
+    """
+
+    def __init__(self, cache: CommunicatorCache, *, unsafe_skip_event_wait: bool = False) -> None:
+        self.cache = cache
+        self.device = cache.device
+        self.stream = torch.cuda.Stream(self.device)
+        self.scatter_stream = torch.cuda.Stream(self.device)
+        self.unsafe_skip_event_wait = unsafe_skip_event_wait
+
+    # -- raw tensors -----------------------------------------------------------------
+
+    def send_tensors(
+        self, peer: str, tensors: Sequence[torch.Tensor], *,
+        after: Sequence[torch.cuda.Event | None] | None = None, transfer_id: str = "",
+    ) -> Completion:
+        """Send `tensors` to `peer` as one NCCL group (one step's sends).
+
+        The send waits for the events `after`, or by default for everything enqueued
+        on the current stream so far (what produced the tensors).
+        """
+        comm = self.cache.get(peer, initiator=True)
+        wait = () if self.unsafe_skip_event_wait else (_now(self.device) if after is None else after)
+        work = comm.post([("send", t) for t in tensors], self.stream, wait)
+        return comm.completion([work], self.stream, "send", transfer_id)
+
+    def recv_tensors(self, peer: str, tensors: Sequence[torch.Tensor], *, transfer_id: str = "") -> Completion:
+        """Receive into `tensors` from `peer` as one NCCL group, after the current stream's work."""
+        comm = self.cache.get(peer, initiator=False)
+        work = comm.post([("recv", t) for t in tensors], self.stream, _now(self.device))
+        return comm.completion([work], self.stream, "recv", transfer_id)
+
+    # -- staged KV -------------------------------------------------------------------
+
+    def send_staged(
+        self, peer: str, staged: StagedTransfer, *, first_block: int = 0, last_block: int | None = None,
+        bounds: Sequence[int] | None = None, transfer_id: str = "",
+    ) -> Completion:
+        """Send blocks ``[first_block, last_block)`` of a staged transfer, one NCCL op per chunk.
+
+        Chunk k is posted after the staging event that covers it, so chunk k can be on
+        the wire while chunk k+1 is still being gathered. `bounds` (chunk ends in
+        blocks, relative to `first_block`) must match the receiver's. Call it once per
+        chunk, right after `Stager.gather_chunk`, to interleave gathers and sends.
+        """
+        comm = self.cache.get(peer, initiator=True)
+        step = staged.paged.staged_block_nbytes
+        data, keep, works = staged.tensor, [], []
+        last = staged.num_blocks if last_block is None else last_block
+        for b0, b1 in _ranges(last - first_block, bounds):
+            b0, b1 = b0 + first_block, b1 + first_block
+            event = None if self.unsafe_skip_event_wait else staged.event_for(b1)
+            chunk = data[b0 * step : b1 * step]
+            if not chunk.is_cuda:  # spilled: bring it back through a bounce buffer
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                    if event is not None:
+                        self.stream.wait_event(event)
+                    bounce = torch.empty(chunk.numel(), dtype=torch.uint8, device=self.device)
+                    bounce.copy_(chunk, non_blocking=True)
+                chunk, event = bounce, None
+                keep.append(bounce)
+            works.append(comm.post([("send", chunk)], self.stream, [event]))
+        return comm.completion(works, self.stream, "send", transfer_id, keep)
+
+    def recv_staged(
+        self, peer: str, buf: torch.Tensor, paged: PagedKv, block_ids: torch.Tensor, *,
+        bounds: Sequence[int] | None = None, transfer_id: str = "",
+    ) -> Completion:
+        """Receive staged blocks into `buf` (a pool lease) and scatter them into `block_ids`.
+
+        Every chunk's receive is posted first; then the scatter stream waits for each
+        receive in turn and scatters that chunk, so scattering chunk k overlaps
+        receiving chunk k+1. The completion covers the last scatter.
+        """
+        comm = self.cache.get(peer, initiator=False)
+        n = block_ids.numel()
+        step = paged.staged_block_nbytes
+        words = paged.staging_view(buf, n)
+        chunks = _ranges(n, bounds)
+        works = [comm.post([("recv", buf[b0 * step : b1 * step])], self.stream) for b0, b1 in chunks]
+        # Whatever the caller enqueued on these blocks so far must finish before we write them.
+        self.scatter_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
+            for work, (b0, b1) in zip(works, chunks):
+                if work is not None:
+                    work.wait()
+                paged.scatter(block_ids[b0:b1], words[b0:b1])
+        return comm.completion([], self.scatter_stream, "recv", transfer_id)
+
+
+def _now(device: torch.device) -> list[torch.cuda.Event]:
+    """An event at the current tail of the current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return [event]
+
+
+def _ranges(num_blocks: int, bounds: Sequence[int] | None) -> list[tuple[int, int]]:
+    ends = list(bounds) if bounds else [num_blocks]
+    if not ends or ends[-1] != num_blocks or any(b <= a for a, b in zip([0] + ends, ends)):
+        raise ValueError(f"chunk bounds {ends} must rise strictly and end at {num_blocks}.")
+    return list(zip([0] + ends[:-1], ends))

@@ -1,0 +1,331 @@
+"""The TCP transport: exact bytes, zero-copy receive, clean failures, rejections, cancellation."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+from protocols.errors import RecvTimeout, SendTimeout
+from workers.pool import BufferPool
+from workers.transports.tcp import (
+    HEADER,
+    MAGIC,
+    REJECT_ATTEMPT,
+    REJECT_BAD_HEADER,
+    REJECT_SIZE,
+    REJECT_UNKNOWN,
+    VERSION,
+    RecvFailed,
+    SendFailed,
+    TcpConfig,
+    TcpReceiver,
+    TcpSender,
+    TcpTransportError,
+    TransferCancelled,
+    TransferRejected,
+    parse_endpoint,
+)
+
+MiB = 1 << 20
+pytestmark = pytest.mark.anyio
+
+
+def payload(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def header(transfer_id: str, attempt: int, nbytes: int, *, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
+    tid = transfer_id.encode()
+    return HEADER.pack(magic, version, 0, len(tid), attempt, nbytes, tid)
+
+
+def raw_connect(endpoint: str) -> socket.socket:
+    sock = socket.create_connection(parse_endpoint(endpoint), timeout=5)
+    return sock
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data
+
+
+@pytest.fixture
+def receiver():
+    with TcpReceiver(config=TcpConfig(io_timeout_s=2.0)) as rx:
+        yield rx
+
+
+@pytest.fixture
+def sender():
+    with TcpSender(TcpConfig(io_timeout_s=2.0)) as tx:
+        yield tx
+
+
+def tcp_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvbroker-tcp")]
+
+
+# -- bytes arrive exactly, straight into the pool ---------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 4097, 3 * MiB + 5, 16 * MiB])
+async def test_bytes_arrive_exactly(receiver: TcpReceiver, sender: TcpSender, n: int) -> None:
+    pool = BufferPool(17 * MiB)
+    lease = pool.acquire_nowait(max(n, 1))
+    src = payload(n, seed=n)
+    done = receiver.expect(f"t-{n}", 0, lease.tensor, n)
+    with anyio.fail_after(10):
+        await sender.send(receiver.endpoint, f"t-{n}", 0, src)
+        # The ack comes only once every byte is in D's buffer.
+        assert torch.equal(lease.tensor[:n], src), "send returned before the receiver had every byte"
+        assert await done.wait() == n
+    lease.release()
+    assert pool.statistics().free == pool.capacity
+
+
+async def test_receive_writes_only_the_lease_region_of_the_pool_tensor(receiver: TcpReceiver, sender: TcpSender) -> None:
+    pool = BufferPool(4 * MiB)
+    pool.tensor.fill_(0xAB)
+    first = pool.acquire_nowait(MiB)  # so the lease under test starts mid-pool
+    lease = pool.acquire_nowait(MiB + 100)
+    assert lease.offset > 0
+    src = payload(MiB + 100, seed=1)
+    done = receiver.expect("zc", 0, lease.tensor)
+    with anyio.fail_after(10):
+        await sender.send(receiver.endpoint, "zc", 0, src)
+        await done.wait()
+    region = pool.tensor[lease.offset : lease.offset + lease.nbytes]
+    assert torch.equal(region, src), "the payload did not land in the lease's bytes of the pool tensor"
+    outside = torch.cat([pool.tensor[: lease.offset], pool.tensor[lease.offset + lease.nbytes :]])
+    assert bool((outside == 0xAB).all()), "bytes outside the lease changed"
+    first.release()
+    lease.release()
+
+
+async def test_a_connection_carries_many_transfers(receiver: TcpReceiver, sender: TcpSender) -> None:
+    buf = bytearray(1000)
+    for i in range(20):
+        done = receiver.expect(f"m-{i}", 0, buf)
+        with anyio.fail_after(5):
+            await sender.send(receiver.endpoint, f"m-{i}", 0, bytes([i]) * 1000)
+            await done.wait()
+        assert buf == bytes([i]) * 1000
+    stats = sender.statistics()
+    assert (stats.sent, stats.connects, stats.reused) == (20, 1, 19)
+
+
+def test_blocking_api_from_threads(receiver: TcpReceiver, sender: TcpSender) -> None:
+    bufs = [bytearray(256 * 1024) for _ in range(8)]
+    dones = [receiver.expect(f"b-{i}", 3, bufs[i]) for i in range(8)]
+    srcs = [payload(256 * 1024, seed=i) for i in range(8)]
+    threads = [
+        threading.Thread(target=sender.send_blocking, args=(receiver.endpoint, f"b-{i}", 3, srcs[i])) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for i, d in enumerate(dones):
+        assert d.wait_blocking(10) == 256 * 1024
+        assert bytes(bufs[i]) == srcs[i].numpy().tobytes()
+    for t in threads:
+        t.join(10)
+    assert receiver.statistics().received == 8
+
+
+# -- a peer that vanishes or stalls fails the transfer, on time ------------------------
+
+
+async def test_sender_dying_mid_stream_fails_the_transfer_and_frees_the_lease(receiver: TcpReceiver) -> None:
+    pool = BufferPool(2 * MiB)
+    lease = pool.acquire_nowait(MiB)
+    done = receiver.expect("half", 0, lease.tensor)
+    sock = raw_connect(receiver.endpoint)
+    sock.sendall(header("half", 0, MiB) + bytes(MiB // 2))
+    sock.close()
+    t0 = time.monotonic()
+    with anyio.fail_after(5):
+        with pytest.raises(RecvFailed, match="closed the stream after 524288 of 1048576 bytes"):
+            await done.wait()
+    assert time.monotonic() - t0 < 2
+    lease.release()
+    assert pool.statistics().free == pool.capacity
+    assert receiver.statistics().failed == 1
+
+
+async def test_a_stalled_sender_times_out_per_read() -> None:
+    with TcpReceiver(config=TcpConfig(io_timeout_s=0.3)) as rx:
+        buf = bytearray(1000)
+        done = rx.expect("slow", 0, buf)
+        with raw_connect(rx.endpoint) as sock:
+            sock.sendall(header("slow", 0, 1000) + bytes(10))
+            with anyio.fail_after(5):
+                with pytest.raises(RecvTimeout, match="stalled"):
+                    await done.wait()
+            assert read_to_eof(sock) == b"", "the receiver should close a stalled connection"
+
+
+async def test_cancel_mid_stream_returns_once_the_buffer_is_free(receiver: TcpReceiver) -> None:
+    pool = BufferPool(2 * MiB)
+    lease = pool.acquire_nowait(MiB)
+    done = receiver.expect("cut", 0, lease.tensor)
+    with raw_connect(receiver.endpoint) as sock:
+        sock.sendall(header("cut", 0, MiB) + bytes(1000))
+        with anyio.move_on_after(0.2) as scope:  # the decode side's deadline
+            await done.wait()
+        assert scope.cancelled_caught
+        with anyio.fail_after(5):
+            await receiver.cancel("cut", "no data in time")
+        assert done.done()
+        with pytest.raises(TransferCancelled, match="no data in time"):
+            done.result()
+        lease.release()
+        assert read_to_eof(sock) == b""
+    assert receiver.statistics().expected == 0
+
+
+async def test_cancel_before_any_data(receiver: TcpReceiver, sender: TcpSender) -> None:
+    done = receiver.expect("never", 0, bytearray(10))
+    await receiver.cancel("never", "aborted by the broker")
+    with pytest.raises(TransferCancelled):
+        await done.wait()
+    with pytest.raises(TransferRejected) as info:
+        await sender.send(receiver.endpoint, "never", 0, bytes(10))
+    assert info.value.code == REJECT_UNKNOWN
+
+
+async def test_send_cancelled_while_the_peer_does_not_read_returns_promptly() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener, TcpSender(TcpConfig(io_timeout_s=30)) as tx:
+        port = listener.getsockname()[1]
+        src = payload(64 * MiB)
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.3):
+            await tx.send(f"tcp://127.0.0.1:{port}", "stuck", 0, src)
+        assert time.monotonic() - t0 < 3, "cancelling a send must interrupt its thread"
+        assert tx.statistics().failed == 1
+
+
+async def test_a_receiver_that_stops_reading_times_the_send_out() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener, TcpSender(TcpConfig(io_timeout_s=0.3)) as tx:
+        port = listener.getsockname()[1]
+        t0 = time.monotonic()
+        with anyio.fail_after(10):
+            with pytest.raises(SendTimeout, match="stalled"):
+                await tx.send(f"tcp://127.0.0.1:{port}", "stuck", 0, payload(64 * MiB))
+        assert time.monotonic() - t0 < 5
+
+
+async def test_send_to_a_closed_port_fails_fast(sender: TcpSender) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    with anyio.fail_after(5):
+        with pytest.raises(SendFailed, match="cannot connect"):
+            await sender.send(f"tcp://127.0.0.1:{port}", "t", 0, b"x")
+
+
+# -- unexpected headers close that connection only -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\n" + bytes(200),
+        header("x", 0, 1, version=99) + b"x",
+        header("x", 0, 1, magic=b"NOPE") + b"x",
+        HEADER.pack(MAGIC, VERSION, 0, 0, 0, 5, b""),
+        HEADER.pack(MAGIC, VERSION, 0, 3, 0, 5, b"\xff\xfe\xfd"),
+    ],
+    ids=["short-http", "long-http", "version", "magic", "empty-id", "not-utf8"],
+)
+async def test_garbage_header_closes_the_connection_and_the_receiver_goes_on(
+    receiver: TcpReceiver, sender: TcpSender, junk: bytes
+) -> None:
+    with raw_connect(receiver.endpoint) as sock:
+        sock.sendall(junk)
+        sock.shutdown(socket.SHUT_WR)
+        assert read_to_eof(sock) == bytes([REJECT_BAD_HEADER])
+    buf = bytearray(5)
+    done = receiver.expect("after", 0, buf)
+    with anyio.fail_after(5):
+        await sender.send(receiver.endpoint, "after", 0, b"hello")
+        await done.wait()
+    assert buf == b"hello"
+    assert receiver.statistics().rejected == 1
+
+
+async def test_wrong_transfer_size_or_attempt_is_rejected_and_the_expectation_survives(
+    receiver: TcpReceiver, sender: TcpSender
+) -> None:
+    buf = bytearray(100)
+    done = receiver.expect("x", 2, buf)
+    for tid, attempt, data, code in [
+        ("x", 2, bytes(99), REJECT_SIZE),
+        ("x", 1, bytes(100), REJECT_ATTEMPT),
+        ("y", 2, bytes(100), REJECT_UNKNOWN),
+    ]:
+        with anyio.fail_after(5):
+            with pytest.raises(TransferRejected) as info:
+                await sender.send(receiver.endpoint, tid, attempt, data)
+        assert info.value.code == code
+    assert not done.done()
+    with anyio.fail_after(5):
+        await sender.send(receiver.endpoint, "x", 2, bytes(range(100)))
+        assert await done.wait() == 100
+    assert buf == bytes(range(100))
+
+
+def test_expect_refuses_bad_registrations(receiver: TcpReceiver) -> None:
+    receiver.expect("dup", 0, bytearray(4))
+    with pytest.raises(TcpTransportError, match="already expected"):
+        receiver.expect("dup", 0, bytearray(4))
+    with pytest.raises(TcpTransportError, match="read-only"):
+        receiver.expect("ro", 0, b"abcd")
+    with pytest.raises(TcpTransportError, match="do not fit"):
+        receiver.expect("big", 0, bytearray(4), 5)
+    with pytest.raises(TcpTransportError, match="1..128"):
+        receiver.expect("z" * 129, 0, bytearray(4))
+
+
+# -- connection reuse and lifecycle ------------------------------------------------------
+
+
+async def test_sender_replaces_a_connection_the_receiver_closed_while_idle() -> None:
+    with TcpReceiver(config=TcpConfig(idle_timeout_s=0.1)) as rx, TcpSender() as tx:
+        for i in range(2):
+            buf = bytearray(3)
+            done = rx.expect(f"i-{i}", 0, buf)
+            with anyio.fail_after(5):
+                await tx.send(rx.endpoint, f"i-{i}", 0, b"abc")
+                await done.wait()
+            if i == 0:
+                with anyio.fail_after(5):
+                    while rx.statistics().connections:  # the idle connection times out
+                        await anyio.sleep(0.01)
+        assert tx.statistics().connects == 2
+
+
+def test_close_fails_pending_transfers_and_joins_every_thread() -> None:
+    rx = TcpReceiver()
+    rx.start()
+    pending = rx.expect("p", 0, bytearray(10))
+    sock = raw_connect(rx.endpoint)
+    sock.sendall(header("p", 0, 10) + b"abc")  # a connection thread mid-transfer
+    busy = rx.expect("q", 0, bytearray(10))
+    deadline = time.monotonic() + 5
+    while rx.statistics().connections == 0 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    assert tcp_threads()
+    rx.close()
+    assert tcp_threads() == []
+    for c in (pending, busy):
+        with pytest.raises(RecvFailed):
+            c.result()
+    sock.close()
+    with pytest.raises(TcpTransportError, match="not running"):
+        rx.expect("late", 0, bytearray(1))

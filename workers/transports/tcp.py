@@ -1,0 +1,278 @@
+"""The CPU transport: a direct P -> D byte stream over TCP, received straight into pool memory.
+
+Theory of operation
+-------------------
+The broker only arranges a transfer; its bytes go straight from the prefill worker (P)
+to the decode worker (D). D registers each transfer it expects (`TcpReceiver.expect`:
+id, attempt, destination buffer) *before* it tells the broker Ready, so when P's bytes
+arrive their destination is known and the kernel copies them straight into it:
+``recv_into`` on a memoryview of the pool tensor, no intermediate ``bytes``. P writes
+from a memoryview of its staging lease (``sendmsg``, no copy) and `TcpSender.send`
+returns only once D has acknowledged the *whole* payload, so "sent" means "D has it",
+not "left our socket" (the Mooncake pitfall in DESIGN.md).
+
+Threads move the bytes, not an event loop: ``recv_into`` and ``sendmsg`` release the
+GIL for the whole kernel copy, and with ``MSG_WAITALL`` a payload is received in one
+call, so Python costs nothing per chunk and the stream runs at loopback speed
+(`bench/tcp_transport.py` compares it with a bare socket). The receiver owns one
+accept thread and one thread per connection, and joins them all in `close()`; a
+sender runs each send on the calling thread (`send_blocking`) or on an anyio worker
+thread (`send`). Async callers use `Completion.wait()` and `TcpSender.send()`.
+
+The wire format and the socket helpers live in `tcp_wire`, the receiver in
+`tcp_receiver`; this module is the public surface and holds the sender.
+
+Deadlines and faults
+--------------------
+* Every socket read and write has a deadline: the kernel's ``SO_RCVTIMEO`` and
+  ``SO_SNDTIMEO`` (`TcpConfig.io_timeout_s`) bound each call, so a stalled peer is
+  noticed within that time; connecting has `connect_timeout_s`; an idle connection
+  between transfers is closed after `idle_timeout_s`. The whole transfer's deadline
+  is the caller's: wrap `Completion.wait()` or `TcpSender.send()` in
+  ``anyio.fail_after``, and call `TcpReceiver.cancel()` when a receive's fires.
+* A peer that vanishes mid-stream (EOF, reset, timeout) fails that transfer's
+  `Completion` with `RecvFailed`; a completion is settled only once nothing writes to
+  its buffer any more, so the caller may then release its pool lease. Likewise a
+  cancelled `send()` returns only once its thread no longer reads the source.
+* A header that does not fit (bad magic or version, unknown transfer, wrong attempt
+  or size) is answered with a rejection code, logged, and its connection closed. It
+  never affects other connections or the expected transfer it named.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from protocols.errors import SendTimeout
+
+from .tcp_receiver import ReceiverStats, TcpReceiver
+from .tcp_wire import (
+    ACK,
+    HEADER,
+    MAGIC,
+    MAX_ID_BYTES,
+    REJECT_ATTEMPT,
+    REJECT_BAD_HEADER,
+    REJECT_BUSY,
+    REJECT_SIZE,
+    REJECT_UNKNOWN,
+    VERSION,
+    Completion,
+    RecvFailed,
+    SendFailed,
+    TcpConfig,
+    TcpTransportError,
+    TransferCancelled,
+    TransferRejected,
+    byte_view,
+    configure,
+    encode_id,
+    parse_endpoint,
+    send_all,
+    shutdown,
+    still_open,
+)
+
+__all__ = [
+    "ACK",
+    "HEADER",
+    "MAGIC",
+    "MAX_ID_BYTES",
+    "REJECT_ATTEMPT",
+    "REJECT_BAD_HEADER",
+    "REJECT_BUSY",
+    "REJECT_SIZE",
+    "REJECT_UNKNOWN",
+    "VERSION",
+    "Completion",
+    "ReceiverStats",
+    "RecvFailed",
+    "SendFailed",
+    "SenderStats",
+    "TcpConfig",
+    "TcpReceiver",
+    "TcpSender",
+    "TcpTransportError",
+    "TransferCancelled",
+    "TransferRejected",
+    "byte_view",
+    "parse_endpoint",
+]
+
+log = structlog.get_logger("kvbroker.tcp")
+
+
+class _SendOp:
+    """One send in progress, so a cancelled async caller can interrupt its thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sock: socket.socket | None = None
+        self.aborted = False
+        self.finished = threading.Event()
+
+    def attach(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sock = sock
+            if self.aborted:
+                shutdown(sock)
+
+    def abort(self) -> None:
+        with self.lock:
+            if self.finished.is_set():
+                return
+            self.aborted = True
+            if self.sock is not None:
+                shutdown(self.sock)
+
+
+@dataclass(frozen=True)
+class SenderStats:
+    sent: int
+    bytes: int
+    failed: int
+    connects: int
+    reused: int
+    idle: int
+
+
+class TcpSender:
+    """Sends staged bytes to receivers' endpoints, reusing idle connections per endpoint.
+
+    Thread-safe: any number of sends may run at once (each on its own connection).
+    """
+
+    def __init__(self, config: TcpConfig | None = None, *, log_context: dict[str, Any] | None = None) -> None:
+        self.config = config or TcpConfig()
+        self._log = log.bind(**(log_context or {}))
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._active: set[_SendOp] = set()
+        self._closed = False
+        self._sent = self._bytes = self._failed = self._connects = self._reused = 0
+
+    async def send(self, endpoint: str, transfer_id: str, attempt: int, data: Any) -> None:
+        """Send `data` as attempt `attempt` of `transfer_id`; return once D acknowledged all of it.
+
+        No timeout argument: each socket call has `io_timeout_s`; wrap the call in
+        ``anyio.fail_after`` for a whole-transfer deadline. Cancelled, it interrupts the
+        stream and returns only once the thread has let go of `data`.
+
+        Raises:
+            SendFailed, TransferRejected, SendTimeout: D does not have the bytes.
+        """
+        op = _SendOp()
+        view = byte_view(data, writable=False)
+        try:
+            await anyio.to_thread.run_sync(self._send, op, endpoint, transfer_id, attempt, view, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            op.abort()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(op.finished.wait, self.config.io_timeout_s + self.config.connect_timeout_s)
+            raise
+
+    def send_blocking(self, endpoint: str, transfer_id: str, attempt: int, data: Any) -> None:
+        """`send` for synchronous code (a vLLM worker thread, a benchmark)."""
+        self._send(_SendOp(), endpoint, transfer_id, attempt, byte_view(data, writable=False))
+
+    def close(self) -> None:
+        """Close idle connections and interrupt sends in flight."""
+        with self._lock:
+            self._closed = True
+            idle = [s for socks in self._idle.values() for s in socks]
+            self._idle.clear()
+            active = list(self._active)
+        for sock in idle:
+            sock.close()
+        for op in active:
+            op.abort()
+
+    def statistics(self) -> SenderStats:
+        with self._lock:
+            idle = sum(len(s) for s in self._idle.values())
+            return SenderStats(self._sent, self._bytes, self._failed, self._connects, self._reused, idle)
+
+    def __enter__(self) -> TcpSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, op: _SendOp, endpoint: str, transfer_id: str, attempt: int, view: memoryview) -> None:
+        with self._lock:
+            self._active.add(op)
+        sock: socket.socket | None = None
+        ok = False
+        try:
+            tid = encode_id(transfer_id)
+            header = HEADER.pack(MAGIC, VERSION, 0, len(tid), attempt, len(view), tid)
+            sock = self._checkout(endpoint, transfer_id)
+            op.attach(sock)
+            send_all(sock, header, view)
+            status = sock.recv(1)
+            if not status:
+                raise self._failure(op, transfer_id, f"{endpoint} closed the connection before acknowledging")
+            if status[0] != ACK:
+                raise TransferRejected(transfer_id, status[0])
+            ok = True
+        except BlockingIOError:
+            raise SendTimeout(transfer_id, f"{endpoint} stalled for {self.config.io_timeout_s:g} s") from None
+        except OSError as exc:
+            raise self._failure(op, transfer_id, f"the stream to {endpoint} broke: {exc}") from None
+        finally:
+            with op.lock:
+                op.finished.set()
+            with self._lock:
+                self._active.discard(op)
+                if ok:
+                    self._sent += 1
+                    self._bytes += len(view)
+                else:
+                    self._failed += 1
+            if sock is not None:
+                if ok:
+                    self._checkin(endpoint, sock)
+                else:
+                    sock.close()
+
+    def _failure(self, op: _SendOp, transfer_id: str, why: str) -> SendFailed:
+        if op.aborted:
+            return SendFailed(transfer_id, "the send was cancelled")
+        return SendFailed(transfer_id, why)
+
+    def _checkout(self, endpoint: str, transfer_id: str) -> socket.socket:
+        """An idle connection to `endpoint` that is still open, else a new one."""
+        with self._lock:
+            if self._closed:
+                raise SendFailed(transfer_id, "the sender is closed")
+            idle = self._idle.get(endpoint, [])
+            while idle:
+                sock = idle.pop()
+                if still_open(sock):
+                    self._reused += 1
+                    return sock
+                sock.close()
+        host, port = parse_endpoint(endpoint)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
+        except OSError as exc:
+            raise SendFailed(transfer_id, f"cannot connect to {endpoint}: {exc}") from None
+        configure(sock, self.config)
+        with self._lock:
+            self._connects += 1
+        return sock
+
+    def _checkin(self, endpoint: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if not self._closed and len(idle) < self.config.max_idle_per_endpoint:
+                idle.append(sock)
+                return
+        sock.close()

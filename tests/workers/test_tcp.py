@@ -68,8 +68,8 @@ def sender():
         yield tx
 
 
-def tcp_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("kvbroker-tcp")]
+def tcp_threads(ignore: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvbroker-tcp") and t not in ignore]
 
 
 # -- bytes arrive exactly, straight into the pool ---------------------------------------
@@ -311,6 +311,7 @@ async def test_sender_replaces_a_connection_the_receiver_closed_while_idle() -> 
 
 
 def test_close_fails_pending_transfers_and_joins_every_thread() -> None:
+    others = frozenset(threading.enumerate())  # threads of other tests' transports, if any
     rx = TcpReceiver()
     rx.start()
     pending = rx.expect("p", 0, bytearray(10))
@@ -320,9 +321,9 @@ def test_close_fails_pending_transfers_and_joins_every_thread() -> None:
     deadline = time.monotonic() + 5
     while rx.statistics().connections == 0 and time.monotonic() < deadline:
         threading.Event().wait(0.01)
-    assert tcp_threads()
+    assert tcp_threads(others)
     rx.close()
-    assert tcp_threads() == []
+    assert tcp_threads(others) == []
     for c in (pending, busy):
         with pytest.raises(RecvFailed):
             c.result()

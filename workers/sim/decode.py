@@ -134,7 +134,9 @@ class DecodeWorker:
                         await self.client.goodbye()
                     tg.cancel_scope.cancel()
         finally:
-            await self.receiver.aclose()
+            # Shielded: a cancelled serve must still join the receiver's threads.
+            with anyio.CancelScope(shield=True):
+                await self.receiver.aclose()
         summary = self.summary()
         emit(self.out, summary)
         return summary

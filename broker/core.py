@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import get_args
 
 from protocols.errors import RemoteProtocolError
 from protocols.messages import (
@@ -52,7 +53,7 @@ from protocols.messages import (
 from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, TransferState, check_transition
 
 S = TransferState
-_MAX_ID = Id.__metadata__[0].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
+_MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
 
 
 @dataclass(frozen=True)
@@ -335,8 +336,11 @@ class Broker:
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)
         if t.decode == peer.peer_id:
+            # Routed here by a hint before this Expect arrived: nothing moves.
             t.expected_by = peer.peer_id
             return
+        if t.state in HOLDS_CREDIT:
+            raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already granted to {t.decode}")
         # Not yet granted elsewhere: move it to the decode peer that holds the request.
         self._unroute(t, out)
         before = self.peers.get(t.expected_by or "")

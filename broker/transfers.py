@@ -37,8 +37,9 @@ TRANSITIONS: dict[TransferState, dict[type, str]] = {
     S.EXPECTED: {Offer: "prefill", Abort: "decode"},
     S.UNROUTED: {Expect: "decode", Abort: "prefill"},
     S.WAITING_CREDIT: {Expect: "decode", Abort: "any"},
-    S.PREPARING: {Ready: "decode", Abort: "any"},
-    S.SENDING: {Done: "decode", Abort: "any"},
+    # Expect may trail a hinted route: accepted from the decode peer it was granted to.
+    S.PREPARING: {Ready: "decode", Expect: "decode", Abort: "any"},
+    S.SENDING: {Done: "decode", Expect: "decode", Abort: "any"},
 }
 
 # States that hold credit on the decode peer's pool.

@@ -1,0 +1,792 @@
+"""The broker core, driven without bytes: every behaviour by example, then random sequences.
+
+Each test drives a `FakeCluster` (tests/broker/fake_cluster.py), which checks the credit
+and reference invariants after every message and every tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from broker.core import Broker, BrokerConfig, Send
+from broker.transfers import HOLDS_CREDIT, TRANSITIONS, ProtocolViolation, Transfer, TransferState, check_transition
+from protocols.messages import (
+    Abort,
+    Done,
+    Error,
+    Expect,
+    Go,
+    Goodbye,
+    Heartbeat,
+    Layout,
+    Message,
+    Offer,
+    Prepare,
+    Ready,
+    Register,
+    Registered,
+    Relay,
+    Release,
+    Status,
+    StatusRequest,
+)
+from tests.broker.fake_cluster import CONFIG, FakeCluster, FakePeer, check_invariants, prepared, refused, snapshot
+
+S = TransferState
+
+
+@pytest.fixture
+def c() -> FakeCluster:
+    return FakeCluster()
+
+
+# -- the handshake -------------------------------------------------------------------
+
+
+def test_full_handshake(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    layout = Layout(kind="paged", dtype="bfloat16", num_layers=2, num_blocks=4, block_nbytes=8)
+    p.offer("t1", 64, layout=layout)
+    assert p.take() == []
+    assert d.take_one(Prepare) == Prepare(transfer_id="t1", nbytes=64, layout=layout, source="p:0", attempt=0)
+    assert c.state("t1") is S.PREPARING and c.pool(d) == (100, 64, 0)
+
+    d.ready("t1", offset=16, nbytes=48)  # D already holds the first 16 bytes
+    assert p.take_one(Go) == Go(
+        transfer_id="t1", decode="d:0", endpoints={"tcp": "tcp://d-0:7000"}, offset=16, nbytes=48, attempt=0
+    )
+    assert c.state("t1") is S.SENDING and c.pool(d) == (100, 64, 0)
+
+    d.done("t1", nbytes=48)
+    assert p.take_one(Release) == Release(transfer_id="t1")
+    assert d.take() == []
+    assert c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
+    counters = c.status().counters
+    assert (counters["offered"], counters["completed"], counters["aborted"], counters["bytes"]) == (1, 1, 0, 48)
+    assert [n.event for n in c.notes][-1] == "transfer.done"
+
+
+def test_expect_before_offer_routes_to_the_expecting_peer(c: FakeCluster) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=1000), c.decode("d2", pool=100)
+    d2.expect("t1")
+    assert c.state("t1") is S.EXPECTED and d2.take() == []
+    p.offer("t1", 50)  # d1 has more room, but the request lives on d2
+    assert d2.take_one(Prepare).source == "p:0" and d1.take() == []
+    d2.ready("t1")
+    assert p.take_one(Go).decode == "d2:0"
+    d2.done("t1")
+    assert isinstance(p.take_one(Release), Release) and c.broker.transfers == {}
+
+
+def test_offer_before_any_decode_peer_waits_unrouted(c: FakeCluster) -> None:
+    p = c.prefill()
+    p.offer("t1", 50)
+    assert c.state("t1") is S.UNROUTED and p.take() == []
+    d = c.register("d", "decode", pool=100)  # a decode peer arriving routes what waited
+    assert [type(m) for m in d.take()] == [Registered, Prepare]
+
+
+def test_expect_after_offer_routes_an_unrouted_transfer(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 50)
+    d.take()
+    d = c.register("d", "decode", pool=100, identity=b"d-restarted")  # D restarts: t1 has no route left
+    assert [type(m) for m in d.take()] == [Registered] and c.state("t1") is S.UNROUTED
+    d.expect("t1")  # the request reached the restarted D: route t1 there
+    assert d.take_one(Prepare) == Prepare(transfer_id="t1", nbytes=50, source="p:0", attempt=1)
+    assert p.take() == []
+
+
+def test_expect_after_offer_on_the_routed_peer_only_records_it(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t0", 100)
+    p.offer("t1", 50)
+    d.take()
+    d.expect("t1")
+    assert d.take() == [] and c.state("t1") is S.WAITING_CREDIT
+    assert c.broker.transfers[("t1", 0)].expected_by == "d:0" and c.pool(d) == (100, 100, 1)
+
+
+def test_expect_moves_a_transfer_waiting_for_credit(c: FakeCluster) -> None:
+    p, d1 = c.prefill(), c.decode("d1", pool=100)
+    p.offer("t0", 100)
+    p.offer("t1", 40, decode="d1")
+    d2 = c.decode("d2", pool=100)
+    assert c.state("t1") is S.WAITING_CREDIT and c.pool(d1) == (100, 100, 1)
+    d1.take()
+    d2.expect("t1")
+    assert d2.take_one(Prepare).transfer_id == "t1" and d1.take() == []
+    assert c.pool(d1) == (100, 100, 0) and c.pool(d2) == (100, 40, 0)
+    assert {x.peer_id: x.transfers for x in c.status().peers}["d1:0"] == 1  # d1 holds only t0 now
+
+
+def test_expect_moves_a_transfer_that_another_decode_peer_expected(c: FakeCluster) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=100)
+    p.offer("t0", 100, decode="d1")
+    d1.expect("t1")
+    p.offer("t1", 40)
+    assert c.state("t1") is S.WAITING_CREDIT and c.broker.transfers[("t1", 0)].decode == "d1:0"
+    d2.expect("t1")
+    assert c.broker.transfers[("t1", 0)].decode == "d2:0"
+    assert ("t1", 0) not in c.broker.peers["d1:0"].transfers
+    d1.take()
+    d1.goodbye()  # d1 no longer holds t1: losing it must not disturb t1
+    assert c.broker.transfers[("t1", 0)].attempt == 0 and c.state("t1") is S.PREPARING
+    assert prepared(d2) == ["t1"]
+
+
+def test_offer_hint_picks_the_decode_instance(c: FakeCluster) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=1000), c.decode("d2", pool=100)
+    p.offer("t1", 10, decode="d2")
+    assert isinstance(d2.take_one(Prepare), Prepare) and d1.take() == []
+    p.offer("t2", 10)  # no hint: the most free room wins
+    assert isinstance(d1.take_one(Prepare), Prepare)
+
+
+def test_expect_trailing_a_hinted_route_is_accepted(c: FakeCluster) -> None:
+    # The proxy's hint routed the transfer before D's scheduler announced it.
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=1000), c.decode("d2", pool=1000)
+    p.offer("t1", 10, decode="d1")
+    d1.take_one(Prepare)
+    d1.expect("t1")
+    assert d1.take() == [] and c.state("t1") is S.PREPARING
+    d1.ready("t1")
+    d1.expect("t1")  # in SENDING too
+    assert d1.take() == [] and c.state("t1") is S.SENDING
+    # Another decode peer cannot take a transfer already granted elsewhere.
+    refused(c, d2.identity, Expect(transfer_id="t1"), "protocol", contains="already granted to d1:0")
+
+
+def test_offer_hint_naming_a_prefill_instance_is_ignored(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    c.prefill("q")
+    p.offer("t1", 10, decode="q")
+    assert isinstance(d.take_one(Prepare), Prepare)
+
+
+# -- credit --------------------------------------------------------------------------
+
+
+def test_credit_is_granted_fifo(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    for tid, n in (("a", 60), ("b", 60), ("c", 30)):
+        p.offer(tid, n)
+    assert prepared(d) == ["a"]
+    assert (c.state("b"), c.state("c")) == (S.WAITING_CREDIT, S.WAITING_CREDIT)  # c fits, yet waits behind b
+    assert c.pool(d) == (100, 60, 2)
+    d.ready("a")
+    d.done("a")
+    assert prepared(d) == ["b", "c"]
+    assert c.pool(d) == (100, 90, 0)
+
+
+def test_credit_returns_on_abort_and_serves_the_next(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("a", 100)
+    p.offer("b", 100)
+    d.take()
+    p.abort("a", "client went away")
+    assert p.take() == []
+    got = d.take()
+    assert Abort(transfer_id="a", reason="client went away") in got
+    assert [m.transfer_id for m in got if isinstance(m, Prepare)] == ["b"]
+    assert c.state("b") is S.PREPARING and c.pool(d) == (100, 100, 0)
+
+
+def test_transfer_larger_than_the_pool_is_aborted_at_once(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("big", 150)
+    abort = p.take_one(Abort)
+    assert abort.transfer_id == "big" and "150" in abort.reason and "100" in abort.reason
+    assert d.take() == [] and c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
+
+
+def test_credit_wait_deadline_aborts_both_sides(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("a", 100)
+    p.offer("b", 50)
+    d.take()
+    c.advance(9.9)
+    assert c.state("b") is S.WAITING_CREDIT and p.take() == [] and d.take() == []
+    assert c.broker.next_deadline() == pytest.approx(10.0)
+    c.advance(0.1)
+    assert c.state("b") is None and c.state("a") is S.PREPARING
+    for peer in (p, d):
+        abort = peer.take_one(Abort)
+        assert abort.transfer_id == "b" and "d:0" in abort.reason and "50" in abort.reason
+
+
+@pytest.mark.parametrize("state", [S.PREPARING, S.SENDING])
+def test_transfer_lease_expiry_aborts_and_returns_credit(c: FakeCluster, state: TransferState) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 80)
+    d.take()
+    if state is S.SENDING:
+        d.ready("t1")
+        p.take()
+    c.advance(29.0)
+    assert c.state("t1") is state
+    c.advance(1.0)
+    assert c.state("t1") is None and c.pool(d) == (100, 0, 0)
+    for peer in (p, d):
+        assert "lease" in peer.take_one(Abort).reason
+    assert c.status().counters["aborted"] == 1
+
+
+def test_peer_lease_expiry_evicts(c: FakeCluster) -> None:
+    p, _ = c.prefill(), c.decode(pool=100)
+    c.advance(4.0, keep_alive=[p])
+    assert {x.peer_id for x in c.status().peers} == {"p:0", "d:0"}
+    c.advance(1.0, keep_alive=[p])  # d's lease of 5 s ends
+    assert [x.peer_id for x in c.status().peers] == ["p:0"] and c.status().pools == []
+    assert c.status().counters["evicted"] == 1
+    c.advance(5.0, keep_alive=False)
+    assert c.status().peers == [] and c.broker.next_deadline() is None
+    refused(c, p.identity, Heartbeat(), "not_registered")
+
+
+def test_heartbeat_keeps_the_lease(c: FakeCluster) -> None:
+    p = c.prefill()
+    c.now = 4.0
+    p.heartbeat(seq=1)
+    assert c.broker.next_deadline() == 9.0
+    c.now = 8.9
+    c.tick()
+    assert [x.peer_id for x in c.status().peers] == ["p:0"]
+    c.now = 9.0
+    c.tick()
+    assert c.status().peers == []
+
+
+# -- lost peers and retries ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["goodbye", "lease"])
+@pytest.mark.parametrize("state", [S.WAITING_CREDIT, S.PREPARING, S.SENDING])
+def test_decode_lost_mid_transfer_is_rerouted(c: FakeCluster, state: TransferState, how: str) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=200)
+    if state is S.WAITING_CREDIT:
+        p.offer("t0", 100, decode="d1")
+    p.offer("t1", 60, decode="d1")
+    d1.take()
+    if state is S.SENDING:
+        d1.ready("t1")
+        assert p.take_one(Go).attempt == 0
+    assert c.state("t1") is state
+    if how == "goodbye":
+        d1.goodbye()
+    else:
+        c.advance(5.0, keep_alive=[p, d2])
+    prepares = [m for m in d2.take() if isinstance(m, Prepare) and m.transfer_id == "t1"]
+    assert prepares == [Prepare(transfer_id="t1", nbytes=60, source="p:0", attempt=1)]
+    assert p.take() == []  # no Release, no Abort: the staged copy is sent again
+    d2.ready("t1")
+    go = p.take_one(Go)
+    assert (go.decode, go.attempt, go.endpoints) == ("d2:0", 1, {"tcp": "tcp://d2-0:7000"})
+    d2.done("t1")
+    assert isinstance(p.take_one(Release), Release)
+    assert c.status().counters["retried"] == (2 if state is S.WAITING_CREDIT else 1)
+    assert c.status().counters["offered"] == (2 if state is S.WAITING_CREDIT else 1)
+
+
+def test_decode_lost_with_no_other_decode_waits_unrouted(c: FakeCluster) -> None:
+    p, d1 = c.prefill(), c.decode("d1", pool=100)
+    p.offer("t1", 60)
+    d1.goodbye()
+    assert c.state("t1") is S.UNROUTED and p.take() == []
+    d2 = c.register("d2", "decode", pool=100)
+    assert [type(m) for m in d2.take()] == [Registered, Prepare]
+
+
+def test_max_attempts_reached_aborts() -> None:
+    c = FakeCluster(BrokerConfig(peer_lease_s=5.0, max_attempts=2))
+    p, d1, d2, d3 = c.prefill(), c.decode("d1"), c.decode("d2"), c.decode("d3")
+    p.offer("t1", 10, decode="d1")
+    d1.goodbye()
+    assert c.broker.transfers[("t1", 0)].attempt == 1
+    routed = c.broker.transfers[("t1", 0)].decode
+    [lost] = [x for x in (d2, d3) if x.peer_id == routed]
+    [other] = [x for x in (d2, d3) if x is not lost]
+    other.take()
+    lost.goodbye()
+    abort = p.take_one(Abort)
+    assert "2 attempts" in abort.reason and lost.peer_id in abort.reason
+    assert other.take() == [] and c.broker.transfers == {}
+
+
+def test_max_attempts_one_never_retries() -> None:
+    c = FakeCluster(BrokerConfig(max_attempts=1))
+    p, d1, d2 = c.prefill(), c.decode("d1"), c.decode("d2")
+    p.offer("t1", 10, decode="d1")
+    d1.goodbye()
+    assert isinstance(p.take_one(Abort), Abort) and d2.take() == []
+
+
+@pytest.mark.parametrize("state", [S.WAITING_CREDIT, S.PREPARING, S.SENDING])
+def test_prefill_lost_aborts_on_the_decode_side(c: FakeCluster, state: TransferState) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    if state is S.WAITING_CREDIT:
+        c.prefill("q").offer("t0", 100)
+    p.offer("t1", 60)
+    if state is S.SENDING:
+        d.ready("t1")
+    assert c.state("t1") is state
+    d.take()
+    p.goodbye()
+    abort = d.take_one(Abort)
+    assert abort.transfer_id == "t1" and "p:0" in abort.reason
+    assert c.state("t1") is None and c.pool(d)[1] == (100 if state is S.WAITING_CREDIT else 0)
+
+
+def test_decode_lost_while_expected_drops_the_expectation(c: FakeCluster) -> None:
+    d = c.decode()
+    d.expect("t1")
+    d.goodbye()
+    assert c.broker.transfers == {}
+
+
+# -- registration --------------------------------------------------------------------
+
+
+def test_incompatible_decode_is_refused_naming_the_fields(c: FakeCluster) -> None:
+    c.prefill(compat_hash="h1", compat={"model": "llama", "dtype": "bfloat16", "block_size": "16"})
+    err = refused(
+        c,
+        b"d/0",
+        Register(
+            role="decode",
+            instance_id="d",
+            pool_capacity=100,
+            compat_hash="h2",
+            compat={"model": "llama", "dtype": "float16", "block_size": "16"},
+        ),
+        "refused",
+    )
+    assert "dtype: float16 vs bfloat16" in err.detail and "model:" not in err.detail and "block_size" not in err.detail
+    assert c.status().pools == []
+
+
+def test_mismatched_ranks_of_one_instance_are_refused(c: FakeCluster) -> None:
+    c.prefill(world_size=2, compat_hash="h1", compat={"num_layers": "32"})
+    err = refused(
+        c,
+        b"p/1",
+        Register(role="prefill", instance_id="p", rank=1, world_size=2, compat_hash="h2", compat={"num_layers": "28"}),
+        "refused",
+    )
+    assert "num_layers: 28 vs 32" in err.detail
+    err = refused(
+        c, b"p/1", Register(role="prefill", instance_id="p", rank=1, world_size=4, compat_hash="h1"), "refused"
+    )
+    assert "world_size" in err.detail
+    refused(
+        c,
+        b"p/1",
+        Register(role="decode", instance_id="p", rank=1, world_size=2, compat_hash="h1", pool_capacity=1),
+        "refused",
+    )
+    c.prefill(rank=1, world_size=2, compat_hash="h1")
+
+
+def test_bad_registrations_are_refused(c: FakeCluster) -> None:
+    refused(c, b"x", Register(role="prefill", instance_id="p", rank=2, world_size=2), "refused", contains="world_size")
+    refused(c, b"x", Register(role="decode", instance_id="d"), "refused", contains="pool_capacity")
+    c2 = FakeCluster(BrokerConfig(max_peers=1))
+    c2.prefill()
+    refused(c2, b"x", Register(role="prefill", instance_id="q"), "refused", contains="max-peers")
+
+
+def test_peer_ids_fit_the_wire_limits(c: FakeCluster) -> None:
+    # The broker sends peer ids back (Registered, Prepare.source, Go.decode, Relay.sender),
+    # so every id it accepts must be one a peer can decode.
+    refused(c, b"x", Register(role="prefill", instance_id="p" * 128), "refused", contains="instance")
+    p = c.prefill("p" * 100, rank=123, world_size=124)
+    assert p.peer_id == "p" * 100 + ":123"
+
+
+def test_reregistration_of_a_prefill_aborts_its_transfers(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 60)
+    d.take()
+    p2 = c.register("p", "prefill", identity=b"p-restarted")
+    assert isinstance(p2.take_one(Registered), Registered)
+    assert "registered again" in d.take_one(Abort).reason
+    assert c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
+    refused(c, p.identity, Offer(transfer_id="t2", nbytes=1), "not_registered")
+
+
+def test_reregistration_of_a_decode_reroutes_its_transfers(c: FakeCluster) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=100)
+    p.offer("t1", 60, decode="d1")
+    d1.take()
+    d1b = c.register("d1", "decode", pool=100, identity=b"d1-restarted")
+    assert [type(m) for m in d1b.take()] == [Registered]
+    assert d2.take_one(Prepare).attempt == 1 and p.take() == []
+    assert c.pool(d1b) == (100, 0, 0)
+
+
+def test_one_socket_registering_as_another_peer_evicts_the_first(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 60)
+    d.take()
+    q = c.register("q", "prefill", identity=p.identity)
+    assert isinstance(q.take_one(Registered), Registered)
+    assert isinstance(d.take_one(Abort), Abort)
+    assert sorted(x.peer_id for x in c.status().peers) == ["d:0", "q:0"]
+
+
+# -- small messages ------------------------------------------------------------------
+
+
+def test_heartbeat_is_echoed_and_records_pool_free(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    p.heartbeat(seq=7)
+    assert p.take() == [Heartbeat(seq=7)]
+    d.heartbeat(seq=8, pool_free=42)
+    assert d.take() == [Heartbeat(seq=8)] and c.broker.peers["d:0"].pool.reported_free == 42  # type: ignore[union-attr]
+
+
+def test_heartbeat_from_an_unregistered_identity(c: FakeCluster) -> None:
+    refused(c, b"nobody", Heartbeat(seq=1), "not_registered", contains="Register")
+
+
+def test_relay_is_forwarded_with_the_sender(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode()
+    p.relay("d:0", "nccl/p:0->d:0", b"\x01\x02")
+    assert p.take() == []
+    assert d.take() == [Relay(to="d:0", key="nccl/p:0->d:0", payload=b"\x01\x02", sender="p:0")]
+    d.send(Relay(to="p:0", key="k", sender="forged"))
+    assert p.take_one(Relay).sender == "d:0"
+
+
+def test_status_request_needs_no_registration(c: FakeCluster) -> None:
+    c.prefill()
+    c.deliver(b"cli", StatusRequest())
+    [st_] = c.inboxes[b"cli"]
+    assert st_ == c.status()
+
+
+def test_abort_for_a_finished_transfer_is_harmless(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode()
+    before = snapshot(c.broker, c.now)
+    p.abort("gone")
+    assert p.take() == [] and d.take() == [] and snapshot(c.broker, c.now) == before
+
+
+# -- bad messages change nothing -------------------------------------------------------
+
+
+@pytest.fixture
+def busy() -> tuple[FakeCluster, FakePeer, FakePeer, FakePeer]:
+    """A cluster with transfers expected, waiting, preparing and sending, and a clock that moved."""
+    c = FakeCluster()
+    p, d, d2 = c.prefill(), c.decode(pool=100), c.decode("d2", pool=100)
+    d2.expect("expected")
+    p.offer("sending", 50, decode="d")
+    d.ready("sending")
+    p.offer("preparing", 50, decode="d")
+    p.offer("waiting", 10, decode="d")
+    c.advance(2.0)
+    for x in (p, d, d2):
+        x.take()
+    return c, p, d, d2
+
+
+def test_bad_messages_get_an_error_and_change_nothing(busy: tuple[FakeCluster, FakePeer, FakePeer, FakePeer]) -> None:
+    c, p, d, d2 = busy
+    c.now += 1.0  # leases are not renewed by a refused message either
+    refused(c, d.identity, Ready(transfer_id="nope", nbytes=1), "protocol", contains="no such transfer")
+    refused(c, d.identity, Done(transfer_id="nope"), "protocol")
+    refused(c, d2.identity, Done(transfer_id="sending"), "protocol", contains="d2:0 is not part of it")
+    refused(c, p.identity, Done(transfer_id="sending"), "protocol", contains="only a decode peer")
+    refused(c, d2.identity, Ready(transfer_id="preparing", nbytes=1), "protocol", contains="not part of it")
+    refused(c, d.identity, Ready(transfer_id="preparing", offset=40, nbytes=11), "protocol", contains="40+11")
+    refused(c, d.identity, Ready(transfer_id="sending", nbytes=1), "protocol", contains="state sending")
+    refused(c, d.identity, Offer(transfer_id="new", nbytes=1), "protocol", contains="only a prefill peer")
+    refused(c, d.identity, Offer(transfer_id="preparing", nbytes=1), "protocol")
+    refused(c, p.identity, Offer(transfer_id="waiting", nbytes=1), "protocol")
+    refused(c, p.identity, Expect(transfer_id="x"), "protocol", contains="only a decode peer")
+    refused(c, d2.identity, Abort(transfer_id="preparing"), "protocol", contains="not part of it")
+    refused(c, p.identity, Abort(transfer_id="expected"), "protocol", contains="only a decode peer")
+    refused(c, d.identity, Abort(transfer_id="expected"), "protocol", contains="d:0 is not part of it")
+    refused(c, d.identity, Expect(transfer_id="expected"), "protocol", contains="state expected")
+    refused(c, p.identity, Relay(to="ghost:0", key="k"), "unknown_peer")
+    broker_to_peer: tuple[Message, ...] = (
+        Registered(peer_id="p:0", heartbeat_s=1.0, lease_s=5.0),
+        Prepare(transfer_id="preparing", nbytes=1, source="p:0"),
+        Go(transfer_id="sending", decode="d:0", endpoints={}, nbytes=1),
+        Release(transfer_id="sending"),
+        Error(code="x"),
+        Status(),
+    )
+    for msg in broker_to_peer:
+        refused(c, p.identity, msg, "unexpected", contains="broker-to-peer")
+        refused(c, d.identity, msg, "unexpected")
+    before_register: tuple[Message, ...] = (
+        Offer(transfer_id="t", nbytes=1),
+        Expect(transfer_id="preparing"),
+        Ready(transfer_id="preparing", nbytes=1),
+        Done(transfer_id="sending"),
+        Abort(transfer_id="sending"),
+        Heartbeat(),
+        Goodbye(),
+        Relay(to="d:0", key="k"),
+        Go(transfer_id="sending", decode="d:0", endpoints={}, nbytes=1),
+    )
+    for msg in before_register:
+        refused(c, b"stranger", msg, "not_registered")
+
+
+def test_busy_broker_refuses_new_transfers() -> None:
+    c = FakeCluster(BrokerConfig(max_transfers=1))
+    p, d = c.prefill(), c.decode()
+    p.offer("a", 10)
+    refused(c, p.identity, Offer(transfer_id="b", nbytes=10), "busy")
+    refused(c, d.identity, Expect(transfer_id="b"), "busy")
+
+
+# -- the transition table, walked ------------------------------------------------------
+
+
+def in_state(state: TransferState) -> tuple[FakeCluster, FakePeer, FakePeer]:
+    """A cluster holding transfer "t" (rank 0) in `state`, and the prefill and decode
+    peers that a message of each role is sent from."""
+    c = FakeCluster()
+    if state is S.UNROUTED:
+        p = c.prefill("p", compat_hash="h")
+        c.prefill("q", compat_hash="x")
+        d = c.decode("d", compat_hash="x")  # no decode peer can take p's transfers
+        p.offer("t", 10)
+    else:
+        p, d = c.prefill(), c.decode(pool=100)
+        if state is S.EXPECTED:
+            d.expect("t")
+        elif state is S.WAITING_CREDIT:
+            p.offer("head", 100)
+            p.offer("t", 10)
+        else:
+            p.offer("t", 10)
+            if state is S.SENDING:
+                d.ready("t")
+    assert c.state("t") is state
+    c.advance(1.0)
+    p.take()
+    d.take()
+    return c, p, d
+
+
+def message(kind: type, tid: str) -> Message:
+    if kind is Offer:
+        return Offer(transfer_id=tid, nbytes=10)
+    if kind is Ready:
+        return Ready(transfer_id=tid, nbytes=10)
+    return kind(transfer_id=tid)
+
+
+WALK = [
+    (state, kind, role) for state in S for kind in (Offer, Expect, Ready, Done, Abort) for role in ("prefill", "decode")
+]
+
+
+@pytest.mark.parametrize(("state", "kind", "role"), WALK, ids=[f"{s.value}-{k.__name__}-{r}" for s, k, r in WALK])
+def test_transition_table(state: TransferState, kind: type, role: str) -> None:
+    c, p, d = in_state(state)
+    sender = p if role == "prefill" else d
+    allowed = TRANSITIONS[state].get(kind) in (role, "any")
+    if not allowed:
+        with pytest.raises(ProtocolViolation):
+            check_transition(state, kind, role, "t")
+        err = refused(c, sender.identity, message(kind, "t"), ProtocolViolation.code)
+        assert kind.__name__ in err.detail and err.transfer_id == "t"
+        return
+    c.now += 1.0
+    check_transition(state, kind, role, "t")
+    sender.send(message(kind, "t"))
+    assert not any(isinstance(m, Error) for m in sender.inbox)
+    assert c.broker.peers[sender.peer_id].lease_until == c.now + 5.0
+    assert c.state("t") is not state or kind is Expect  # it moved (an Expect may keep it waiting)
+
+
+def test_table_covers_every_state() -> None:
+    assert set(TRANSITIONS) == set(S)
+    assert HOLDS_CREDIT <= set(S)
+
+
+# -- properties ------------------------------------------------------------------------
+
+IDENTITIES = [b"s0", b"s1", b"s2", b"s3", b"s4", b"s5", b"stranger"]
+INSTANCES = ["a", "b", "c", "d", "e"]
+TIDS = [f"t{i}" for i in range(8)]
+
+tids = st.sampled_from(TIDS)
+sizes = st.integers(0, 250)
+pids = st.sampled_from([f"{i}:{r}" for i in INSTANCES for r in (0, 1)] + ["ghost:0"])
+garbage = st.one_of(
+    st.builds(Registered, peer_id=pids, heartbeat_s=st.just(1.0), lease_s=st.just(5.0)),
+    st.builds(Prepare, transfer_id=tids, nbytes=sizes, source=pids, attempt=st.integers(0, 3)),
+    st.builds(Go, transfer_id=tids, decode=pids, endpoints=st.just({}), offset=sizes, nbytes=sizes),
+    st.builds(Release, transfer_id=tids),
+    st.builds(Error, code=st.sampled_from(["protocol", "x"]), transfer_id=tids),
+    st.builds(Status),
+    st.builds(StatusRequest),
+    st.builds(Relay, to=pids, key=st.text(max_size=8), payload=st.binary(max_size=8), sender=pids),
+    st.builds(Ready, transfer_id=tids, offset=sizes, nbytes=sizes),
+    st.builds(Done, transfer_id=tids, nbytes=sizes),
+    st.builds(Abort, transfer_id=tids, reason=st.text(max_size=20)),
+    st.builds(Expect, transfer_id=tids),
+    st.builds(Offer, transfer_id=tids, nbytes=sizes, decode=st.sampled_from(["", *INSTANCES])),
+    st.builds(Heartbeat, seq=st.integers(0, 3), pool_free=st.integers(-1, 300)),
+)
+# Mostly small steps, so peers live long enough to finish transfers; sometimes a lease or more.
+clock_steps = st.one_of(
+    st.floats(0, 2, allow_nan=False),
+    st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.9, 5.0, 6.0, 10.0, 30.0, 100.0]),
+)
+
+
+class BrokerMachine(RuleBasedStateMachine):
+    """Random peers, messages, garbage and clock jumps; every table stays consistent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = FakeCluster(CONFIG)
+
+    @property
+    def b(self) -> Broker:
+        return self.c.broker
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        before = snapshot(self.b, self.c.now)
+        effects = self.c.deliver(identity, msg)
+        errors = [e for e in effects if isinstance(e, Send) and isinstance(e.msg, Error)]
+        if errors:  # a refused message changes nothing
+            assert [e.identity for e in errors] == [identity]
+            assert snapshot(self.b, self.c.now) == before
+        self.c.inboxes.clear()
+
+    def who(self, data: st.DataObject, role: str | None = None) -> bytes:
+        """Mostly a registered peer (of `role`, if given); sometimes any identity at all."""
+        live = sorted(p.identity for p in self.b.peers.values() if role in (None, p.role))
+        if live and data.draw(st.integers(0, 7)) > 0:
+            return data.draw(st.sampled_from(live))
+        return data.draw(st.sampled_from(IDENTITIES))
+
+    def pick(self, data: st.DataObject, states: Iterable[TransferState]) -> Transfer | None:
+        keys = sorted(k for k, t in self.b.transfers.items() if t.state in set(states))
+        return self.b.transfers[data.draw(st.sampled_from(keys))] if keys else None
+
+    @initialize(p=st.integers(1, 2), d=st.integers(1, 3), capacity=st.integers(20, 200))
+    def start(self, p: int, d: int, capacity: int) -> None:
+        for i in range(p + d):
+            role: Literal["prefill", "decode"] = "prefill" if i < p else "decode"
+            reg = Register(role=role, instance_id=INSTANCES[i], compat_hash="h1", pool_capacity=capacity)
+            self.send(f"{INSTANCES[i]}/0".encode(), reg)
+
+    @rule(
+        data=st.data(),
+        instance=st.sampled_from([*INSTANCES, "x" * 127]),
+        rank=st.sampled_from([0, 0, 0, 1, 1, 2]),
+        world_size=st.sampled_from([1, 1, 2]),
+        role=st.sampled_from(["prefill", "decode"]),
+        capacity=st.integers(0, 200),
+        compat_hash=st.sampled_from(["h1", "h1", "h1", "h2"]),
+    )
+    def register(
+        self, data: st.DataObject, instance: str, rank: int, world_size: int, role: str, capacity: int, compat_hash: str
+    ) -> None:
+        reg = Register(
+            role=role,  # type: ignore[arg-type]
+            instance_id=instance,
+            rank=rank,
+            world_size=world_size,
+            pool_capacity=capacity,
+            compat_hash=compat_hash,
+            compat={"dtype": compat_hash},
+        )
+        own = f"{instance}/{rank}".encode()  # mostly its own socket; sometimes one another peer holds
+        self.send(data.draw(st.sampled_from([own] * 3 + IDENTITIES)), reg)
+
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def offer(self, data: st.DataObject, n: int) -> None:
+        decodes = sorted({p.reg.instance_id for p in self.b.peers.values() if p.role == "decode"})
+        for _ in range(n):
+            hint = data.draw(st.sampled_from(["", "", *INSTANCES, "ghost"]))
+            chosen = data.draw(st.booleans())
+            if decodes and chosen:  # the proxy chose a live decode instance
+                hint = data.draw(st.sampled_from(decodes))
+            nbytes = data.draw(st.integers(0, 100) | sizes)
+            self.send(self.who(data, "prefill"), Offer(transfer_id=data.draw(tids), nbytes=nbytes, decode=hint))
+
+    @rule(data=st.data(), how=st.integers(0, 2))
+    def expect(self, data: st.DataObject, how: int) -> None:
+        if how == 0:  # the request turns up on D while its transfer waits for a route or credit
+            t = self.pick(data, [S.WAITING_CREDIT]) or self.pick(data, [S.UNROUTED])
+            if t is not None:
+                own = self.b.peers[t.decode].identity if t.decode else None
+                for i in range(data.draw(st.integers(1, 2))):
+                    mine = own is not None and i == 0 and data.draw(st.booleans())
+                    self.send(own if mine else self.who(data, "decode"), Expect(transfer_id=t.transfer_id))  # type: ignore[arg-type]
+            return
+        t = self.pick(data, list(S)) if how == 1 else None
+        self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids)))
+
+    @rule(data=st.data())
+    def progress(self, data: st.DataObject) -> None:
+        """D answers a Prepare with Ready, or a Go with Done; sometimes out of turn or out of range."""
+        t = self.pick(data, [S.PREPARING, S.SENDING])
+        if t is None:
+            return
+        identity = self.b.peers[t.decode].identity if data.draw(st.integers(0, 7)) else self.who(data)  # type: ignore[index]
+        ready = (t.state is S.PREPARING) == (data.draw(st.integers(0, 7)) > 0)
+        if ready:
+            offset = data.draw(st.integers(0, t.nbytes + 1))
+            nbytes = data.draw(st.integers(0, t.nbytes + 1 - offset))
+            self.send(identity, Ready(transfer_id=t.transfer_id, offset=offset, nbytes=nbytes))
+        else:
+            self.send(identity, Done(transfer_id=t.transfer_id, nbytes=t.nbytes))
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        t = self.pick(data, list(S))
+        if t is not None:
+            parts = [self.b.peers[x].identity for x in (t.prefill, t.decode, t.expected_by) if x]
+            identity = data.draw(st.sampled_from(parts)) if data.draw(st.integers(0, 3)) else self.who(data)
+            self.send(identity, Abort(transfer_id=t.transfer_id, reason="gave up"))
+
+    @rule(data=st.data(), msg=garbage, goodbye=st.integers(0, 7))
+    def noise(self, data: st.DataObject, msg: Message, goodbye: int) -> None:
+        """Garbage, stray and broker-to-peer messages from anyone; now and then a Goodbye."""
+        self.send(self.who(data), Goodbye() if goodbye == 7 else msg)
+
+    @rule(dt=clock_steps, alive=st.integers(0, 3))
+    def tick(self, dt: float, alive: int) -> None:
+        self.c.now += dt
+        if alive:  # mostly, every peer heartbeats in time; sometimes none do
+            for p in list(self.b.peers.values()):
+                self.send(p.identity, Heartbeat())
+        self.c.tick()  # checks that no peer, transfer or credit wait outlived `now`
+        self.c.inboxes.clear()
+
+    @invariant()
+    def consistent(self) -> None:
+        check_invariants(self.b)
+
+    def teardown(self) -> None:
+        self.c.now += 1e6
+        self.c.tick()
+        assert self.b.peers == {} and self.b.by_identity == {} and self.b.transfers == {}
+
+
+BrokerMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestBrokerMachine = BrokerMachine.TestCase

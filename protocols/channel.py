@@ -54,6 +54,10 @@ DEFAULT_LINGER_MS = 100
 
 T = TypeVar("T")
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
+
 
 class PeerUnreachable(KvBrokerError):
     """A ROUTER send named an identity that is not connected (now, or ever).
@@ -101,7 +105,7 @@ class ZmqChannel:
         """
         _check_frames(frames)
         await anyio.lowlevel.checkpoint_if_cancelled()
-        await self._io(lambda: self._sock.send_multipart(frames, zmq.NOBLOCK), zmq.POLLOUT, frames[0])
+        await self._io(lambda: self._send_frames(frames), zmq.POLLOUT, frames[0])
         await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def send_nowait(self, frames: Sequence[bytes]) -> None:
@@ -109,7 +113,7 @@ class ZmqChannel:
         _check_frames(frames)
         self._check_open()
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            self._send_frames(frames)
         except zmq.Again:
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
@@ -123,7 +127,7 @@ class ZmqChannel:
         """
         self._check_open()
         try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._recv_frames()
         except zmq.Again:
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
@@ -138,9 +142,25 @@ class ZmqChannel:
             ChannelClosed: the channel or its context is closed, before or during the wait.
         """
         await anyio.lowlevel.checkpoint_if_cancelled()
-        frames = await self._io(lambda: self._sock.recv_multipart(zmq.NOBLOCK), zmq.POLLIN)
+        frames = await self._io(self._recv_frames, zmq.POLLIN)
         # The message is ours now; a cancellation here must not drop it.
         await anyio.lowlevel.cancel_shielded_checkpoint()
+        return frames
+
+    def _send_frames(self, frames: Sequence[bytes]) -> None:
+        # pyzmq's send_multipart combines IntFlag enums per frame, which costs more than
+        # the send itself for small messages; plain ints keep the hot path cheap. Frames
+        # after the first are never refused: zmq delivers a multipart message whole.
+        send = self._sock.send
+        for frame in frames[:-1]:
+            send(frame, _SNDMORE_NOBLOCK)
+        send(frames[-1], _NOBLOCK)
+
+    def _recv_frames(self) -> list[bytes]:
+        recv, more = self._sock.recv, self._sock.getsockopt
+        frames = [recv(_NOBLOCK)]
+        while more(_RCVMORE):
+            frames.append(recv(_NOBLOCK))
         return frames
 
     def close(self) -> None:

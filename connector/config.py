@@ -1,0 +1,286 @@
+"""The connector's settings, read from vLLM's ``kv_transfer_config``, and what the engine is.
+
+Why a module of its own: a wrong setting found late shows up as a hang or a cryptic
+error deep inside an engine process. So every key of ``kv_connector_extra_config`` is
+checked here, at construction, and a bad one is refused with ONE sentence that names
+the key (or the address) and says what would be accepted. Unknown keys are refused
+too, so a typo (``pool_byte``) cannot silently fall back to a default.
+
+Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
+
+    broker              ZMQ address of the kvbroker daemon, e.g. "tcp://127.0.0.1:7100".
+    transport           "tcp" (default; CPU caches, any host) or "nccl".
+    pool_bytes          decode side: receive pool size (default 1 GiB, allocated lazily).
+    staging_bytes       prefill side: staging pool size (default 1 GiB).
+    load_timeout_s      longest a decode request waits for its KV (default 30).
+    register_timeout_s  longest the first registration with the broker may take (default 10).
+    tcp_host            address the decode side's TCP receiver binds AND advertises
+                        (default 127.0.0.1; use a routable address across hosts).
+    instance_id         this engine's name at the broker (default: vLLM's engine_id).
+    fault_injection     FOR TESTS ONLY: "flip_sign_bits" makes the decode side flip the
+                        sign bit of every received KV element before scattering it, to
+                        prove that corrupted KV changes the output (the values stay finite).
+    fault_injection_prefix  FOR TESTS ONLY: limit fault_injection to transfer ids
+                        starting with this prefix.
+
+`EngineInfo` is what the worker half needs to know about the engine (model, block size,
+parallel rank, attention backend); `engine_info_from_vllm` reads it from vLLM's config
+so the worker half itself never imports vLLM and can be tested with plain values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from protocols.errors import KvBrokerError
+
+__all__ = ["ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "parse_config"]
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+_PREFIX = "kv_connector_extra_config"
+_ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+FAULTS = ("flip_sign_bits",)
+# An instance id travels as "<instance>:<rank>" in fields of at most 128 characters.
+MAX_INSTANCE_ID = 100
+
+Role = Literal["producer", "consumer"]
+
+
+class ConfigError(KvBrokerError, ValueError):
+    """The kv_transfer_config cannot work; the message names the key and what to set."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated settings of one engine's connector (see the module docstring)."""
+
+    broker: str
+    role: Role
+    instance_id: str
+    transport: str = "tcp"
+    pool_bytes: int = GiB
+    staging_bytes: int = GiB
+    load_timeout_s: float = 30.0
+    register_timeout_s: float = 10.0
+    tcp_host: str = "127.0.0.1"
+    fault_injection: str | None = None
+    fault_injection_prefix: str = ""
+
+    @property
+    def staging_ttl_s(self) -> float:
+        """Longest a staged copy is kept without the broker's Release or Abort.
+
+        The broker's own transfer lease normally ends a transfer much sooner; this only
+        bounds staging memory when the broker itself is gone.
+        """
+        return max(120.0, 4 * self.load_timeout_s)
+
+
+_DEFAULTS = ConnectorConfig(broker="", role="producer", instance_id="")
+_KEYS = (
+    "broker",
+    "transport",
+    "pool_bytes",
+    "staging_bytes",
+    "load_timeout_s",
+    "register_timeout_s",
+    "tcp_host",
+    "instance_id",
+    "fault_injection",
+    "fault_injection_prefix",
+)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def parse_config(
+    extra: Mapping[str, Any] | None,
+    *,
+    kv_role: str | None,
+    engine_id: str | None,
+    cuda_available: Callable[[], bool] = _cuda_available,
+) -> ConnectorConfig:
+    """Check `extra` (``kv_connector_extra_config``) and the role; return the settings.
+
+    Args:
+        extra: the extra config dict (None counts as empty).
+        kv_role: vLLM's ``kv_role``: "kv_producer" or "kv_consumer".
+        engine_id: vLLM's ``engine_id``, the default instance id.
+        cuda_available: probe for the nccl transport (injectable for tests).
+
+    Raises:
+        ConfigError: one sentence naming the offending key or address.
+    """
+    extra = dict(extra or {})
+    unknown = sorted(k for k in extra if k not in _KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} in {_PREFIX}; the KVBrokerConnector knows {', '.join(_KEYS)}.")
+    role: Role
+    if kv_role == "kv_producer":
+        role = "producer"
+    elif kv_role == "kv_consumer":
+        role = "consumer"
+    else:
+        raise ConfigError(
+            f"kv_role must be 'kv_producer' (prefill) or 'kv_consumer' (decode) for the KVBrokerConnector, not {kv_role!r}."
+        )
+    broker = extra.get("broker")
+    if broker is None or broker == "":
+        raise ConfigError(
+            f'{_PREFIX}.broker is required: the address of the kvbroker daemon, e.g. "tcp://127.0.0.1:7100".'
+        )
+    if not isinstance(broker, str) or not _valid_address(broker):
+        raise ConfigError(
+            f"{_PREFIX}.broker {broker!r} is not a broker address; write it as tcp://HOST:PORT, e.g. tcp://127.0.0.1:7100."
+        )
+    transport = extra.get("transport", _DEFAULTS.transport)
+    if transport not in ("tcp", "nccl"):
+        raise ConfigError(f'{_PREFIX}.transport must be "tcp" or "nccl", not {transport!r}.')
+    if transport == "nccl":
+        if not cuda_available():
+            raise ConfigError(
+                f'{_PREFIX}.transport "nccl" is not supported on this host (no CUDA device is visible); use "tcp".'
+            )
+        raise ConfigError(
+            f'{_PREFIX}.transport "nccl" is not available in the vLLM connector yet; use "tcp" (CPU KV caches).'
+        )
+    instance_id = extra.get("instance_id", engine_id)
+    if not isinstance(instance_id, str) or not 0 < len(instance_id) <= MAX_INSTANCE_ID or ":" in instance_id:
+        raise ConfigError(
+            f"{_PREFIX}.instance_id must be a name of 1 to {MAX_INSTANCE_ID} characters without ':', not {instance_id!r}."
+        )
+    tcp_host = extra.get("tcp_host", _DEFAULTS.tcp_host)
+    if not isinstance(tcp_host, str) or not tcp_host or any(c in tcp_host for c in "/ "):
+        raise ConfigError(f"{_PREFIX}.tcp_host must be a host name or IP address to bind, not {tcp_host!r}.")
+    fault = extra.get("fault_injection")
+    if fault is not None and fault not in FAULTS:
+        raise ConfigError(
+            f"{_PREFIX}.fault_injection (for tests only) must be one of {', '.join(FAULTS)}, not {fault!r}."
+        )
+    prefix = extra.get("fault_injection_prefix", "")
+    if not isinstance(prefix, str):
+        raise ConfigError(f"{_PREFIX}.fault_injection_prefix must be a string, not {prefix!r}.")
+    return ConnectorConfig(
+        broker=broker,
+        role=role,
+        instance_id=instance_id,
+        transport=transport,
+        pool_bytes=_positive_int(extra, "pool_bytes", _DEFAULTS.pool_bytes),
+        staging_bytes=_positive_int(extra, "staging_bytes", _DEFAULTS.staging_bytes),
+        load_timeout_s=_positive_seconds(extra, "load_timeout_s", _DEFAULTS.load_timeout_s),
+        register_timeout_s=_positive_seconds(extra, "register_timeout_s", _DEFAULTS.register_timeout_s),
+        tcp_host=tcp_host.strip("[]"),
+        fault_injection=fault,
+        fault_injection_prefix=prefix,
+    )
+
+
+def _valid_address(address: str) -> bool:
+    m = _ADDRESS.match(address)
+    return m is not None and 0 < int(m["port"]) < 65536
+
+
+def _positive_int(extra: Mapping[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{_PREFIX}.{key} must be a positive whole number of bytes, not {value!r}.")
+    return value
+
+
+def _positive_seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise ConfigError(f"{_PREFIX}.{key} must be a number of seconds above 0 (at most 86400), not {value!r}.")
+    return float(value)
+
+
+# -- the engine ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the worker half needs to know about its engine, as plain values.
+
+    `spec` is the KV cache spec object of the (single) KV cache group, read duck-typed
+    by `workers.layout.CacheSpec.from_vllm`; `backend` names the attention kernel
+    variant where it changes the bytes of a block (the CPU kernel stores K transposed
+    in an ISA-dependent way), so P and D must agree on it.
+    """
+
+    model: str
+    spec: Any
+    block_size: int
+    kv_cache_dtype: str = "auto"
+    world_size: int = 1
+    rank: int = 0
+    backend: str = ""
+
+
+def kv_cache_spec_of(kv_cache_config: Any) -> Any:
+    """The KV cache spec of the single KV cache group.
+
+    Raises:
+        ConfigError: a hybrid or attention-free model (not exactly one group).
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        raise ConfigError(
+            f"the KVBrokerConnector moves models with one KV cache group; this one has {len(groups)} "
+            "(hybrid or attention-free models are not supported)."
+        )
+    return groups[0].kv_cache_spec
+
+
+def engine_info_from_vllm(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
+    """Read `EngineInfo` from vLLM's config objects, in a worker process (imports vLLM lazily).
+
+    Raises:
+        ConfigError: a hybrid model (several KV cache groups) or pipeline parallelism,
+            which this connector does not move.
+    """
+    spec = kv_cache_spec_of(kv_cache_config)
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) != 1:
+        raise ConfigError(
+            "the KVBrokerConnector does not support pipeline parallelism; set pipeline_parallel_size to 1."
+        )
+    world_size = int(getattr(parallel, "tensor_parallel_size", 1))
+    rank = 0
+    if world_size > 1:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = int(get_tensor_model_parallel_rank())
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    return EngineInfo(
+        model=str(vllm_config.model_config.model),
+        spec=spec,
+        block_size=int(spec.block_size),
+        kv_cache_dtype=cache_dtype,
+        world_size=world_size,
+        rank=rank,
+        backend=_attention_backend(vllm_config, spec, cache_dtype),
+    )
+
+
+def _attention_backend(vllm_config: Any, spec: Any, cache_dtype: str) -> str:
+    """The attention kernel variant, as far as this vLLM lets us see it ("" if not)."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(vllm_config.model_config.dtype, int(spec.block_size), int(spec.head_size), cache_dtype)
+            return f"CPU_ATTN/{isa}"
+        return str(current_platform.device_name)
+    except Exception:  # noqa: BLE001 (a private function that moved: the layout kind still guards the bytes)
+        return ""

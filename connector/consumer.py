@@ -1,0 +1,376 @@
+"""The consumer (decode) side of the worker half: receive each request's KV, scatter it, report.
+
+A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``:
+
+1. `start_load_kv` (main thread): for each new load in the step's metadata, send Expect,
+   so the broker routes the producer's Offer here. If the Prepare came first (the
+   producer was quicker than this engine's scheduler), it is waiting, parked, and is
+   used instead.
+2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
+   register the lease with the `TcpReceiver`, and only then send Ready with the byte
+   range after D's prefix-cache hit, so P's bytes land straight in the lease.
+3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
+   its prefix hit (the cache tensors from `register_kv_caches`; attn_metadata may be
+   None in this step), send Done (the bytes are now in D's cache), free the lease and
+   report the request as received.
+4. A missed deadline (no Prepare, no room, no bytes), a broken stream, a mismatched
+   layout or an Abort (the producer died, the broker's lease ended) fails the load:
+   its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
+   the request is reported, so vLLM's ``kv_load_failure_policy`` applies ("recompute"
+   or "fail"). Nothing is scattered from a failed load, and D's prefix-cached blocks
+   are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from protocols.errors import TransferFailed
+from protocols.messages import Abort, Expect, Prepare
+from workers.layout import scatter_layer_from_staging, staging_view, tail, tail_range
+from workers.pool import Lease, PoolError
+from workers.transports.tcp import TcpReceiver
+
+from .scheduler import KvBrokerMetadata, LoadSpec
+
+if TYPE_CHECKING:
+    from .worker import ConnectorWorker
+
+__all__ = ["ConsumerSide"]
+
+MAX_TOMBSTONES = 4096  # transfers the broker aborted before a local request claimed them
+BROKER_ABORT = "aborted by the broker: "
+
+
+@dataclass
+class _Load:
+    transfer_id: str
+    spec: LoadSpec
+    deadline: float
+    state: str = "waiting"
+    reason: str = ""
+    lease: Lease | None = None
+    nbytes: int = 0
+    scope: anyio.CancelScope | None = None
+    # True once the broker knows the transfer ended (it aborted it, or we told it).
+    settled: bool = False
+
+
+class ConsumerSide:
+    def __init__(self, worker: ConnectorWorker) -> None:
+        self.w = worker
+        self.receiver: TcpReceiver | None = None
+        self._loads: dict[str, _Load] = {}
+        self._rejected: list[_Load] = []
+        self._parked: dict[str, anyio.Event] = {}  # loop thread only
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self._errors: set[int] = set()
+        self._registrations = 1
+
+    def start_transport(self) -> dict[str, str]:
+        """Listen for producers; the endpoint goes into this peer's registration."""
+        ctx = {"role": self.w.role, "instance": self.w.config.instance_id}
+        self.receiver = TcpReceiver(self.w.config.tcp_host, 0, log_context=ctx)
+        return {"tcp": self.receiver.start()}
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+    @property
+    def loading_now(self) -> int:
+        with self.w.lock:
+            return len(self._loads)
+
+    # -- main thread -----------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvBrokerMetadata) -> None:
+        w = self.w
+        now = time.monotonic()
+        new: list[_Load] = []
+        with w.lock:
+            for tid, spec in meta.loads.items():
+                load = _Load(tid, spec, now + w.config.load_timeout_s)
+                if tid in self._loads:
+                    load.state, load.settled = "failed", True
+                    load.reason = "another request on this instance is already loading this transfer_id"
+                    self._rejected.append(load)
+                    continue
+                reason = self._tombstones.pop(tid, None)
+                if reason is not None:
+                    load.state, load.settled = "failed", True
+                    load.reason = f"the broker aborted it before this request arrived: {reason}"
+                self._loads[tid] = load
+                new.append(load)
+        if new:
+            w.spawn(self._announce, new)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Scatter what arrived, fail what is late; both count as received for vLLM."""
+        w = self.w
+        done = self._collect(finished_req_ids)
+        if not done:
+            return None
+        finished: set[str] = set()
+        dones: list[tuple[str, int]] = []
+        aborts: list[tuple[str, str]] = []
+        for load in done:
+            if load.state == "received":
+                error = self._scatter(load)
+                if error is None:
+                    dones.append((load.transfer_id, load.nbytes))
+                else:
+                    load.state, load.reason = "failed", error
+            if load.lease is not None:
+                load.lease.release()  # scattered, or useless: the room goes back to the pool
+                load.lease = None
+            finished.add(load.spec.req_id)
+            if load.state != "failed":
+                continue
+            if not load.settled:
+                load.settled = True
+                aborts.append((load.transfer_id, load.reason))
+            blocks = list(tail(load.spec.block_ids, load.spec.num_cached_blocks))
+            self._errors.update(blocks)
+            w.count("failed")
+            w.log.warning(
+                "transfer.load_failed",
+                transfer_id=load.transfer_id,
+                phase="failed",
+                req_id=load.spec.req_id,
+                blocks=len(blocks),
+                reason=load.reason,
+            )
+        if dones or aborts:
+            w.spawn(self._finish, dones, aborts)
+        return finished
+
+    def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
+        """Take the loads that ended (expiring late ones first); re-Expect after a broker restart."""
+        w = self.w
+        now = time.monotonic()
+        with w.lock:
+            for load in self._loads.values():
+                if load.state == "waiting" and (now > load.deadline or load.spec.req_id in finished_req_ids):
+                    load.state = "failed"
+                    load.reason = (
+                        f"no Prepare within the load deadline of {w.config.load_timeout_s:g} s"
+                        if now > load.deadline
+                        else "the request finished before its KV arrived"
+                    )
+            done = [load for load in self._loads.values() if load.state in ("received", "failed")]
+            for load in done:
+                del self._loads[load.transfer_id]
+            done += self._rejected
+            self._rejected = []
+            waiting = [load for load in self._loads.values() if load.state == "waiting"]
+        assert w.client is not None
+        registrations = w.client.client.registrations
+        if registrations != self._registrations:
+            self._registrations = registrations  # a restarted broker forgot our Expects
+            if waiting:
+                w.spawn(self._announce, waiting)
+        return done
+
+    def _scatter(self, load: _Load) -> str | None:
+        """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
+        w, spec = self.w, load.spec
+        assert load.lease is not None
+        count = len(spec.block_ids) - spec.num_cached_blocks
+        try:
+            if w.config.fault_injection == "flip_sign_bits" and load.transfer_id.startswith(
+                w.config.fault_injection_prefix
+            ):
+                self._inject_fault(load.transfer_id, load.lease.tensor)
+            staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
+            targets = tail(spec.block_ids, spec.num_cached_blocks)
+            for name, idx in w.layers.items():
+                scatter_layer_from_staging(staging, idx, w.caches[name], w.layouts[name], targets)
+        except Exception as exc:
+            w.log.exception("transfer.scatter_failed", transfer_id=load.transfer_id, phase="scatter")
+            return f"scatter failed: {exc}"
+        w.count("loaded")
+        w.count("bytes", load.nbytes)
+        w.log.info(
+            "transfer.loaded",
+            transfer_id=load.transfer_id,
+            phase="loaded",
+            req_id=spec.req_id,
+            nbytes=load.nbytes,
+            blocks=count,
+            skipped_blocks=spec.num_cached_blocks,
+        )
+        return None
+
+    def _inject_fault(self, tid: str, data: torch.Tensor) -> None:
+        """FOR TESTS ONLY (``fault_injection: "flip_sign_bits"``): negate every received KV element.
+
+        The values stay finite on purpose: vLLM does not zero reused blocks, so NaN bit
+        patterns would leak into whichever request gets these blocks next.
+        """
+        size = next(iter(self.w.layouts.values())).dtype.itemsize
+        data.view(-1, size)[:, size - 1] ^= 0x80  # little-endian: the sign is the top bit of the last byte
+        self.w.log.warning("transfer.fault_injected", transfer_id=tid, phase="fault", fault="flip_sign_bits")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- the client's loop thread ------------------------------------------------------------
+
+    async def _announce(self, loads: list[_Load]) -> None:
+        w = self.w
+        assert w.client is not None
+        client = w.client.client
+        for load in loads:
+            tid = load.transfer_id
+            if load.state != "waiting":
+                continue
+            parked = self._parked.get(tid)
+            if parked is not None:
+                parked.set()  # its Prepare came first: no Expect needed
+                continue
+            # Sent untracked: an Expect that crosses our own Prepare is refused by the
+            # broker, and that refusal must not abort the transfer.
+            await w.send_bounded("expect", tid, client.send, Expect(transfer_id=tid))
+            w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
+
+    async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:
+        assert self.w.client is not None
+        client = self.w.client.client
+        for tid, nbytes in dones:
+            await self.w.send_bounded("done", tid, client.done, tid, nbytes)
+        for tid, reason in aborts:
+            await self._abort(tid, reason)
+
+    async def _abort(self, tid: str, reason: str) -> None:
+        assert self.w.client is not None
+        client = self.w.client.client
+        await self.w.send_bounded("abort", tid, client.abort, tid, reason)
+
+    async def on_prepare(self, msg: Prepare) -> None:
+        w, tid = self.w, msg.transfer_id
+        with w.lock:
+            load = self._loads.get(tid)
+        if load is None:
+            load = await self._wait_for_request(tid)
+            if load is None:
+                return
+        with w.lock:
+            start = load.state == "waiting"
+            if start:
+                load.state = "receiving"
+                load.scope = anyio.CancelScope()
+        if not start:
+            await self._abort(tid, "this decode instance already gave the transfer up")
+            return
+        assert load.scope is not None
+        reason = ""
+        try:
+            with load.scope:
+                reason = await self._receive(msg, load)
+            if load.scope.cancelled_caught:
+                reason = load.reason or "cancelled"
+        except Exception as exc:  # one transfer must never take the client down
+            reason = f"decode worker error: {exc!r}"
+            w.log.exception("transfer.crashed", transfer_id=tid, phase="receive")
+        if not reason:
+            return
+        if load.lease is not None:
+            load.lease.release()
+            load.lease = None
+        with w.lock:
+            load.state, load.reason = "failed", load.reason or reason
+            tell, load.settled = not load.settled, True
+        if tell:
+            await self._abort(tid, reason)
+
+    async def _wait_for_request(self, tid: str) -> _Load | None:
+        """A Prepare before the request reached this engine: wait for it, under the deadline."""
+        w = self.w
+        event = self._parked.setdefault(tid, anyio.Event())
+        with anyio.move_on_after(w.config.load_timeout_s):
+            await event.wait()
+        self._parked.pop(tid, None)
+        with w.lock:
+            load = self._loads.get(tid)
+            aborted = tid in self._tombstones
+        if load is None and not aborted:
+            reason = (
+                f"no request on decode instance {w.config.instance_id} claimed it within {w.config.load_timeout_s:g} s"
+            )
+            self._remember_abort(tid, reason)
+            await self._abort(tid, reason)
+        return load
+
+    async def _receive(self, msg: Prepare, load: _Load) -> str:
+        """Lease, expect, Ready, wait; "" once the bytes are in the lease, else why not."""
+        w = self.w
+        assert w.pool is not None and self.receiver is not None and w.client is not None
+        tid, spec, lay = msg.transfer_id, load.spec, msg.layout
+        n, k, layers = len(spec.block_ids), spec.num_cached_blocks, len(w.layers)
+        if lay.num_layers != layers or lay.block_nbytes != w.block_nbytes or lay.num_blocks != n:
+            return (
+                f"the producer staged {lay.num_blocks} blocks x {lay.num_layers} layers x {lay.block_nbytes} B "
+                f"but this request needs {n} x {layers} x {w.block_nbytes} B"
+            )
+        if msg.nbytes != n * layers * w.block_nbytes or k >= n:
+            return (
+                f"{msg.nbytes} B offered do not match {n} blocks of {layers * w.block_nbytes} B after a {k}-block hit"
+            )
+        offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
+        expecting = False
+        try:
+            with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
+                load.lease = await w.pool.acquire(nbytes)
+                completion = self.receiver.expect(tid, msg.attempt, load.lease.tensor, nbytes)
+                expecting = True
+                await w.client.client.ready(tid, nbytes, offset)
+                w.log.info(
+                    "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes, skip_blocks=k
+                )
+                await completion.wait()
+                expecting = False
+        except TimeoutError:
+            return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
+        except TransferFailed as exc:
+            expecting = False
+            return exc.reason
+        except PoolError as exc:
+            return str(exc)
+        finally:
+            if expecting:
+                await self.receiver.cancel(tid, "the load ended")
+        load.nbytes = nbytes
+        with w.lock:
+            load.state = "received"
+        return ""
+
+    async def on_abort(self, msg: Abort) -> None:
+        w, tid = self.w, msg.transfer_id
+        with w.lock:
+            load = self._loads.get(tid)
+            if load is not None and load.state in ("waiting", "receiving"):
+                load.reason, load.settled = BROKER_ABORT + msg.reason, True
+                if load.state == "waiting":
+                    load.state = "failed"
+            scope = load.scope if load is not None and load.state == "receiving" else None
+        if load is None:
+            self._remember_abort(tid, msg.reason)
+            parked = self._parked.pop(tid, None)
+            if parked is not None:
+                parked.set()
+        elif scope is not None:
+            scope.cancel()
+
+    def _remember_abort(self, tid: str, reason: str) -> None:
+        with self.w.lock:
+            self._tombstones[tid] = reason
+            while len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)

@@ -1,0 +1,270 @@
+"""The producer (prefill) side of the worker half: stage each request's KV, send it on Go.
+
+1. `bind`: for each request whose prompt completes in this step, lease a staging
+   buffer of ``blocks x layers x block_nbytes``, block-major, so D can skip a head of
+   blocks it already holds with a byte offset. If the pool is full, wait (under
+   load_timeout_s) for the broker's Releases: that is the backpressure on prefill.
+2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
+   returning. On the CPU the copy is complete on return, so vLLM may free and reuse
+   the blocks right after the step and the staged copy still holds what the cache held
+   when the layer was computed (the seed's corruption came from copying later, on
+   another thread). On a GPU the same gather is ordered on the compute stream, and a
+   send would have to wait on an event recorded after it; the connector refuses GPU
+   caches until an nccl path does exactly that.
+3. `wait_for_save`: returns only once every layer is staged and the Offer is sent; a
+   step that missed a layer is dropped rather than sent half-written.
+4. On Go: send the requested byte range straight to D's TCP endpoint (returns once D
+   acknowledged all of it). On Release (D has it) or Abort: free the lease, after any
+   send still reading it. A staged copy the broker never settles is freed after
+   `staging_ttl_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import torch
+
+from protocols.errors import TransferFailed
+from protocols.messages import Abort, Go, Release
+from workers.layout import gather_layer_into_staging, staging_view, wire_layout
+from workers.pool import Lease, PoolError
+from workers.transports.tcp import TcpSender
+
+from .scheduler import KvBrokerMetadata, SaveSpec
+
+if TYPE_CHECKING:
+    from .worker import ConnectorWorker
+
+__all__ = ["ProducerSide"]
+
+
+@dataclass
+class _Staged:
+    """A staged copy of one request, alive until Release/Abort."""
+
+    spec: SaveSpec
+    lease: Lease
+    staging: torch.Tensor
+    created: float
+    layers_done: set[int] = field(default_factory=set)
+    sends: int = 0
+    dead: bool = False
+
+
+class ProducerSide:
+    def __init__(self, worker: ConnectorWorker) -> None:
+        self.w = worker
+        self.sender: TcpSender | None = None
+        self._staged: dict[str, _Staged] = {}
+        self._step: list[tuple[str, _Staged]] = []
+
+    def start_transport(self) -> dict[str, str]:
+        """A producer only connects out: it advertises no endpoint."""
+        self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
+        return {}
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+    @property
+    def staged_now(self) -> int:
+        with self.w.lock:
+            return len(self._staged)
+
+    # -- main thread -----------------------------------------------------------------------
+
+    def bind(self, meta: KvBrokerMetadata) -> None:
+        for tid, spec in meta.saves.items():
+            staged = self._lease(tid, spec)
+            if staged is not None:
+                self._step.append((tid, staged))
+
+    def _lease(self, tid: str, spec: SaveSpec) -> _Staged | None:
+        w = self.w
+        assert w.pool is not None and w.client is not None
+        num_layers = len(w.layers)
+        nbytes = len(spec.block_ids) * num_layers * w.block_nbytes
+        with w.lock:
+            old = self._staged.get(tid)
+        if old is not None:
+            self._duplicate(tid, old, spec)
+            return None
+        try:
+            lease = w.pool.acquire_nowait(nbytes)
+        except PoolError:
+            try:  # wait for Releases (backpressure), on the client's loop, under a deadline
+                lease = w.client.call(self._acquire, nbytes)
+            except (PoolError, TimeoutError) as exc:
+                w.log.error(
+                    "transfer.stage_failed",
+                    transfer_id=tid,
+                    phase="stage",
+                    nbytes=nbytes,
+                    reason=f"no staging room ({exc or 'timed out'}); raise staging_bytes (now {w.pool.capacity} B)",
+                )
+                return None
+        staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
+        return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic())
+
+    def _duplicate(self, tid: str, old: _Staged, spec: SaveSpec) -> None:
+        """A transfer_id that is still staged arrives again (a proxy retry, or a proxy bug).
+
+        The same prompt has the same KV: keep the staged copy. A different prompt must
+        not be answered with the old prompt's KV, so the transfer is aborted: the decode
+        side fails its load and vLLM's failure policy applies.
+        """
+        w = self.w
+        if old.spec.tokens == spec.tokens:
+            w.log.warning(
+                "transfer.duplicate", transfer_id=tid, phase="stage", reason="already staged for the same prompt"
+            )
+            return
+        reason = "the transfer_id was reused for a different prompt while its KV was still staged"
+        w.log.error("transfer.duplicate", transfer_id=tid, phase="stage", reason=reason)
+        assert w.client is not None
+        client = w.client.client
+        w.spawn(w.send_bounded, "abort", tid, client.abort, tid, reason)
+        self._unstage(tid, "aborted", reason)
+
+    async def _acquire(self, nbytes: int) -> Lease:
+        assert self.w.pool is not None
+        with anyio.fail_after(self.w.config.load_timeout_s):
+            return await self.w.pool.acquire(nbytes)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        idx = self.w.layers.get(layer_name)
+        if idx is None or not self._step:
+            return
+        layout = self.w.layouts[layer_name]
+        for _tid, staged in self._step:
+            gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
+            staged.layers_done.add(idx)
+
+    def wait_for_save(self) -> None:
+        w = self.w
+        step, self._step = self._step, []
+        ready: list[tuple[str, _Staged]] = []
+        for tid, staged in step:
+            if len(staged.layers_done) != len(w.layers):
+                staged.lease.release()
+                w.log.error(
+                    "transfer.stage_failed",
+                    transfer_id=tid,
+                    phase="stage",
+                    reason=f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step",
+                )
+                continue
+            with w.lock:
+                self._staged[tid] = staged
+            w.count("staged")
+            ready.append((tid, staged))
+        if ready:
+            assert w.client is not None
+            w.client.call(self._offer_all, ready)
+        self._expire()
+
+    async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
+        """Offer every transfer of the step at once; at most SEND_TIMEOUT_S while reconnecting.
+
+        `BrokerClient.offer` records an offer before sending it, so one that cannot go
+        out now is re-sent when the client registers again.
+        """
+        async with anyio.create_task_group() as tg:
+            for tid, staged in ready:
+                tg.start_soon(self._offer, tid, staged)
+
+    async def _offer(self, tid: str, staged: _Staged) -> None:
+        w = self.w
+        assert w.client is not None
+        client = w.client.client
+        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
+        nbytes = staged.lease.nbytes
+        await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode)
+        w.count("offered")
+        w.log.info(
+            "transfer.offered",
+            transfer_id=tid,
+            phase="offer",
+            req_id=staged.spec.req_id,
+            nbytes=nbytes,
+            blocks=len(staged.spec.block_ids),
+            decode=staged.spec.decode or None,
+        )
+
+    def _expire(self) -> None:
+        """Free staged copies that outlived staging_ttl_s (only when the broker is gone)."""
+        now = time.monotonic()
+        ttl = self.w.config.staging_ttl_s
+        with self.w.lock:
+            old = [tid for tid, s in self._staged.items() if now - s.created > ttl]
+        for tid in old:
+            self._unstage(tid, "expired", f"no Release or Abort within {ttl:g} s")
+
+    def _unstage(self, tid: str, phase: str, reason: str = "") -> None:
+        w = self.w
+        with w.lock:
+            staged = self._staged.pop(tid, None)
+            if staged is None:
+                return
+            staged.dead = True
+            free_now = staged.sends == 0
+        if free_now:
+            staged.lease.release()
+        w.count("released" if phase == "released" else "aborted")
+        level = "info" if phase == "released" else "warning"
+        getattr(w.log, level)(f"transfer.{phase}", transfer_id=tid, phase=phase, reason=reason or None)
+
+    # -- the client's loop thread ------------------------------------------------------------
+
+    async def on_go(self, msg: Go) -> None:
+        w, tid = self.w, msg.transfer_id
+        with w.lock:
+            staged = self._staged.get(tid)
+            if staged is not None:
+                staged.sends += 1
+        if staged is None:
+            w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
+            return
+        assert self.sender is not None
+        endpoint = msg.endpoints.get("tcp")
+        t0 = time.monotonic()
+        try:
+            if endpoint is None:
+                raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
+            data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
+            with anyio.fail_after(w.config.load_timeout_s):
+                await self.sender.send(endpoint, tid, msg.attempt, data)
+        except (TransferFailed, TimeoutError, OSError) as exc:
+            # D fails its load (and aborts), or the broker re-routes; nothing to undo here.
+            reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
+            w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
+        else:
+            w.count("sent")
+            w.count("bytes", msg.nbytes)
+            ms = round((time.monotonic() - t0) * 1e3, 3)
+            w.log.info(
+                "transfer.sent",
+                transfer_id=tid,
+                phase="send",
+                decode=msg.decode,
+                offset=msg.offset,
+                nbytes=msg.nbytes,
+                ms=ms,
+            )
+        finally:
+            with w.lock:
+                staged.sends -= 1
+                free_now = staged.dead and staged.sends == 0
+            if free_now:
+                staged.lease.release()
+
+    async def on_release(self, msg: Release) -> None:
+        self._unstage(msg.transfer_id, "released")
+
+    async def on_abort(self, msg: Abort) -> None:
+        self._unstage(msg.transfer_id, "aborted", msg.reason)

@@ -1,0 +1,289 @@
+"""The worker half of the connector: owns the broker client, the pool and the transport.
+
+`ConnectorWorker` does what both roles share: it reads the KV cache layout from the
+tensors vLLM registers and the cache spec (never from attn_metadata, which may be None
+or a dict), computes the compatibility fields, starts the transport, allocates the
+pool (staging on a producer, receive on a consumer) and registers with the broker. The
+role's work is in `connector.producer.ProducerSide` or `connector.consumer.ConsumerSide`.
+
+Threads
+-------
+vLLM calls the hooks on its worker thread ("main"). The broker client runs on an anyio
+loop in a background thread (`workers.client.SyncBrokerClient`) and calls this object
+as its `TransferHandler` there. The TCP transport moves bytes on threads of its own.
+State shared between threads sits behind `lock`, which is never held across a portal
+call, so neither thread can block the other. KV cache tensors are read and written
+only on the main thread (gather in the layer hooks, scatter between forward passes),
+so nothing races the model.
+
+Compatibility
+-------------
+P and D must agree on everything that shapes a block's bytes: model, dtype, KV cache
+dtype, block size, layer count, KV heads, head size, layout kind, attention kernel
+variant (the CPU kernel stores K transposed per ISA) and tensor-parallel size. Those
+fields travel in ``Register.compat`` with their hash; the broker refuses a peer that
+matches no peer of the other role and names the fields that differ
+("dtype: float16 vs bfloat16").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
+from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
+from workers.layout import CacheSpec, LayerLayout, detect_layout
+from workers.pool import BufferPool
+
+from .config import ConfigError, ConnectorConfig, EngineInfo
+from .consumer import ConsumerSide
+from .producer import ProducerSide
+from .scheduler import KvBrokerMetadata
+
+__all__ = ["ConnectorWorker", "compat_fields", "compat_hash"]
+
+ALIGN = 4096
+# Longest one message to the broker may wait while the client reconnects; a message
+# that cannot go out by then is re-sent after reconnecting (offers, expects) or made
+# moot by the broker's transfer lease (done, abort).
+SEND_TIMEOUT_S = 2.0
+
+
+def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int) -> dict[str, str]:
+    """The fields P and D must agree on, as text, so a refusal can name what differs."""
+    spec = CacheSpec.from_vllm(info.spec)
+    return {
+        "model": info.model,
+        "dtype": str(layout.dtype).removeprefix("torch."),
+        "kv_cache_dtype": info.kv_cache_dtype,
+        "block_size": str(info.block_size),
+        "num_layers": str(num_layers),
+        "num_kv_heads": str(spec.num_kv_heads),
+        "head_size": str(spec.head_size),
+        "layout": layout.kind,
+        "block_nbytes": str(layout.block_nbytes),
+        "backend": info.backend or "unknown",
+        "world_size": str(info.world_size),
+    }
+
+
+def compat_hash(fields: dict[str, str]) -> str:
+    text = ";".join(f"{k}={v}" for k, v in sorted(fields.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class ConnectorWorker:
+    """One worker process's half of the connector (see the module docstring)."""
+
+    def __init__(self, config: ConnectorConfig, info: EngineInfo) -> None:
+        self.config = config
+        self.info = info
+        self.role = config.role
+        self.is_producer = config.role == "producer"
+        self.log = structlog.get_logger("kvbroker.connector").bind(
+            role=config.role, instance=config.instance_id, rank=info.rank
+        )
+        self.lock = threading.Lock()
+        self.layers: dict[str, int] = {}  # layer name -> index in the staged bytes
+        self.layouts: dict[str, LayerLayout] = {}
+        self.caches: dict[str, torch.Tensor] = {}
+        self.block_nbytes = 0
+        self.compat: dict[str, str] = {}
+        self.pool: BufferPool | None = None
+        self.client: SyncBrokerClient | None = None
+        self.meta = KvBrokerMetadata()
+        self.counters = {
+            k: 0 for k in ("staged", "offered", "sent", "released", "aborted", "loaded", "failed", "bytes")
+        }
+        self.producer = ProducerSide(self) if self.is_producer else None
+        self.consumer = None if self.is_producer else ConsumerSide(self)
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Detect the layout, start the transport and register with the broker.
+
+        Raises:
+            ConfigError: a cache this connector cannot move (GPU, mixed layouts).
+            LayoutError: a tensor that fits no known layout for the cache spec.
+            BrokerUnavailable: the broker did not answer within register_timeout_s.
+            Refused: the broker turned this peer away (e.g. incompatible with the other role).
+        """
+        if not kv_caches:
+            raise ConfigError("vLLM registered no KV cache layers; the KVBrokerConnector has nothing to move.")
+        spec = CacheSpec.from_vllm(self.info.spec)
+        for idx, (name, tensor) in enumerate(kv_caches.items()):
+            if tensor.device.type != "cpu":
+                raise ConfigError(
+                    f'layer {name} keeps its KV cache on {tensor.device}; the "tcp" transport moves CPU KV caches only.'
+                )
+            self.layers[name] = idx
+            self.layouts[name] = detect_layout(tensor, spec)
+            self.caches[name] = tensor
+        kinds = {(lay.kind, lay.block_nbytes, lay.dtype) for lay in self.layouts.values()}
+        if len(kinds) != 1:
+            raise ConfigError(
+                f"the KV cache layers differ in layout ({sorted(map(str, kinds))}); they cannot be staged together."
+            )
+        first = next(iter(self.layouts.values()))
+        self.block_nbytes = first.block_nbytes
+        self.compat = compat_fields(self.info, first, len(self.layers))
+        size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes
+        self.pool = BufferPool(-(-size // ALIGN) * ALIGN, alignment=ALIGN)
+        side = self.producer or self.consumer
+        assert side is not None
+        endpoints = side.start_transport()
+        registration = Register(
+            role="prefill" if self.is_producer else "decode",
+            instance_id=self.config.instance_id,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            endpoints=endpoints,
+            pool_capacity=0 if self.is_producer else self.pool.capacity,
+            compat_hash=compat_hash(self.compat),
+            compat=self.compat,
+        )
+        pool = self.pool
+        client = BrokerClient(
+            ClientConfig(broker=self.config.broker, register_timeout_s=self.config.register_timeout_s),
+            registration,
+            handler=self,
+            pool_free=None if self.is_producer else (lambda: pool.statistics().free),
+        )
+        try:
+            self.client = SyncBrokerClient(client)
+        except BaseException as exc:
+            self.close()
+            # The client's task group wraps a refusal or a timeout in an ExceptionGroup;
+            # vLLM's startup error should be the one sentence inside it.
+            while len(getattr(exc, "exceptions", ())) == 1:  # an (Base)ExceptionGroup
+                exc = exc.exceptions[0]  # type: ignore[attr-defined]
+            raise exc from None
+        self.log.info(
+            "connector.registered",
+            phase="register",
+            broker=self.config.broker,
+            peer=self.client.registered.peer_id,
+            layers=len(self.layers),
+            layout=first.describe(),
+            endpoints=endpoints,
+            pool_bytes=self.pool.capacity,
+        )
+
+    def close(self) -> None:
+        """Say goodbye to the broker and stop the transport (vLLM's shutdown hook)."""
+        client, self.client = self.client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # noqa: BLE001 (shutting down: report, do not raise)
+                self.log.warning("connector.close_failed", error=repr(exc))
+        side = self.producer or self.consumer
+        if side is not None:
+            side.close()
+        self.log.info("connector.closed", phase="close", **self.counters)
+
+    # -- vLLM hooks (main thread) ------------------------------------------------------------
+
+    def bind(self, meta: Any) -> None:
+        """Keep this step's metadata; a producer leases staging for the step's saves now."""
+        self.meta = meta if isinstance(meta, KvBrokerMetadata) else KvBrokerMetadata()
+        if self.producer is not None and self.meta.saves:
+            self.producer.bind(self.meta)
+
+    def clear(self) -> None:
+        self.meta = KvBrokerMetadata()
+
+    def start_load_kv(self) -> None:
+        if self.consumer is not None and self.meta.loads:
+            self.consumer.start_load_kv(self.meta)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Producer: copy this layer of the step's staged requests; complete on return (CPU)."""
+        if self.producer is not None:
+            self.producer.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        """Producer: return once this step's transfers are staged and offered."""
+        if self.producer is not None:
+            self.producer.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(sending, receiving) request ids: blocks are never held on send, so sending is None."""
+        if self.consumer is None:
+            return None, None
+        return None, self.consumer.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set() if self.consumer is None else self.consumer.get_block_ids_with_load_errors()
+
+    # -- TransferHandler (the client's loop thread) ------------------------------------------
+
+    async def on_prepare(self, msg: Prepare) -> None:
+        if self.consumer is None:
+            self.log.warning(
+                "transfer.unexpected", transfer_id=msg.transfer_id, phase="prepare", reason="Prepare sent to a producer"
+            )
+            return
+        await self.consumer.on_prepare(msg)
+
+    async def on_go(self, msg: Go) -> None:
+        if self.producer is None:
+            self.log.warning(
+                "transfer.unexpected", transfer_id=msg.transfer_id, phase="send", reason="Go sent to a consumer"
+            )
+            return
+        await self.producer.on_go(msg)
+
+    async def on_release(self, msg: Release) -> None:
+        if self.producer is not None:
+            await self.producer.on_release(msg)
+
+    async def on_abort(self, msg: Abort) -> None:
+        side = self.producer or self.consumer
+        assert side is not None
+        await side.on_abort(msg)
+
+    async def on_relay(self, msg: Relay) -> None:
+        pass  # rendezvous data for the nccl transport, which this connector does not use yet
+
+    # -- messages to the broker --------------------------------------------------------------
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` on the client's loop without waiting: a step never waits on the broker."""
+        assert self.client is not None
+        future = self.client.portal.start_task_soon(fn, *args)
+        future.add_done_callback(self._report)
+
+    def _report(self, future: Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self.log.error("connector.task_failed", error=repr(future.exception()))
+
+    async def send_bounded(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Await ``send(*args)`` for at most SEND_TIMEOUT_S (shielded, so cleanup code may use it)."""
+        with anyio.move_on_after(SEND_TIMEOUT_S, shield=True) as scope:
+            await send(*args)
+        if scope.cancelled_caught:
+            self.log.warning("broker.send_timeout", transfer_id=tid, phase=what, timeout_s=SEND_TIMEOUT_S)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[key] += n
+
+    def statistics(self) -> dict[str, int]:
+        """Counters, and what is in flight, for logs and tests."""
+        with self.lock:
+            stats = dict(self.counters)
+        stats["staged_now"] = self.producer.staged_now if self.producer else 0
+        stats["loading_now"] = self.consumer.loading_now if self.consumer else 0
+        return stats

@@ -1,0 +1,142 @@
+"""kv_connector_extra_config parsing: good settings pass, each bad one is one sentence naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connector.config import ConfigError, ConnectorConfig, parse_config
+
+BROKER = "tcp://127.0.0.1:7100"
+
+
+def parse(
+    extra: dict[str, Any] | None, role: str = "kv_consumer", engine_id: str | None = "engine-1", cuda: bool = False
+) -> ConnectorConfig:
+    return parse_config(extra, kv_role=role, engine_id=engine_id, cuda_available=lambda: cuda)
+
+
+def refused(extra: dict[str, Any] | None, role: str = "kv_consumer", cuda: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse(extra, role=role, cuda=cuda)
+    text = str(info.value)
+    # One sentence: a single full stop, at the end (addresses and numbers contain dots).
+    assert text.endswith("."), text
+    assert "\n" not in text
+    return text
+
+
+def test_defaults() -> None:
+    cfg = parse({"broker": BROKER})
+    assert cfg == ConnectorConfig(broker=BROKER, role="consumer", instance_id="engine-1")
+    assert cfg.transport == "tcp" and cfg.pool_bytes == cfg.staging_bytes == 1 << 30
+    assert cfg.load_timeout_s == 30.0 and cfg.register_timeout_s == 10.0
+    assert cfg.tcp_host == "127.0.0.1" and cfg.fault_injection is None
+    assert parse({"broker": BROKER}, role="kv_producer").role == "producer"
+
+
+def test_every_key() -> None:
+    cfg = parse(
+        {
+            "broker": "tcp://broker.internal:7100",
+            "transport": "tcp",
+            "pool_bytes": 1 << 20,
+            "staging_bytes": 2 << 20,
+            "load_timeout_s": 2.5,
+            "register_timeout_s": 1,
+            "tcp_host": "10.0.0.7",
+            "instance_id": "decode-a",
+            "fault_injection": "flip_sign_bits",
+            "fault_injection_prefix": "corrupt-",
+        }
+    )
+    assert (cfg.pool_bytes, cfg.staging_bytes, cfg.load_timeout_s, cfg.register_timeout_s) == (
+        1 << 20,
+        2 << 20,
+        2.5,
+        1.0,
+    )
+    assert (cfg.tcp_host, cfg.instance_id, cfg.fault_injection, cfg.fault_injection_prefix) == (
+        "10.0.0.7",
+        "decode-a",
+        "flip_sign_bits",
+        "corrupt-",
+    )
+    assert cfg.staging_ttl_s >= 120
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1:7100", "tcp://localhost:1", "tcp://[::1]:7100", "tcp://my-broker.svc:65535"]
+)
+def test_good_addresses(address: str) -> None:
+    assert parse({"broker": address}).broker == address
+
+
+def test_missing_broker() -> None:
+    for extra in (None, {}, {"broker": ""}):
+        text = refused(extra)
+        assert "kv_connector_extra_config.broker is required" in text and "tcp://127.0.0.1:7100" in text
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1:7100",
+        "http://127.0.0.1:7100",
+        "tcp://127.0.0.1",
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:70000",
+        "tcp://*:7100",
+        "tcp://a b:1",
+        7100,
+    ],
+)
+def test_malformed_broker_address(address: Any) -> None:
+    text = refused({"broker": address})
+    assert "kv_connector_extra_config.broker" in text and repr(address) in text and "tcp://HOST:PORT" in text
+
+
+def test_unknown_transport() -> None:
+    text = refused({"broker": BROKER, "transport": "rdma"})
+    assert "kv_connector_extra_config.transport" in text and "'rdma'" in text and '"tcp"' in text
+
+
+def test_nccl_without_cuda_is_not_supported_on_this_host() -> None:
+    assert "not supported on this host" in refused({"broker": BROKER, "transport": "nccl"}, cuda=False)
+    assert "nccl" in refused({"broker": BROKER, "transport": "nccl"}, cuda=True)
+
+
+@pytest.mark.parametrize("key", ["pool_bytes", "staging_bytes"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "1GiB", True, None])
+def test_non_positive_sizes(key: str, value: Any) -> None:
+    text = refused({"broker": BROKER, key: value})
+    assert f"kv_connector_extra_config.{key}" in text and "positive" in text and repr(value) in text
+
+
+@pytest.mark.parametrize("key", ["load_timeout_s", "register_timeout_s"])
+@pytest.mark.parametrize("value", [0, -3, "10", False, 1e9])
+def test_bad_timeouts(key: str, value: Any) -> None:
+    text = refused({"broker": BROKER, key: value})
+    assert f"kv_connector_extra_config.{key}" in text and "seconds" in text
+
+
+def test_unknown_key_is_named() -> None:
+    text = refused({"broker": BROKER, "pool_byte": 10})
+    assert "'pool_byte'" in text and "pool_bytes" in text
+
+
+@pytest.mark.parametrize("role", ["kv_both", None, "producer"])
+def test_role_must_be_producer_or_consumer(role: Any) -> None:
+    text = refused({"broker": BROKER}, role=role)
+    assert "kv_role" in text and repr(role) in text
+
+
+@pytest.mark.parametrize("instance", ["", "a:b", "x" * 101, 5])
+def test_bad_instance_id(instance: Any) -> None:
+    assert "kv_connector_extra_config.instance_id" in refused({"broker": BROKER, "instance_id": instance})
+
+
+def test_bad_tcp_host_and_fault() -> None:
+    assert "kv_connector_extra_config.tcp_host" in refused({"broker": BROKER, "tcp_host": ""})
+    assert "kv_connector_extra_config.fault_injection" in refused({"broker": BROKER, "fault_injection": "explode"})

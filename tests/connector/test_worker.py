@@ -1,0 +1,308 @@
+"""The connector's worker half against a real broker process, with real CPU KV tensors.
+
+No vLLM here: the worker half takes plain `EngineInfo` and per-step metadata, so these
+tests drive the same hooks vLLM calls (bind, save_kv_layer, wait_for_save,
+start_load_kv, get_finished) in the order vLLM calls them, in one process, with a P and
+a D side that talk only through the broker and TCP.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.config import EngineInfo, parse_config
+from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
+from connector.worker import ConnectorWorker
+from protocols.errors import BrokerUnavailable, Refused
+from tests.support import BrokerProcess
+
+pytestmark = pytest.mark.slow
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+@dataclass(frozen=True)
+class FakeSpec:
+    block_size: int = 32
+    num_kv_heads: int = 2
+    head_size: int = 64
+    use_mla: bool = False
+
+
+def make_caches(
+    num_blocks: int = 64, dtype: torch.dtype = torch.bfloat16, spec: FakeSpec = FakeSpec(), seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Layers as views of one allocation, like vLLM's CPU backend: [blocks, heads, bs, 2*head]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    whole = torch.randn((len(LAYERS), *shape), generator=g).to(dtype)
+    return {name: whole[i] for i, name in enumerate(LAYERS)}
+
+
+def make_worker(
+    broker: str,
+    role: str,
+    instance: str,
+    caches: dict[str, torch.Tensor],
+    spec: FakeSpec = FakeSpec(),
+    **extra: object,
+) -> ConnectorWorker:
+    config = parse_config(
+        {"broker": broker, "instance_id": instance, "pool_bytes": 1 << 22, "staging_bytes": 1 << 22, **extra},
+        kv_role="kv_producer" if role == "p" else "kv_consumer",
+        engine_id=None,
+    )
+    info = EngineInfo(model="tiny", spec=spec, block_size=spec.block_size, backend="CPU_ATTN/test")
+    worker = ConnectorWorker(config, info)
+    worker.register_kv_caches(caches)
+    return worker
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
+    b.start()
+    yield b
+    b.kill()
+
+
+def stage(
+    p: ConnectorWorker, caches: dict[str, torch.Tensor], tid: str, blocks: list[int], decode: str = "", tokens: str = ""
+) -> None:
+    """One producer step, as vLLM runs it."""
+    spec = SaveSpec(
+        req_id=f"req-{tid}", block_ids=blocks, num_tokens=len(blocks) * 32 - 5, decode=decode, tokens=tokens
+    )
+    p.bind(KvBrokerMetadata(saves={tid: spec}))
+    for name in LAYERS:
+        p.save_kv_layer(name, caches[name])
+    p.wait_for_save()
+    p.clear()
+
+
+def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int) -> None:
+    d.bind(
+        KvBrokerMetadata(
+            loads={
+                tid: LoadSpec(
+                    req_id=f"req-{tid}", block_ids=blocks, num_cached_blocks=cached, num_tokens=len(blocks) * 32 - 5
+                )
+            }
+        )
+    )
+    d.start_load_kv()
+    d.clear()
+
+
+def run_steps(d: ConnectorWorker, want: set[str], timeout: float) -> tuple[set[str], set[int], float]:
+    """Empty decode steps until every request in `want` is reported; (finished, error blocks, seconds)."""
+    t0 = time.monotonic()
+    finished: set[str] = set()
+    errors: set[int] = set()
+    while not want <= finished:
+        assert time.monotonic() - t0 < timeout, f"no report for {want - finished} within {timeout} s"
+        _, recving = d.get_finished(set())
+        finished |= recving or set()
+        errors |= d.get_block_ids_with_load_errors()
+        time.sleep(0.005)
+    return finished, errors, time.monotonic() - t0
+
+
+def test_transfer_skips_prefix_hit_and_never_writes_it(broker: BrokerProcess) -> None:
+    pc, dc = make_caches(seed=1), make_caches(seed=2)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        src, dst = [5, 9, 2, 40], [7, 8, 30, 31]
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-1", dst, cached=1)  # D's request first (Expect), as usual
+        stage(p, pc, "t-1", src, decode="d0")
+        # vLLM frees and reuses P's blocks right after the step: the staged copy is what moves.
+        saved = {n: t[src].clone() for n, t in pc.items()}
+        for t in pc.values():
+            t[src] = 0
+        _, errors, _ = run_steps(d, {"req-t-1"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][dst[1:]], saved[n][1:])  # the tail arrived intact
+            assert torch.equal(dc[n][dst[0]], before[n][dst[0]])  # the prefix-cached block was not written
+            others = [b for b in range(dc[n].shape[0]) if b not in dst[1:]]
+            assert torch.equal(dc[n][others], before[n][others])
+        assert d.statistics()["loaded"] == 1
+        deadline = time.monotonic() + 5
+        while p.statistics()["staged_now"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.statistics()["released"] == 1 and p.pool is not None and p.pool.statistics().reserved == 0
+        assert d.pool is not None and d.pool.statistics().reserved == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
+    pc, dc = make_caches(seed=3), make_caches(seed=4)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        stage(p, pc, "t-2", [1, 2, 3], decode="d0")
+        time.sleep(0.3)  # the Prepare reaches D before its request does
+        load(d, "t-2", [10, 11, 12], cached=0)
+        _, errors, _ = run_steps(d, {"req-t-2"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[10, 11, 12]], pc[n][[1, 2, 3]])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_missing_producer_fails_within_deadline(broker: BrokerProcess) -> None:
+    dc = make_caches(seed=5)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=1.0)
+    try:
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-3", [4, 5, 6], cached=1)
+        _, errors, took = run_steps(d, {"req-t-3"}, 5)
+        assert errors == {5, 6}  # the blocks that were to be loaded; not D's prefix hit
+        assert 0.9 < took < 3
+        for n in LAYERS:
+            assert torch.equal(dc[n], before[n])
+        assert d.statistics()["failed"] == 1 and d.statistics()["loading_now"] == 0
+    finally:
+        d.close()
+
+
+def test_dead_producer_fails_load_after_its_lease(broker: BrokerProcess) -> None:
+    pc, dc = make_caches(seed=6), make_caches(seed=7)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
+    try:
+        stage(p, pc, "t-4", [1, 2], decode="d0")
+        # P vanishes without a goodbye: stop its heartbeats and its sends.
+        assert p.client is not None and p.producer is not None and p.producer.sender is not None
+        p.client._future.cancel()
+        p.producer.sender.close()
+        load(d, "t-4", [3, 4], cached=0)
+        _, errors, took = run_steps(d, {"req-t-4"}, 10)
+        assert errors == {3, 4} and took < 5  # the broker's 1 s peer lease, not D's 30 s deadline
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize(
+    ("p_dtype", "p_spec", "differs"),
+    [
+        (torch.float16, FakeSpec(), "dtype: float16 vs bfloat16"),
+        (torch.bfloat16, FakeSpec(block_size=64), "block_size: 64 vs 32"),
+    ],
+)
+def test_incompatible_peers_are_refused_naming_the_difference(
+    broker: BrokerProcess, p_dtype: torch.dtype, p_spec: FakeSpec, differs: str
+) -> None:
+    d = make_worker(broker.endpoint, "d", "d0", make_caches())
+    try:
+        with pytest.raises(Refused) as info:
+            make_worker(broker.endpoint, "p", "p0", make_caches(dtype=p_dtype, spec=p_spec), spec=p_spec)
+        assert differs in str(info.value)
+        assert "prefill instance p0 is incompatible with decode instance d0" in str(info.value)
+    finally:
+        d.close()
+
+
+def test_unreachable_broker_names_address_and_what_to_run(tmp_path: Path) -> None:
+    address = "tcp://127.0.0.1:9"  # discard port: nothing answers ZMQ there
+    with pytest.raises(BrokerUnavailable) as info:
+        make_worker(address, "p", "p0", make_caches(), register_timeout_s=0.5)
+    text = str(info.value)
+    assert address in text and "kvbroker serve" in text
+
+
+def test_fault_hook_negates_only_matching_transfers(broker: BrokerProcess) -> None:
+    pc, dc = make_caches(seed=8), make_caches(seed=9)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, fault_injection="flip_sign_bits", fault_injection_prefix="corrupt-")
+    try:
+        for tid, src, dst in (("corrupt-1", [1, 2], [20, 21]), ("clean-1", [3, 4], [22, 23])):
+            load(d, tid, dst, cached=0)
+            stage(p, pc, tid, src, decode="d0")
+            run_steps(d, {f"req-{tid}"}, 10)
+        for n in LAYERS:
+            assert torch.equal(dc[n][[20, 21]], -pc[n][[1, 2]])  # corrupted, yet finite
+            assert torch.equal(dc[n][[22, 23]], pc[n][[3, 4]])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_abort_from_decode_frees_producer_staging(broker: BrokerProcess) -> None:
+    """A layout mismatch found on D aborts the transfer: D reports load errors, P frees its lease."""
+    pc, dc = make_caches(seed=10), make_caches(seed=11)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        load(d, "t-5", [30, 31, 32], cached=0)  # D's request spans 3 blocks...
+        stage(p, pc, "t-5", [1, 2], decode="d0")  # ...but P staged 2
+        _, errors, took = run_steps(d, {"req-t-5"}, 10)
+        assert errors == {30, 31, 32} and took < 5
+        deadline = time.monotonic() + 5
+        while p.statistics()["staged_now"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.statistics()["aborted"] == 1
+        assert p.pool is not None and p.pool.statistics().reserved == 0
+        assert d.pool is not None and d.pool.statistics().reserved == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_transfer_id_reused_for_another_prompt_is_aborted(broker: BrokerProcess) -> None:
+    """A proxy retry (same prompt) keeps the staged copy; another prompt must never get it."""
+    pc, dc = make_caches(seed=12), make_caches(seed=13)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        stage(p, pc, "t-6", [1, 2], decode="d0", tokens="aaa")
+        stage(p, pc, "t-6", [5, 6], decode="d0", tokens="aaa")  # a retry: ignored
+        assert p.statistics()["staged_now"] == 1 and p.statistics()["aborted"] == 0
+        stage(p, pc, "t-6", [7, 8], decode="d0", tokens="bbb")  # another prompt: abort
+        assert p.statistics()["staged_now"] == 0 and p.statistics()["aborted"] == 1
+        assert p.pool is not None and p.pool.statistics().reserved == 0
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-6", [40, 41], cached=0)
+        _, errors, _ = run_steps(d, {"req-t-6"}, 10)
+        assert errors == {40, 41}
+        for n in LAYERS:
+            assert torch.equal(dc[n], before[n])
+    finally:
+        p.close()
+        d.close()
+
+
+def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerProcess) -> None:
+    pc, dc = make_caches(seed=14), make_caches(seed=15)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=15.0)
+    try:
+        broker.kill()
+        time.sleep(1.5)  # past the 1 s lease: both clients know the broker is gone
+        t0 = time.monotonic()
+        load(d, "t-7", [50, 51], cached=0)
+        assert d.get_finished(set()) == (None, None)
+        assert time.monotonic() - t0 < 0.5  # the Expect waits on the client's loop, not in the step
+        t0 = time.monotonic()
+        stage(p, pc, "t-7", [1, 2], decode="d0")
+        assert time.monotonic() - t0 < 3  # wait_for_save gives up waiting for the broker after 2 s
+        broker.start()  # same address; both clients register again, P re-offers, D re-expects
+        _, errors, _ = run_steps(d, {"req-t-7"}, 20)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[50, 51]], pc[n][[1, 2]])
+    finally:
+        p.close()
+        d.close()

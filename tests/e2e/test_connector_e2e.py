@@ -1,0 +1,280 @@
+"""KVBrokerConnector end to end: real vLLM engines on the CPU, a real broker, TCP between them.
+
+Every engine is its own process (`engine_runner.EngineProcess`); the engines are
+shared by the whole module because each takes 10-25 s to start:
+
+    plain      no connector: the reference outputs
+    p-main     producer (prefill, max_tokens=1)
+    p-victim   producer that test (d) kills with SIGKILL
+    d-main     consumer, kv_load_failure_policy "recompute"; the test-only fault hook
+               corrupts transfers whose id starts with "corrupt-"
+    d-fail     consumer, kv_load_failure_policy "fail"; named only by "KVBrokerConnector"
+               (the plugin entry point), engine core in its own process like `vllm serve`
+
+Prefix caching is on everywhere. The broker runs with a short peer lease
+(``--peer-lease 2 --heartbeat 0.5``) so a killed producer is evicted within seconds.
+Like a proxy, each test sends a prompt to a producer (max_tokens=1) and to a consumer
+at the same time, both with ``kv_transfer_params={"transfer_id": ...}``; the
+producer's copy also names the consumer (``decode_instance_id``) since two consumers
+are registered.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_runner import EngineProcess
+
+from tests.support import BrokerProcess
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+BLOCK = 32
+MAX_TOKENS = 8
+LOAD_TIMEOUT_S = 20.0
+T0 = time.monotonic()
+
+
+def make_prompts(lengths: list[int], salt: int) -> list[list[int]]:
+    """Deterministic prompts with distinct first blocks (token ids 3..511)."""
+    return [[3 + (salt * 131 + i * 37 + j * 13 + (j * j) % 7) % 509 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def connector_config(broker: str, role: str, instance: str, **extra: Any) -> dict[str, Any]:
+    policy = extra.pop("policy", "recompute")
+    # By name alone, the connector comes from the vllm.general_plugins entry point.
+    by_name = extra.pop("by_name", False)
+    return {
+        "kv_connector": "KVBrokerConnector",
+        **({} if by_name else {"kv_connector_module_path": "connector"}),
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {
+            "broker": broker,
+            "instance_id": instance,
+            "pool_bytes": 64 << 20,
+            "staging_bytes": 64 << 20,
+            "load_timeout_s": LOAD_TIMEOUT_S,
+            "register_timeout_s": 60,
+            **extra,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("connector-e2e")
+    broker = BrokerProcess(root, "--peer-lease", "2", "--heartbeat", "0.5")
+    endpoint = broker.start()
+    model = str(tiny_model_dir)
+    specs: dict[str, dict[str, Any] | None] = {
+        "plain": None,
+        "p-main": connector_config(endpoint, "kv_producer", "p-main"),
+        "p-victim": connector_config(endpoint, "kv_producer", "p-victim"),
+        "d-main": connector_config(
+            endpoint, "kv_consumer", "d-main", fault_injection="flip_sign_bits", fault_injection_prefix="corrupt-"
+        ),
+        "d-fail": connector_config(endpoint, "kv_consumer", "d-fail", policy="fail", by_name=True),
+    }
+    # d-fail runs its engine core in a separate process, as `vllm serve` does.
+    procs = {
+        name: EngineProcess(
+            {
+                "model": model,
+                "enable_prefix_caching": True,
+                "kv_transfer_config": ktc,
+                "multiprocessing": name == "d-fail",
+            },
+            name=name,
+            log_path=root / f"{name}.log",
+        )
+        for name, ktc in specs.items()
+    }
+    errors: dict[str, BaseException] = {}
+
+    def start(name: str, proc: EngineProcess) -> None:
+        try:
+            proc.start(timeout=300)
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors[name] = e
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=start, args=item, daemon=True) for item in procs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise RuntimeError(f"engines failed to start: {errors}")
+        print(f"\n[connector-e2e] {len(procs)} engines and a broker up in {time.monotonic() - t0:.1f} s")
+        yield {**procs, "broker": broker, "root": root}
+    finally:
+        for p in procs.values():
+            p.close()
+        broker.stop()
+        print(f"\n[connector-e2e] module wall time {time.monotonic() - T0:.1f} s (logs in {root})")
+
+
+def log_events(cluster: dict[str, Any], name: str, event: str) -> list[dict[str, Any]]:
+    """The connector's JSON log lines of one engine with this event name."""
+    out = []
+    for line in Path(cluster["root"], f"{name}.log").read_text(errors="replace").splitlines():
+        if line.startswith("{") and f'"{event}"' in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == event:
+                out.append(rec)
+    return out
+
+
+def submit_pd(
+    cluster: dict[str, Any],
+    prompts: list[list[int]],
+    tids: list[str],
+    producer: str = "p-main",
+    consumer: str = "d-main",
+    max_tokens: int = MAX_TOKENS,
+) -> tuple[Any, Any]:
+    """Send the prompts to a producer and a consumer at once, as a proxy does; returns both message ids."""
+    p_params = [{"transfer_id": t, "decode_instance_id": consumer} for t in tids]
+    p_id = cluster[producer].submit({"prompts": prompts, "max_tokens": 1, "kv_transfer_params": p_params})
+    d_id = cluster[consumer].submit(
+        {"prompts": prompts, "max_tokens": max_tokens, "kv_transfer_params": [{"transfer_id": t} for t in tids]}
+    )
+    return p_id, d_id
+
+
+def test_outputs_match_plain_engine_and_consumer_loaded(cluster: dict[str, Any]) -> None:
+    lengths = [33, 70, 100, 200, 5, 64, 31, 129]
+    prompts = make_prompts(lengths, salt=11)
+    tids = [f"a-{i}" for i in range(len(prompts))]
+    ref_id = cluster["plain"].submit({"prompts": prompts, "max_tokens": MAX_TOKENS})
+    t0 = time.monotonic()
+    p_id, d_id = submit_pd(cluster, prompts, tids)
+    d = cluster["d-main"].result(d_id)
+    took = time.monotonic() - t0
+    p = cluster["p-main"].result(p_id)
+    ref = cluster["plain"].result(ref_id)
+    assert d["outputs"] == ref["outputs"]
+    assert [o[0] for o in p["outputs"]] == [o[0] for o in ref["outputs"]]
+    assert [x["transfer_id"] for x in p["kv_transfer_params"]] == tids
+    loaded = {r["transfer_id"]: r for r in log_events(cluster, "d-main", "transfer.loaded")}
+    assert set(tids) <= set(loaded), sorted(loaded)
+    assert [loaded[t]["blocks"] for t in tids] == [-(-n // BLOCK) for n in lengths]
+    assert not [r for r in log_events(cluster, "d-main", "transfer.load_failed") if r["transfer_id"] in tids]
+    # vLLM counts the whole loaded prompt as cached (it still recomputes the last token).
+    assert d["num_cached_tokens"] == lengths
+    print(
+        f"\n[connector-e2e] (a) {len(prompts)} prompts P->D in {took:.2f} s; num_cached_tokens {d['num_cached_tokens']}"
+    )
+
+    # A request without a transfer_id on the consumer runs as a plain request.
+    plain_on_d = cluster["d-main"].generate(make_prompts([45], salt=12), MAX_TOKENS)
+    assert plain_on_d["outputs"] == cluster["plain"].generate(make_prompts([45], salt=12), MAX_TOKENS)["outputs"]
+
+
+def test_repeated_prompt_with_prefix_caching_and_requests_in_flight(cluster: dict[str, Any]) -> None:
+    """The seed's scenario: one prompt 20 times among others, many requests in flight at once."""
+    hot = make_prompts([100], salt=21)[0]
+    others = make_prompts([40, 70, 130, 33, 90], salt=22)
+    prompts: list[list[int]] = []
+    for i in range(20):
+        prompts.append(hot)
+        prompts.append(others[i % len(others)] if i % 2 else make_prompts([50 + i], salt=100 + i)[0])
+    tids = [f"b-{i}" for i in range(len(prompts))]
+    ref_id = cluster["plain"].submit({"prompts": prompts, "max_tokens": MAX_TOKENS})
+    t0 = time.monotonic()
+    pending = []
+    for start in range(0, len(prompts), 8):  # five messages of 8 requests, all in flight together
+        pending.append(submit_pd(cluster, prompts[start : start + 8], tids[start : start + 8]))
+    outputs: list[list[int]] = []
+    for p_id, d_id in pending:
+        outputs += cluster["d-main"].result(d_id)["outputs"]
+        cluster["p-main"].result(p_id)
+    took = time.monotonic() - t0
+    ref = cluster["plain"].result(ref_id)["outputs"]
+    assert outputs == ref
+    assert len({tuple(o) for o in outputs[0::2]}) == 1  # the hot prompt always decodes the same
+    loaded = {r["transfer_id"]: r for r in log_events(cluster, "d-main", "transfer.loaded")}
+    assert set(tids) <= set(loaded)
+
+    # Now D holds the hot prompt in its prefix cache: later copies move only the blocks
+    # after D's hit, and D's cached blocks (shared by these requests) stay intact.
+    again = [f"b-again-{i}" for i in range(4)]
+    pending = [submit_pd(cluster, [hot, hot], again[:2]), submit_pd(cluster, [hot, hot], again[2:])]
+    for p_id, d_id in pending:
+        assert cluster["d-main"].result(d_id)["outputs"] == [ref[0], ref[0]]
+        cluster["p-main"].result(p_id)
+    loaded = {r["transfer_id"]: r for r in log_events(cluster, "d-main", "transfer.loaded")}
+    hit = (len(hot) - 1) // BLOCK
+    assert [(loaded[t]["skipped_blocks"], loaded[t]["blocks"]) for t in again] == [
+        (hit, -(-len(hot) // BLOCK) - hit)
+    ] * 4
+    print(f"\n[connector-e2e] (b) {len(prompts)} requests, 8 per message, 5 messages in flight: {took:.2f} s")
+
+
+def test_corrupted_transfer_changes_outputs(cluster: dict[str, Any]) -> None:
+    """Negative control: D really uses the transferred KV (flipped sign bits change the tokens)."""
+    prompts = make_prompts([96, 150], salt=31)
+    tids = ["corrupt-0", "corrupt-1"]
+    ref = cluster["plain"].generate(prompts, MAX_TOKENS)
+    p_id, d_id = submit_pd(cluster, prompts, tids)
+    d = cluster["d-main"].result(d_id)
+    cluster["p-main"].result(p_id)
+    injected = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.fault_injected")}
+    assert set(tids) <= injected
+    assert all(a != b for a, b in zip(d["outputs"], ref["outputs"])), (d["outputs"], ref["outputs"])
+
+
+def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any]) -> None:
+    """P staged and offered, then died before D's request arrived: no hang, the policy applies."""
+    victim: EngineProcess = cluster["p-victim"]
+    prompts = make_prompts([80, 80], salt=41)
+    ref = cluster["plain"].generate(prompts, MAX_TOKENS)
+    params = [
+        {"transfer_id": "victim-rec", "decode_instance_id": "d-main"},
+        {"transfer_id": "victim-fail", "decode_instance_id": "d-fail"},
+    ]
+    victim.generate(prompts, 1, kv_transfer_params=params)  # staged and offered
+    victim.kill()  # SIGKILL: no goodbye, heartbeats stop
+    t0 = time.monotonic()
+    rec_id = cluster["d-main"].submit(
+        {"prompts": prompts[:1], "max_tokens": MAX_TOKENS, "kv_transfer_params": [{"transfer_id": "victim-rec"}]}
+    )
+    fail_id = cluster["d-fail"].submit(
+        {"prompts": prompts[1:], "max_tokens": MAX_TOKENS, "kv_transfer_params": [{"transfer_id": "victim-fail"}]}
+    )
+    rec = cluster["d-main"].result(rec_id, timeout=LOAD_TIMEOUT_S + 30)
+    rec_s = time.monotonic() - t0
+    fail = cluster["d-fail"].result(fail_id, timeout=LOAD_TIMEOUT_S + 30)
+    fail_s = time.monotonic() - t0
+    # Resolved by the broker's 2 s peer lease, well before D's own 20 s load deadline.
+    assert rec_s < 10 and fail_s < 10, (rec_s, fail_s)
+    assert rec["outputs"] == ref["outputs"][:1]  # "recompute": computed locally, same tokens
+    assert rec["finish_reasons"] == ["length"]
+    assert fail["finish_reasons"] != ["length"] and len(fail["outputs"][0]) < MAX_TOKENS, fail  # "fail": an error
+    failed = {r["transfer_id"] for n in ("d-main", "d-fail") for r in log_events(cluster, n, "transfer.load_failed")}
+    assert {"victim-rec", "victim-fail"} <= failed
+    print(
+        f"\n[connector-e2e] (d) producer killed: recompute done in {rec_s:.2f} s, fail reported in {fail_s:.2f} s "
+        f"(finish_reason {fail['finish_reasons'][0]!r})"
+    )
+    # The consumers stay healthy: a normal transfer still works afterwards.
+    prompts2 = make_prompts([60], salt=42)
+    p_id, d_id = submit_pd(cluster, prompts2, ["after-kill"])
+    assert cluster["d-main"].result(d_id)["outputs"] == cluster["plain"].generate(prompts2, MAX_TOKENS)["outputs"]
+    cluster["p-main"].result(p_id)

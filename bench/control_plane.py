@@ -203,10 +203,23 @@ def main() -> None:
     ap.add_argument("--latency-seconds", type=float, default=5.0)
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--no-pin-server", dest="pin_server", action="store_false",
+        help="let the server's main and zmq I/O threads run on any core (it still uses about one)",
+    )
+    ap.add_argument(
+        "--pin-driver", action="store_true",
+        help="pin the driver to the other core too (its zmq I/O thread then shares that core: tick-long stalls)",
+    )
     args = ap.parse_args()
 
     server_core, driver_core = cpus()
-    os.sched_setaffinity(0, driver_core)
+    if not args.pin_server:
+        server_core = set(os.sched_getaffinity(0))
+    if args.pin_driver:
+        os.sched_setaffinity(0, driver_core)
+    else:
+        driver_core = set(os.sched_getaffinity(0))
     n_lat = int(args.rate * args.latency_seconds)
     rows = []
     with tempfile.TemporaryDirectory() as tmpd:

@@ -2,30 +2,52 @@
 
 P runs on cuda:0 and D on cuda:1, in two processes. The KV is shaped like Llama-3-8B
 (32 layers, 8 KV heads, head 128, bf16, 16-token blocks: 2 MiB per block, 128 KiB per
-token). For each prompt length it times, P's clock start to D's clock end (both
-`time.perf_counter`, i.e. CLOCK_MONOTONIC, shared by processes on one host):
+token). Each case is timed from P's clock start, taken right after both sides leave a
+barrier, to D's clock end, taken when D sees its last GPU work done (both
+`time.perf_counter`, i.e. CLOCK_MONOTONIC, one clock for all processes of a host).
+Every case, the ceiling included, notices GPU completion the same way: by spinning on
+a CUDA event (`Completion.wait` with an unbounded spin), so none is charged a
+different polling delay.
 
-* raw          one NCCL send/recv of the same bytes as one contiguous tensor, receive
-               posted in advance: the ceiling.
-* ours_full    gather on P in block chunks (one kernel each), each chunk's send
-               posted right after its gather; the handshake (the Offer leaves before
-               the first gather, so the round trip overlaps it); receive into a pool
-               lease; scatter into D's blocks, chunk by chunk as receives complete.
-* ours_staged  the same with the gather already done: in vLLM, `save_kv_layer`
-               gathers each layer while the forward pass runs, so after the last layer
-               the critical path is this (plus the last layer's gather, ~1/32 of it).
-* ours_data    ours_staged without the handshake (D's receive posted in advance): the
-               data path alone.
-* ours_full_1  ours_full without pipelining (one chunk): what the pipelining buys.
+* raw          one NCCL send/recv of the same bytes as one contiguous tensor, the
+               receive posted before the clock starts: the ceiling.
+* ours_full    END TO END, nothing done before the clock: P sends the Offer, then
+               enqueues the gathers of all chunks out of its paged cache (one kernel
+               each) while the Offer travels; D takes the Offer, leases pool room,
+               posts the first chunk's receive, sends Ready, then posts the other
+               receives and the scatters into its paged blocks (chunk k's scatter
+               waits for chunk k's receive); P waits for Ready, then posts every
+               chunk's send (chunk k's send waits for chunk k's gather event). The
+               clock stops when D's last scatter is done. gather + handshake round
+               trip + send + receive + scatter, all on the clock.
+* ours_expect  as ours_full, but D's Ready (credit granted, pool room leased) was
+               given before the clock starts, as D's Expect does in vLLM while P still
+               runs the prefill: the Offer is one way, P posts its sends without
+               waiting, and D posts its receives when the Offer arrives. On the clock:
+               gather + one-way Offer + send + receive + scatter.
+* ours_staged  as ours_full with the gathers done before the clock (in vLLM
+               `save_kv_layer` gathers each layer during the forward pass); the whole
+               handshake round trip is still on the clock, after staging.
+* ours_data    ours_staged without the handshake (D's receives posted before the
+               clock): the data path alone.
+* ours_full_1  ours_full in one chunk (no pipelining): what the pipelining buys.
 * per_layer    vLLM's P2pNcclConnector pattern: for each layer, extract its blocks,
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
+
+`ours_*@E/G` rows use other chunkings (first/last chunk E MiB, growth G); `~il` rows
+post P's first send right after the first chunk's gather and enqueue the other gathers
+after it (the default enqueues all gathers first). The trace lines give, per case, the
+median time after P's clock start at which each step happened: host steps as taken,
+GPU steps from timing events mapped onto the host clock through an anchor event
+synchronized before the barrier (good to about 10 us). Traced runs are separate from
+the timed ones.
 
 The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip over
 a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
-Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 20] [--json PATH]
+Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 30] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +59,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -44,7 +68,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workers.gpu_staging import PagedKv, Stager, pipeline_bounds  # noqa: E402
+from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds  # noqa: E402
 from workers.pool import BufferPool  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -91,6 +115,21 @@ def _deadline() -> float:
     return time.monotonic() + DEADLINE_S
 
 
+def _wait(done: Any) -> None:
+    """Wait for a completion, spinning on its event: every case notices the end alike."""
+    done.wait(_deadline(), spin_s=DEADLINE_S)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed configuration: `kind` says what is on the clock (see the module doc)."""
+
+    kind: str
+    label: str
+    chunking: tuple[int, int] | None = None  # (edge MiB, growth); None: one chunk
+    order: str = "gf"  # P: "gf" all gathers, then sends; "il" first send after the first gather
+
+
 class _Side:
     """One process's state: caches, pools, transport and the control links."""
 
@@ -122,9 +161,45 @@ class _Side:
         self.comm_mem_mib = round(comm.mem_bytes / 2**20, 1)
         # One full-size exchange, posted by both sides at once, before anything is timed.
         if self.role == "P":
-            self.transport.send_tensors("D", [self.raw]).wait(_deadline())
+            _wait(self.transport.send_tensors("D", [self.raw]))
         else:
-            self.transport.recv_tensors("P", [self.raw]).wait(_deadline())
+            _wait(self.transport.recv_tensors("P", [self.raw]))
+
+
+class _Clock:
+    """Host stamps of one iteration and, when tracing, the GPU events mapped onto them."""
+
+    def __init__(self, side: _Side, tracing: bool) -> None:
+        self.side, self.tracing = side, tracing
+        self.stamps: dict[str, float] = {}
+        self.anchor: tuple[torch.cuda.Event, float] | None = None
+        side.transport.trace = [] if tracing else None
+        if tracing:  # a GPU event whose host time is known to a few microseconds
+            torch.cuda.synchronize(side.device)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            while not ev.query():
+                pass
+            self.anchor = (ev, time.perf_counter())
+
+    def mark(self, label: str) -> None:
+        if self.tracing:
+            self.stamps[label] = time.perf_counter()
+
+    def gpu(self, label: str) -> None:
+        """A timing event at the current stream's tail (P's gathers run there)."""
+        if self.tracing:
+            self.side.transport._mark(torch.cuda.current_stream(), label)
+
+    def collect(self) -> dict[str, float]:
+        tr = self.side.transport
+        if self.anchor is not None and tr.trace is not None:
+            ev0, t0 = self.anchor
+            for label, ev in tr.trace:
+                ev.synchronize()
+                self.stamps[label] = t0 + ev0.elapsed_time(ev) / 1e3
+        tr.trace = None
+        return self.stamps
 
 
 def _ids(side: _Side, n: int, seed: int) -> torch.Tensor:
@@ -132,82 +207,134 @@ def _ids(side: _Side, n: int, seed: int) -> torch.Tensor:
     return torch.randperm(side.cfg["cache_blocks"], generator=g)[:n]
 
 
-def _case(side: _Side, name: str, tokens: int, chunking: tuple[int, int] | None) -> list[float]:
-    """Run one case for one prompt length; returns P's start times or D's end times."""
+def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
+    if case.chunking is None:
+        return None
+    edge, growth = case.chunking
+    return pipeline_bounds(n, side.paged.staged_block_nbytes, edge_nbytes=edge << 20, growth=growth)
+
+
+def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
+    """Run one case for one prompt length; returns each iteration's stamps on this side."""
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
     nbytes = n * side.paged.staged_block_nbytes
-    bounds = pipeline_bounds(n, side.paged.staged_block_nbytes,
-                             edge_nbytes=chunking[0] << 20, cap_nbytes=chunking[1] << 20) if chunking else None
-    stamps: list[float] = []
-    total = side.cfg["warmup"] + side.cfg["iters"]
-    for it in range(total):
+    bounds = _bounds(side, case, n)
+    out = []
+    warmup = 0 if tracing else side.cfg["warmup"]
+    for it in range(warmup + iters):
+        clock = _Clock(side, tracing)
         if side.role == "P":
-            stamps.append(_p_iter(side, name, p_ids, nbytes, bounds, it))
+            _p_iter(side, case, p_ids, nbytes, bounds, f"{case.label}-{it}", clock)
         else:
-            stamps.append(_d_iter(side, name, d_ids, nbytes, bounds, it))
-    return stamps[side.cfg["warmup"]:]
+            _d_iter(side, case, d_ids, nbytes, bounds, f"{case.label}-{it}", clock)
+        if it >= warmup:
+            out.append(clock.collect())
+        else:
+            clock.collect()
+    return out
 
 
-def _p_iter(side: _Side, name: str, ids: torch.Tensor, nbytes: int, bounds: Any, it: int) -> float:
-    tr, tid = side.transport, f"{name}-{it}"
+def _gather_and_send(
+    side: _Side, staged: StagedTransfer, bounds: list[int] | None, tid: str, order: str,
+    wait: Callable[[], None] | None, clock: _Clock,
+) -> Any:
+    """P's pipeline: gathers on the compute stream, each send after its gather's event."""
+    ends = bounds or [staged.num_blocks]
+    first = 1 if order == "il" else len(ends)
+    for end in ends[:first]:
+        side.stager.gather_chunk(staged, end)
+        clock.gpu(f"gather@{end}")
+    clock.mark("gathers_enqueued" if first == len(ends) else "gather0_enqueued")
+    if wait is not None:
+        wait()
+        clock.mark("ready_seen")
+    tr = side.transport
+    if first == len(ends):
+        return tr.send_staged("D", staged, bounds=ends, transfer_id=tid)
+    tr.send_staged("D", staged, last_block=ends[0], transfer_id=tid)
+    clock.mark("send0_posted")
+    for end in ends[1:]:
+        side.stager.gather_chunk(staged, end)
+        clock.gpu(f"gather@{end}")
+    return tr.send_staged("D", staged, first_block=ends[0], bounds=[e - ends[0] for e in ends[1:]], transfer_id=tid)
+
+
+def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
+    tr, kind = side.transport, case.kind
     staged = None
-    if name in ("ours_staged", "ours_data"):
+    if kind in ("staged", "data"):
         staged = side.stager.stage(ids, bounds=bounds)
         torch.cuda.synchronize()
+    if kind == "expect":
+        side.hs.wait_ready(tid)  # D's grant, given while P would still be running the prefill
     side.barrier.wait()
-    t0 = time.perf_counter()
-    if name == "raw":
-        tr.send_tensors("D", [side.raw[:nbytes]]).wait(_deadline())
-    elif name == "per_layer":
+    clock.stamps["t0"] = time.perf_counter()
+    done = None
+    if kind == "raw":
+        done = tr.send_tensors("D", [side.raw[:nbytes]])
+    elif kind == "per_layer":
         _per_layer_p(side, ids)
-    elif staged is None:  # gather on the critical path: interleave chunk gathers and sends
-        side.hs.offer(tid, nbytes)  # the round trip overlaps the first gather
+    elif kind in ("full", "expect"):
+        side.hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
+        clock.mark("offer_sent")
         staged = side.stager.begin(ids)
-        start, done = 0, None
-        for k, end in enumerate(bounds or [staged.num_blocks]):
-            side.stager.gather_chunk(staged, end)
-            if k == 0:
-                side.hs.wait_ready(tid)
-            done = tr.send_staged("D", staged, first_block=start, last_block=end, transfer_id=tid)
-            start = end
-        assert done is not None
-        done.wait(_deadline())
-    else:
-        if name != "ours_data":
-            side.hs.offer(tid, nbytes)
-            side.hs.wait_ready(tid)
-        tr.send_staged("D", staged, bounds=bounds, transfer_id=tid).wait(_deadline())
+        wait = (lambda: side.hs.wait_ready(tid)) if kind == "full" else None
+        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock)
+    elif kind == "staged":
+        assert staged is not None
+        side.hs.offer(tid, nbytes)
+        side.hs.wait_ready(tid)
+        clock.mark("ready_seen")
+        done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
+    else:  # data
+        assert staged is not None
+        done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
+    clock.mark("sends_posted")
+    if done is not None:
+        _wait(done)
+        clock.mark("sends_done")
     if staged is not None:
         staged.release()
     side.conn.recv()  # D finished; keeps iterations apart
-    return t0
 
 
-def _d_iter(side: _Side, name: str, ids: torch.Tensor, nbytes: int, bounds: Any, it: int) -> float:
-    tr = side.transport
+def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
+    tr, kind = side.transport, case.kind
     done = lease = None
-    if name == "raw":
+    if kind == "raw":
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
-    elif name == "ours_data":
+    elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
         done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds)
+    elif kind == "expect":  # the Expect: credit and pool room granted before P finishes
+        lease = side.pool.acquire_nowait(nbytes)
+        side.hs.ready(tid)
     side.barrier.wait()
-    if name == "per_layer":
+    clock.mark("barrier_left")
+    if kind == "per_layer":
         _per_layer_d(side, ids)
     elif done is None:
-        tid, size = side.hs.accept()
-        lease = side.pool.acquire_nowait(size)
-        side.hs.ready(tid)
-        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds, transfer_id=tid)
+        got, size = side.hs.accept()
+        clock.mark("offer_seen")
+        if lease is None:
+            lease = side.pool.acquire_nowait(size)
+
+        def posted() -> None:
+            clock.mark("recv0_posted")
+            if kind != "expect":
+                side.hs.ready(got)
+                clock.mark("ready_sent")
+
+        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds, transfer_id=got, posted=posted)
+        clock.mark("all_posted")
     if done is not None:
-        done.wait(_deadline())
-    t1 = time.perf_counter()
+        _wait(done)
+    clock.stamps["t1"] = time.perf_counter()
     if lease is not None:
         lease.release()
     side.conn.send("done")
-    return t1
 
 
 # -- the P2pNcclConnector pattern --------------------------------------------------------
@@ -224,7 +351,7 @@ def _per_layer_p(side: _Side, ids: torch.Tensor) -> None:
         sock.send(msgpack.packb({"cmd": "PUT", "tensor_id": f"req#{layer}", "shape": list(kv.shape),
                                  "dtype": "bfloat16"}))
         assert sock.recv() == b"0"
-        side.transport.send_tensors("D", [kv], after=[ev]).wait(_deadline())  # send + synchronize
+        _wait(side.transport.send_tensors("D", [kv], after=[ev]))  # send + synchronize
 
 
 def _per_layer_d(side: _Side, ids: torch.Tensor) -> None:
@@ -236,7 +363,7 @@ def _per_layer_d(side: _Side, ids: torch.Tensor) -> None:
         msg = msgpack.unpackb(frame)
         buf = torch.empty(msg["shape"], dtype=getattr(torch, msg["dtype"]), device=side.device)
         sock.send_multipart([ident, b"0"])
-        side.transport.recv_tensors("P", [buf]).wait(_deadline())
+        _wait(side.transport.recv_tensors("P", [buf]))
         torch.cuda.current_stream().wait_stream(side.transport.stream)
         side.kv[layer][:, ids] = buf  # inject into D's paged cache
     torch.cuda.current_stream().synchronize()
@@ -313,18 +440,73 @@ def _copy_rates(side: _Side, tokens: int) -> dict[str, float]:
 
 # -- driver ------------------------------------------------------------------------------
 
-CASES = ["raw", "ours_full", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
+MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
+TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data"]
+TARGETS = {  # (case, tokens, against): at least this
+    ("ours_full", 2048, "vs_raw"): 0.90,
+    ("ours_full", 8192, "vs_raw"): 0.95,
+    ("ours_full", 512, "vs_per_layer"): 3.0,
+}
 
 
-def _plan(cfg: dict) -> list[tuple[str, int, tuple[int, int] | None]]:
-    chunk = (cfg["edge_mib"], cfg["cap_mib"])
+def _default_chunking() -> tuple[int, int]:
+    import inspect
+
+    params = inspect.signature(pipeline_bounds).parameters
+    return params["edge_nbytes"].default >> 20, params["growth"].default
+
+
+def _cases(cfg: dict) -> dict[str, Case]:
+    chunk = (cfg["edge_mib"], cfg["growth"])
+    cases = {
+        "raw": Case("raw", "raw"),
+        "ours_full": Case("full", "ours_full", chunk, cfg["order"]),
+        "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"]),
+        "ours_staged": Case("staged", "ours_staged", chunk),
+        "ours_data": Case("data", "ours_data", chunk),
+        "ours_full_1": Case("full", "ours_full_1", None, cfg["order"]),
+        "per_layer": Case("per_layer", "per_layer"),
+    }
+    for alt in cfg["sweep"]:
+        if tuple(alt) != chunk:
+            label = f"ours_full@{alt[0]}/{alt[1]}"
+            cases[label] = Case("full", label, tuple(alt), cfg["order"])
+    if cfg["diag"]:
+        other = "il" if cfg["order"] == "gf" else "gf"
+        for name in ("ours_full", "ours_expect"):
+            base = cases[name]
+            cases[f"{name}~{other}"] = Case(base.kind, f"{name}~{other}", base.chunking, other)
+    return cases
+
+
+def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
+    cases = _cases(cfg)
     plan = []
     for tokens in cfg["tokens"]:
-        for case in CASES:
-            plan.append((case, tokens, None if case in ("raw", "ours_full_1", "per_layer") else chunk))
-        for alt in cfg["sweep"]:
-            plan.append(("ours_full", tokens, alt))
+        plan += [(case, tokens, False) for case in cases.values()]
+    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~il", "~gf"))]
+    for tokens in cfg["tokens"]:
+        plan += [(case, tokens, True) for case in traced]
     return plan
+
+
+def _merge_trace(case: Case, tokens: int, p: list[dict], d: list[dict], chunk_ends: list[int] | None) -> dict:
+    """Median microseconds after P's t0 of every step on either side."""
+    index = {str(end): k for k, end in enumerate(chunk_ends or [])}
+    rel: dict[str, list[float]] = {}
+    for ps, ds in zip(p, d):
+        t0 = ps["t0"]
+        for side, stamps in (("P", ps), ("D", ds)):
+            for label, t in stamps.items():
+                if label == "t0":
+                    continue
+                name, _, end = label.partition("@")
+                if end:
+                    name = f"{name}#{index.get(end, end) if end != 'all' else 'all'}"
+                rel.setdefault(f"{side}.{name}", []).append((t - t0) * 1e6)
+    steps = {k: round(statistics.median(v), 1) for k, v in rel.items()}
+    return {"case": case.label, "tokens": tokens, "iters": len(p), "chunks": chunk_ends,
+            "us": dict(sorted(steps.items(), key=lambda kv: kv[1]))}
 
 
 def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: Any, results: Any, cfg: dict) -> None:
@@ -335,21 +517,25 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         extra: dict[str, Any] = {"comm_mem_mib": side.comm_mem_mib, **_rtt_us(side)}
         if role == "P":
             extra[f"copy_{max(cfg['tokens'])}"] = _copy_rates(side, max(cfg["tokens"]))
-        rows = []
-        for case, tokens, chunking in _plan(cfg):
-            stamps = _case(side, case, tokens, chunking)
+        rows, traces = [], []
+        for case, tokens, tracing in _plan(cfg):
+            iters = cfg["trace_iters"] if tracing else cfg["iters"]
+            stamps = _case(side, case, tokens, iters, tracing)
             if role == "D":
                 conn.send(stamps)
                 continue
-            ends = conn.recv()
-            ms = [(b - a) * 1e3 for a, b in zip(stamps, ends)]
-            label = case if chunking is None or (chunking == (cfg["edge_mib"], cfg["cap_mib"])) \
-                else f"{case}@{chunking[0]}/{chunking[1]}"
-            rows.append({"case": label, "tokens": tokens, "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
+            theirs = conn.recv()
+            if tracing:
+                traces.append(_merge_trace(case, tokens, stamps, theirs, _bounds(side, case, tokens // BLOCK)))
+                continue
+            ms = [(d["t1"] - p["t0"]) * 1e3 for p, d in zip(stamps, theirs)]
+            bounds = _bounds(side, case, tokens // BLOCK)
+            rows.append({"case": case.label, "tokens": tokens, "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
+                         "chunks": len(bounds) if bounds else 1,
                          "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
                          "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
         side.cache.close()
-        results.put((role, {"rows": rows, **extra}))
+        results.put((role, {"rows": rows, "traces": traces, **extra}))
     except BaseException:
         results.put((role, {"error": traceback.format_exc()}))
 
@@ -359,32 +545,51 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     summary, lines = [], []
     for r in rows:
         r["GBps"] = round(r["MiB"] * 2**20 / (r["ms"] * 1e-3) / 1e9, 1)
-    head = f"{'case':<22}{'tokens':>7}{'MiB':>7}{'ms':>9}{'GB/s':>8}{'x raw':>8}{'x per-layer':>12}"
+    head = (f"{'case':<22}{'tokens':>7}{'MiB':>7}{'chunks':>7}{'ms':>9}{'min':>8}{'p90':>8}{'GB/s':>8}"
+            f"{'x raw':>8}{'x per-layer':>12}")
     lines.append(head)
     for r in rows:
         raw, pl = by.get(("raw", r["tokens"])), by.get(("per_layer", r["tokens"]))
         r["vs_raw"] = round(raw["ms"] / r["ms"], 3) if raw else None
         r["vs_per_layer"] = round(pl["ms"] / r["ms"], 2) if pl else None
-        lines.append(f"{r['case']:<22}{r['tokens']:>7}{r['MiB']:>7.0f}{r['ms']:>9.3f}{r['GBps']:>8.1f}"
+        lines.append(f"{r['case']:<22}{r['tokens']:>7}{r['MiB']:>7.0f}{r['chunks']:>7}{r['ms']:>9.3f}"
+                     f"{r['ms_min']:>8.3f}{r['ms_p90']:>8.3f}{r['GBps']:>8.1f}"
                      f"{r['vs_raw']:>8.3f}{r['vs_per_layer']:>12.2f}")
     for tokens in sorted({r["tokens"] for r in rows}):
-        s = {"tokens": tokens}
-        for case in ("ours_full", "ours_staged", "ours_data"):
+        s: dict[str, Any] = {"tokens": tokens}
+        for case in ("ours_full", "ours_expect", "ours_staged", "ours_data"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
         summary.append(s)
+    for (case, tokens, key), want in TARGETS.items():
+        got = by.get((case, tokens))
+        if got is not None and got[key] is not None:
+            verdict = "met" if got[key] >= want else "MISSED"
+            lines.append(f"target {case} {tokens} tokens {key} >= {want}: {got[key]} ({verdict})")
     return "\n".join(lines), summary
 
 
+def _trace_lines(traces: list[dict]) -> str:
+    out = []
+    for t in traces:
+        steps = "  ".join(f"{k}={v:.0f}" for k, v in t["us"].items())
+        out.append(f"trace {t['case']} {t['tokens']} (us after P.t0, chunks {t['chunks']}): {steps}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
+    edge, growth = _default_chunking()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,2048,8192")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--edge-mib", type=int, default=32, help="first/last pipeline chunk")
-    ap.add_argument("--cap-mib", type=int, default=256, help="largest pipeline chunk")
-    ap.add_argument("--sweep", default="16/128,64/512", help="other edge/cap pairs for ours_full")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--trace-iters", type=int, default=10)
+    ap.add_argument("--edge-mib", type=int, default=edge, help="first/last pipeline chunk (pipeline_bounds default)")
+    ap.add_argument("--growth", type=int, default=growth, help="chunk growth inward (pipeline_bounds default)")
+    ap.add_argument("--order", choices=("gf", "il"), default="gf", help="P: all gathers first, or interleaved")
+    ap.add_argument("--sweep", default="16/4,16/8,64/4", help="other edge/growth pairs for ours_full")
+    ap.add_argument("--diag", action="store_true", help="also time and trace the other P order")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -392,9 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokens = [int(t) for t in args.tokens.split(",")]
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
-    cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "edge_mib": args.edge_mib,
-           "cap_mib": args.cap_mib, "sweep": sweep, "max_blocks": max(tokens) // BLOCK,
-           "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+    cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
+           "edge_mib": args.edge_mib, "growth": args.growth, "order": args.order, "sweep": sweep,
+           "diag": args.diag, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     conn_p, conn_d = ctx.Pipe()
@@ -418,11 +623,13 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill()
     table, summary = _table(out["P"]["rows"])
     print(table)
-    print(json.dumps({k: v for k, v in out["P"].items() if k != "rows"}))
-    print("D:", json.dumps({k: v for k, v in out["D"].items() if k != "rows"}))
-    report = {"config": cfg, "rows": out["P"]["rows"], "summary": summary,
-              "P": {k: v for k, v in out["P"].items() if k != "rows"},
-              "D": {k: v for k, v in out["D"].items() if k != "rows"},
+    print(_trace_lines(out["P"]["traces"]))
+    skip = ("rows", "traces")
+    print(json.dumps({k: v for k, v in out["P"].items() if k not in skip}))
+    print("D:", json.dumps({k: v for k, v in out["D"].items() if k not in skip}))
+    report = {"config": cfg, "rows": out["P"]["rows"], "summary": summary, "traces": out["P"]["traces"],
+              "P": {k: v for k, v in out["P"].items() if k not in skip},
+              "D": {k: v for k, v in out["D"].items() if k not in skip},
               "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
               "gpu": torch.cuda.get_device_name(0)}
     if args.json:

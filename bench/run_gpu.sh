@@ -25,7 +25,11 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout 240 python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" 2>&1 | tee "$OUT/bench.log"
+# BENCH_ARGS: extra benchmark flags (e.g. --diag); BENCH_TIMEOUT: seconds (240); SKIP_TESTS=1: no pytest.
+# shellcheck disable=SC2086
+timeout "${BENCH_TIMEOUT:-240}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
-timeout 300 python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
-echo "pytest rc=$?"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout 300 python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+  echo "pytest rc=$?"
+fi

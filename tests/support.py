@@ -36,6 +36,11 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
         pause.wait(interval)
 
 
+def engine_step_pause(seconds: float = 0.005) -> None:
+    """The gap between two steps of an idle engine loop, which keeps stepping."""
+    threading.Event().wait(seconds)
+
+
 class BrokerProcess:
     """`kvbroker serve` as a real child process on 127.0.0.1, stopped by its PID."""
 

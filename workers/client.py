@@ -97,6 +97,11 @@ class BrokerClient:
         self._expects: set[str] = set()
         self._log = log.bind(role=registration.role, instance=registration.instance_id, rank=registration.rank)
 
+    @property
+    def connected(self) -> bool:
+        """True while registered on a live session with the broker."""
+        return self._chan is not None
+
     # -- lifecycle ----------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[Registered] = anyio.TASK_STATUS_IGNORED) -> None:

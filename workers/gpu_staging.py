@@ -215,29 +215,48 @@ class PagedKv:
 
 
 def pipeline_bounds(
-    num_blocks: int, block_nbytes: int, *, edge_nbytes: int = 32 << 20, cap_nbytes: int = 256 << 20
+    num_blocks: int, block_nbytes: int, *, edge_nbytes: int = 32 << 20, growth: int = 4,
+    cap_nbytes: int = 512 << 20,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
 
-    Chunks start small, double up to `cap_nbytes` and shrink again at the tail, so the
-    gather before the first send and the scatter after the last receive are short,
-    while the middle sends are large enough to run at full NCCL bandwidth. A transfer
-    of at most four edge chunks goes in one piece.
+    The first and the last chunk are `edge_nbytes`: the gather before the first send
+    and the scatter after the last receive are all of the copying that is not hidden
+    behind the wire. Going inward each chunk may be `growth` times its outer neighbour
+    (up to `cap_nbytes`): a gather or scatter runs several times faster than NCCL
+    moves the bytes (about 1.7 TB/s against 0.27 TB/s on an H200 pair), so chunk k+1's
+    gather still ends before chunk k leaves, and chunk k's scatter before chunk k+1
+    arrives, while every chunk boundary (one NCCL op and one copy launch more on each
+    side) is paid as rarely as that allows. A transfer of at most two edge chunks
+    goes in one piece.
     """
+    if num_blocks <= 0:
+        return []
     edge = max(1, edge_nbytes // max(1, block_nbytes))
     cap = max(edge, cap_nbytes // max(1, block_nbytes))
-    if num_blocks <= 4 * edge:
-        return [num_blocks] if num_blocks else []
+    if num_blocks <= 2 * edge:
+        return [num_blocks]
     front: list[int] = []
-    size, rem = edge, num_blocks
-    while rem > 2 * size:
-        front.append(size)
-        rem -= 2 * size
-        size = min(2 * size, cap)
-    sizes = front + [rem] + front[::-1]
+    back: list[int] = []
+    rem, k = num_blocks, 0
+    while rem:
+        size = min(cap, edge * max(1, growth) ** (k // 2), rem)
+        (front if k % 2 == 0 else back).append(size)
+        rem -= size
+        k += 1
+    # A remainder much smaller than an edge chunk costs a boundary and buys nothing:
+    # fold it into its inner neighbour.
+    last = front if (k - 1) % 2 == 0 else back
+    other = back if last is front else front
+    if last[-1] < edge:
+        tail = last.pop()
+        # Into an inner chunk where there is one, else into the last chunk, so the
+        # first send still starts after one edge chunk's gather.
+        (last if len(last) > 1 else other if len(other) > 1 else back)[-1] += tail
+    sizes = front + back[::-1]
     ends, acc = [], 0
-    for s in sizes:
-        acc += s
+    for size in sizes:
+        acc += size
         ends.append(acc)
     return ends
 

@@ -6,7 +6,6 @@ vLLM 0.32's scheduler (tests/e2e checks the real thing).
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,11 +202,3 @@ def test_producer_ignores_plain_requests_and_unfinished_ones_report_nothing() ->
     r = req("r", 40)
     s.update_state_after_alloc(r, FakeBlocks([5, 6]), 0)
     assert s.request_finished(r, [5, 6]) == (False, {"transfer_id": "t-1", "prefill_instance_id": "inst"})
-
-
-def test_metadata_is_picklable() -> None:
-    meta = KvBrokerMetadata(
-        saves={"t": SaveSpec(req_id="r", block_ids=[1], num_tokens=5)},
-        loads={"u": LoadSpec(req_id="q", block_ids=[2, 3], num_cached_blocks=1, num_tokens=40)},
-    )
-    assert pickle.loads(pickle.dumps(meta)) == meta

@@ -20,7 +20,7 @@ from connector.config import EngineInfo, parse_config
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker
 from protocols.errors import BrokerUnavailable, Refused
-from tests.support import BrokerProcess
+from tests.support import BrokerProcess, engine_step_pause, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def run_steps(d: ConnectorWorker, want: set[str], timeout: float) -> tuple[set[s
         _, recving = d.get_finished(set())
         finished |= recving or set()
         errors |= d.get_block_ids_with_load_errors()
-        time.sleep(0.005)
+        engine_step_pause()
     return finished, errors, time.monotonic() - t0
 
 
@@ -135,9 +135,7 @@ def test_transfer_skips_prefix_hit_and_never_writes_it(broker: BrokerProcess) ->
             others = [b for b in range(dc[n].shape[0]) if b not in dst[1:]]
             assert torch.equal(dc[n][others], before[n][others])
         assert d.statistics()["loaded"] == 1
-        deadline = time.monotonic() + 5
-        while p.statistics()["staged_now"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not p.statistics()["staged_now"], 5, "P to release its staged copy")
         assert p.statistics()["released"] == 1 and p.pool is not None and p.pool.statistics().reserved == 0
         assert d.pool is not None and d.pool.statistics().reserved == 0
     finally:
@@ -151,7 +149,9 @@ def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
     d = make_worker(broker.endpoint, "d", "d0", dc)
     try:
         stage(p, pc, "t-2", [1, 2, 3], decode="d0")
-        time.sleep(0.3)  # the Prepare reaches D before its request does
+        # The Prepare reaches D before its request does, and waits parked.
+        assert d.consumer is not None
+        wait_until(lambda: "t-2" in d.consumer._parked, 10, "D to park the early Prepare")
         load(d, "t-2", [10, 11, 12], cached=0)
         _, errors, _ = run_steps(d, {"req-t-2"}, 10)
         assert errors == set()
@@ -250,9 +250,7 @@ def test_abort_from_decode_frees_producer_staging(broker: BrokerProcess) -> None
         stage(p, pc, "t-5", [1, 2], decode="d0")  # ...but P staged 2
         _, errors, took = run_steps(d, {"req-t-5"}, 10)
         assert errors == {30, 31, 32} and took < 5
-        deadline = time.monotonic() + 5
-        while p.statistics()["staged_now"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not p.statistics()["staged_now"], 5, "P to release its staged copy")
         assert p.statistics()["aborted"] == 1
         assert p.pool is not None and p.pool.statistics().reserved == 0
         assert d.pool is not None and d.pool.statistics().reserved == 0
@@ -290,7 +288,8 @@ def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerPr
     d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=15.0)
     try:
         broker.kill()
-        time.sleep(1.5)  # past the 1 s lease: both clients know the broker is gone
+        # Past the 1 s lease both clients notice the broker is gone.
+        wait_until(lambda: not (p.client.client.connected or d.client.client.connected), 10, "the clients to notice")
         t0 = time.monotonic()
         load(d, "t-7", [50, 51], cached=0)
         assert d.get_finished(set()) == (None, None)

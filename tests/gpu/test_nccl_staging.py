@@ -52,12 +52,25 @@ def _prompt_kv(device: torch.device | str) -> torch.Tensor:
 
 def test_pipeline_bounds_cover_and_ramp() -> None:
     mib = 1 << 20
-    assert pipeline_bounds(32, 2 * mib) == [32]
-    for n in (128, 512, 1000):
-        ends = pipeline_bounds(n, 2 * mib)
-        assert ends[-1] == n and ends == sorted(set(ends))
-        sizes = [b - a for a, b in zip([0] + ends, ends)]
-        assert sizes[0] == sizes[-1] == 16 and max(sizes) <= 2 * 128
+    assert pipeline_bounds(0, 2 * mib) == []
+    assert pipeline_bounds(32, 2 * mib) == [32]  # two edge chunks or less: one piece
+    for edge, growth in ((32, 4), (16, 8), (8, 4)):
+        e = edge // 2
+        for n in (2 * e + 1, 3 * e, 128, 512, 1000, 4096):
+            ends = pipeline_bounds(n, 2 * mib, edge_nbytes=edge * mib, growth=growth, cap_nbytes=512 * mib)
+            assert ends[-1] == n and ends == sorted(set(ends))
+            sizes = [b - a for a, b in zip([0] + ends, ends)]
+            assert sizes[0] == e and e <= sizes[-1] < 2 * e  # the ends stay small: short gather and scatter
+            assert min(sizes) >= e and max(sizes) <= 256 + e
+            # Going inward a chunk is at most `growth` times its outer neighbour (a folded
+            # remainder under one edge chunk may add to that).
+            half = len(sizes) // 2
+            for outer, inner in zip(sizes[:half], sizes[1 : half + 1]):
+                assert inner <= growth * outer + e
+            for outer, inner in zip(sizes[::-1][:half], sizes[::-1][1 : half + 1]):
+                assert inner <= growth * outer + e
+    # Fewer, larger chunks than plain doubling: 256 MiB goes in 4, 1 GiB in 6.
+    assert len(pipeline_bounds(128, 2 * mib)) == 4 and len(pipeline_bounds(512, 2 * mib)) == 6
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])
@@ -146,7 +159,9 @@ def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) ->
 
 def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     try:
-        device, _, _, transport = _setup(role, dev, outbox, inbox, cfg)
+        device, rdv, _, transport = _setup(role, dev, outbox, inbox, cfg)
+        bounds = cfg.get("bounds")  # chunked: chunk events on P, per-chunk receive and scatter on D
+        handshake = cfg.get("ready", False)  # D posts its first receive, then sends Ready; P sends after it
         kv = _cache(device, seed=dev)
         paged = PagedKv(kv)
         prompt = _prompt_kv(device)
@@ -158,19 +173,21 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
             a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
             c = torch.empty_like(a)
             side = torch.cuda.Stream(device)
-            for _ in range(cfg["iters"]):
+            for i in range(cfg["iters"]):
                 for _ in range(cfg["matmuls"]):  # the model's earlier layers: keeps the stream busy
                     torch.mm(a, a, out=c)
                 for layer in range(LAYERS):  # this step writes the prompt's KV into its blocks
                     kv[layer].index_copy_(1, ids, prompt[layer])
                 if cfg.get("stage_on_side_stream"):
                     with torch.cuda.stream(side):  # WRONG on purpose: not in compute-stream order
-                        staged = stager.stage(ids)
+                        staged = stager.stage(ids, bounds=bounds)
                 else:
-                    staged = stager.stage(ids)
+                    staged = stager.stage(ids, bounds=bounds)
                 for layer in range(LAYERS):  # the next step reuses the blocks at once
                     kv[layer].index_fill_(1, ids, -7.0)
-                transport.send_staged("D", staged).wait(time.monotonic() + 30.0)
+                if handshake:
+                    rdv.receive("D", f"ready/{i}")
+                transport.send_staged("D", staged, bounds=bounds).wait(time.monotonic() + 30.0)
                 staged.tensor.fill_(0x55)  # another request reuses this staging memory
                 staged.release()
                 torch.cuda.current_stream().synchronize()
@@ -178,11 +195,13 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
             ids = paged.block_ids(REQ_D)
             nbytes = len(REQ_D) * paged.staged_block_nbytes
             mismatches, bad_blocks = 0, 0
-            for _ in range(cfg["iters"]):
+            for i in range(cfg["iters"]):
                 for layer in range(LAYERS):
                     kv[layer].index_fill_(1, ids, 3.0)  # so a missing write cannot pass
                 lease = pool.acquire_nowait(nbytes)
-                transport.recv_staged("P", lease.tensor, paged, ids).wait(time.monotonic() + 30.0)
+                ready = (lambda i=i: rdv.publish("P", f"ready/{i}", b"1")) if handshake else None
+                done = transport.recv_staged("P", lease.tensor, paged, ids, bounds=bounds, posted=ready)
+                done.wait(time.monotonic() + 30.0)
                 got = torch.stack([kv[layer][:, ids] for layer in range(LAYERS)])
                 if not torch.equal(got, prompt):
                     mismatches += 1
@@ -211,6 +230,16 @@ def test_repeated_prompt_survives_block_reuse() -> None:
     """1,000 identical prompts, blocks overwritten right after staging: zero mismatches."""
     res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6})["D"]
     _report("safe", res)
+    assert res["mismatches"] == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_chunked_pipeline_with_ready_after_first_receive() -> None:
+    """Chunked staging and sending, D's Ready sent once its first receive is posted, chunk k
+    scattered as soon as chunk k arrives: 300 repeated prompts, zero mismatches."""
+    res = _run_pair(_race_worker, {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True})["D"]
+    _report("safe_chunked_ready", res)
     assert res["mismatches"] == 0
 
 

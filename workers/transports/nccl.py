@@ -21,9 +21,19 @@ a `TCPStore` without `init_process_group`: vLLM owns the global group.
   failed communicators are aborted, which frees their memory.
 * Ordering. A send of staged KV is posted on the transport's stream only after
   ``stream.wait_event(staged_event)``; the group's NCCL stream waits on that stream at
-  posting, so the send cannot read staging before the gather that fills it.
+  posting, so the send cannot read staging before the gather that fills it. NCCL pairs
+  a peer's sends and receives by posting order alone, so one transfer's chunks are
+  posted under the communicator's lock, and a receiver posts its transfers in the order
+  the sender sends them (the order of its Ready messages).
+* Pipelining. A transfer goes in block chunks (`workers.gpu_staging.pipeline_bounds`):
+  chunk k's send waits only for the gather that covers chunk k, and the receiver
+  scatters chunk k on its own stream as soon as chunk k's receive completes, while
+  chunk k+1 is still on the wire. `recv_staged(posted=...)` calls back once the first
+  receive is posted, so the receiver's Ready can leave before it enqueues the rest:
+  the sender's first bytes then never wait for the receiver's host-side posting.
 * Deadlines. Ops return a `Completion` (a CUDA event after the NCCL work) whose
-  `wait(deadline)` polls; past the deadline it aborts the communicator (a stuck NCCL
+  `wait(deadline)` spins briefly, then polls in pauses of at most 100 us (coarser
+  polling would add its pause to every transfer's latency); past the deadline it aborts the communicator (a stuck NCCL
   kernel then returns), drops it from the cache and raises `SendTimeout`/`RecvTimeout`.
   The next use rebuilds it. The group's watchdog timeout is set far above any transfer
   deadline, so the watchdog (whose default reaction kills the process) never fires first.
@@ -42,7 +52,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Protocol
@@ -140,10 +150,11 @@ class Completion:
         """True once the op finished on the GPU; never blocks."""
         return self.event.query()
 
-    def wait(self, deadline: float, *, spin_s: float = 0.002) -> None:
+    def wait(self, deadline: float, *, spin_s: float = 0.001, max_pause_s: float = 1e-4) -> None:
         """Block until done or `deadline` (a `time.monotonic()` value) passes.
 
-        Spins for `spin_s` (transfers often end within it), then sleeps in short steps.
+        Spins for `spin_s` (transfers often end within it), then sleeps in steps that
+        double up to `max_pause_s`: the pause bounds how late the end is noticed.
 
         Raises:
             SendTimeout, RecvTimeout: the deadline passed; the communicator is aborted.
@@ -157,7 +168,7 @@ class Completion:
                 exc = SendTimeout if self.op == "send" else RecvTimeout
                 raise exc(self.transfer_id or "-", f"NCCL {self.op} with {self.comm.peer} timed out")
             if now - start > spin_s:
-                pause = min(max(pause * 2, 5e-5), 1e-3)
+                pause = min(max(pause * 2, 1e-5), max_pause_s)
             time.sleep(pause)
         self._keep.clear()
 
@@ -184,6 +195,9 @@ class NcclCommunicator:
         self._cache = cache
         self._pending: list[Completion] = []
         self.broken = self.closed = False
+        # Held while one transfer posts its chunks: NCCL matches ops by posting order,
+        # so two transfers' chunks must never interleave on one communicator.
+        self.lock = threading.RLock()
 
     def idle(self) -> bool:
         """No op of this communicator is still running."""
@@ -204,7 +218,7 @@ class NcclCommunicator:
         """
         if self.closed:
             raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with self.lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
             for event in after:
                 if event is not None:
                     stream.wait_event(event)
@@ -469,6 +483,12 @@ class NcclTransport:
         cache: the communicators of this worker.
         unsafe_skip_event_wait: TEST ONLY. Post sends without waiting for the staging
             event, to show that the race this transport prevents is real.
+
+    Set `trace` to a list to collect ``(label, timing event)`` pairs at each chunk's
+    end (``send_done@B``, ``recv_done@B``, ``scatter_done@B``, B the chunk's end
+    block within the call; ``@all`` for raw tensors): what a benchmark or
+    `kvbroker trace` reads a transfer's GPU timeline from. Recording them costs a few
+    microseconds a chunk, so leave it None otherwise.
     """
 
     def __init__(self, cache: CommunicatorCache, *, unsafe_skip_event_wait: bool = False) -> None:
@@ -477,6 +497,25 @@ class NcclTransport:
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
+        self.trace: list[tuple[str, torch.cuda.Event]] | None = None
+
+    def _mark(self, stream: torch.cuda.Stream, label: str) -> None:
+        if self.trace is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            self.trace.append((label, event))
+
+    def _finish(
+        self, comm: NcclCommunicator, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"],
+        transfer_id: str, keep: Sequence[torch.Tensor] = (), ends: Sequence[Any] = ("all",),
+    ) -> Completion:
+        if self.trace is None:
+            return comm.completion(works, stream, op, transfer_id, keep)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for work, end in zip(works, ends):
+                work.wait()
+                self._mark(stream, f"{op}_done@{end}")
+        return comm.completion([], stream, op, transfer_id, keep)
 
     # -- raw tensors -----------------------------------------------------------------
 
@@ -492,13 +531,13 @@ class NcclTransport:
         comm = self.cache.get(peer, initiator=True)
         wait = () if self.unsafe_skip_event_wait else (_now(self.device) if after is None else after)
         work = comm.post([("send", t) for t in tensors], self.stream, wait)
-        return comm.completion([work], self.stream, "send", transfer_id)
+        return self._finish(comm, [work], self.stream, "send", transfer_id)
 
     def recv_tensors(self, peer: str, tensors: Sequence[torch.Tensor], *, transfer_id: str = "") -> Completion:
         """Receive into `tensors` from `peer` as one NCCL group, after the current stream's work."""
         comm = self.cache.get(peer, initiator=False)
         work = comm.post([("recv", t) for t in tensors], self.stream, _now(self.device))
-        return comm.completion([work], self.stream, "recv", transfer_id)
+        return self._finish(comm, [work], self.stream, "recv", transfer_id)
 
     # -- staged KV -------------------------------------------------------------------
 
@@ -509,52 +548,79 @@ class NcclTransport:
         """Send blocks ``[first_block, last_block)`` of a staged transfer, one NCCL op per chunk.
 
         Chunk k is posted after the staging event that covers it, so chunk k can be on
-        the wire while chunk k+1 is still being gathered. `bounds` (chunk ends in
-        blocks, relative to `first_block`) must match the receiver's. Call it once per
-        chunk, right after `Stager.gather_chunk`, to interleave gathers and sends.
+        the wire while later chunks are still being gathered: enqueue the gathers
+        (`Stager.gather_chunk`) first, then call this once, without waiting for the
+        GPU. `bounds` (chunk ends in blocks, relative to `first_block`) must match
+        the receiver's. Sending a transfer in several calls (a block range each) is
+        allowed only if no other transfer to `peer` is posted in between.
         """
         comm = self.cache.get(peer, initiator=True)
         step = staged.paged.staged_block_nbytes
         data, keep, works = staged.tensor, [], []
         last = staged.num_blocks if last_block is None else last_block
-        for b0, b1 in _ranges(last - first_block, bounds):
-            b0, b1 = b0 + first_block, b1 + first_block
-            event = None if self.unsafe_skip_event_wait else staged.event_for(b1)
-            chunk = data[b0 * step : b1 * step]
-            if not chunk.is_cuda:  # spilled: bring it back through a bounce buffer
-                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                    if event is not None:
-                        self.stream.wait_event(event)
-                    bounce = torch.empty(chunk.numel(), dtype=torch.uint8, device=self.device)
-                    bounce.copy_(chunk, non_blocking=True)
-                chunk, event = bounce, None
-                keep.append(bounce)
-            works.append(comm.post([("send", chunk)], self.stream, [event]))
-        return comm.completion(works, self.stream, "send", transfer_id, keep)
+        waited: torch.cuda.Event | None = None
+        chunks = _ranges(last - first_block, bounds)
+        with comm.lock:
+            for b0, b1 in chunks:
+                b0, b1 = b0 + first_block, b1 + first_block
+                event = None if self.unsafe_skip_event_wait else staged.event_for(b1)
+                if event is waited:  # the stream already waited for it (one gather, several sends)
+                    event = None
+                else:
+                    waited = event
+                chunk = data[b0 * step : b1 * step]
+                if not chunk.is_cuda:  # spilled: bring it back through a bounce buffer
+                    with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                        if event is not None:
+                            self.stream.wait_event(event)
+                        bounce = torch.empty(chunk.numel(), dtype=torch.uint8, device=self.device)
+                        bounce.copy_(chunk, non_blocking=True)
+                    chunk, event = bounce, None
+                    keep.append(bounce)
+                works.append(comm.post([("send", chunk)], self.stream, [event]))
+        return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
 
     def recv_staged(
         self, peer: str, buf: torch.Tensor, paged: PagedKv, block_ids: torch.Tensor, *,
-        bounds: Sequence[int] | None = None, transfer_id: str = "",
+        bounds: Sequence[int] | None = None, transfer_id: str = "", posted: Callable[[], None] | None = None,
     ) -> Completion:
         """Receive staged blocks into `buf` (a pool lease) and scatter them into `block_ids`.
 
-        Every chunk's receive is posted first; then the scatter stream waits for each
+        Every chunk's receive is posted first (after the current stream's work, which
+        may still use `buf` or the blocks); then the scatter stream waits for each
         receive in turn and scatters that chunk, so scattering chunk k overlaps
         receiving chunk k+1. The completion covers the last scatter.
+
+        `posted`, if given, is called as soon as the first chunk's receive is posted:
+        send Ready from it, so the sender's first chunk goes out while this side still
+        posts the rest. If it raises, the communicator is aborted (a receive that no
+        send will match must not swallow the next transfer's bytes) and it propagates.
         """
         comm = self.cache.get(peer, initiator=False)
         n = block_ids.numel()
         step = paged.staged_block_nbytes
         words = paged.staging_view(buf, n)
         chunks = _ranges(n, bounds)
-        works = [comm.post([("recv", buf[b0 * step : b1 * step])], self.stream) for b0, b1 in chunks]
-        # Whatever the caller enqueued on these blocks so far must finish before we write them.
-        self.scatter_stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = _now(self.device)
+        works = []
+        with comm.lock:
+            for k, (b0, b1) in enumerate(chunks):
+                works.append(comm.post([("recv", buf[b0 * step : b1 * step])], self.stream, current if k == 0 else ()))
+                if k == 0 and posted is not None:
+                    try:
+                        posted()
+                    except BaseException:
+                        comm.fail("the posted callback failed after a receive was posted")
+                        raise
         with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
+            # Whatever the caller enqueued on these blocks so far must finish before we write them.
+            self.scatter_stream.wait_event(current[0])
             for work, (b0, b1) in zip(works, chunks):
                 if work is not None:
                     work.wait()
+                self._mark(self.scatter_stream, f"recv_done@{b1}")
                 paged.scatter(block_ids[b0:b1], words[b0:b1])
+                self._mark(self.scatter_stream, f"scatter_done@{b1}")
         return comm.completion([], self.scatter_stream, "recv", transfer_id)
 
 

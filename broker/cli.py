@@ -33,7 +33,10 @@ def main() -> None:
 @click.option("--max-attempts", type=int, default=3, show_default=True, help="Deliveries tried before a transfer fails.")
 @click.option("--max-transfers", type=int, default=100_000, show_default=True)
 @click.option("--max-peers", type=int, default=4096, show_default=True)
-@click.option("--curve-secret-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Z85 CURVE secret key: peers must authenticate.")
+@click.option(
+    "--curve-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="Z85 CURVE secret key from `kvbroker keygen`: traffic is encrypted and peers need the public key.",
+)
 @click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound endpoint here once serving (for --bind ...:0).")
 def serve(**opts: Any) -> None:
     """Run the broker daemon (binds to loopback unless told otherwise)."""
@@ -72,12 +75,13 @@ def serve(**opts: Any) -> None:
 @click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--timeout", type=float, default=3.0, show_default=True)
-def status(broker: str, as_json: bool, timeout: float) -> None:
+@click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
+def status(broker: str, as_json: bool, timeout: float, curve_server_key: str | None) -> None:
     """Show peers, pools and transfers in flight."""
     from .status import fetch_status, render_status
 
     try:
-        snap = anyio.run(fetch_status, broker, timeout)
+        snap = anyio.run(fetch_status, broker, timeout, curve_server_key)
     except TimeoutError:
         raise click.ClickException(
             f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
@@ -86,6 +90,25 @@ def status(broker: str, as_json: bool, timeout: float) -> None:
         click.echo(msgspec.json.encode(snap).decode())
     else:
         click.echo(render_status(snap))
+
+
+@main.command()
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True)
+def keygen(out_dir: str) -> None:
+    """Make a CURVE key pair for the broker: broker.key_secret (keep it) and broker.key (give it to peers)."""
+    import os
+
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    secret_path = out / "broker.key_secret"
+    fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret + b"\n")
+    (out / "broker.key").write_bytes(public + b"\n")
+    click.echo(f"secret: {secret_path} (serve --curve-secret-file)\npublic: {public.decode()} (curve_server_key on peers)")
 
 
 @main.command()

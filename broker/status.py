@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import zmq
 
-from protocols.channel import ZmqChannel, dealer
+from protocols.channel import ZmqChannel, curve_client_keys, dealer
 from protocols.codec import Codec
 from protocols.messages import Status, StatusRequest
 
@@ -13,12 +13,13 @@ from protocols.messages import Status, StatusRequest
 STATUS_MAX_FRAME = 64 << 20
 
 
-async def fetch_status(broker: str, timeout: float = 3.0) -> Status:
+async def fetch_status(broker: str, timeout: float = 3.0, curve_server_key: str | None = None) -> Status:
     """One StatusRequest round trip; raises TimeoutError if the broker is silent."""
     codec = Codec(STATUS_MAX_FRAME)
     ctx = zmq.Context()
+    curve = curve_client_keys(curve_server_key)
     try:
-        async with ZmqChannel(dealer(ctx, broker, max_frame=STATUS_MAX_FRAME)) as chan:
+        async with ZmqChannel(dealer(ctx, broker, curve=curve, max_frame=STATUS_MAX_FRAME)) as chan:
             with anyio.fail_after(timeout):
                 await chan.send([codec.encode(StatusRequest())])
                 while True:

@@ -66,6 +66,7 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     register_timeout_s: float = 10.0
     tcp_host: str = "127.0.0.1"
+    curve_server_key: str | None = None
     fault_injection: str | None = None
     fault_injection_prefix: str = ""
 
@@ -89,6 +90,7 @@ _KEYS = (
     "register_timeout_s",
     "tcp_host",
     "instance_id",
+    "curve_server_key",
     "fault_injection",
     "fault_injection_prefix",
 )
@@ -161,6 +163,12 @@ def parse_config(
     tcp_host = extra.get("tcp_host", _DEFAULTS.tcp_host)
     if not isinstance(tcp_host, str) or not tcp_host or any(c in tcp_host for c in "/ "):
         raise ConfigError(f"{_PREFIX}.tcp_host must be a host name or IP address to bind, not {tcp_host!r}.")
+    curve_key = extra.get("curve_server_key")
+    if curve_key is not None and (not isinstance(curve_key, str) or len(curve_key) != 40):
+        raise ConfigError(
+            f"{_PREFIX}.curve_server_key must be the broker's 40-character Z85 public key "
+            "(the broker.key file of `kvbroker keygen`)."
+        )
     fault = extra.get("fault_injection")
     if fault is not None and fault not in FAULTS:
         raise ConfigError(
@@ -179,6 +187,7 @@ def parse_config(
         load_timeout_s=_positive_seconds(extra, "load_timeout_s", _DEFAULTS.load_timeout_s),
         register_timeout_s=_positive_seconds(extra, "register_timeout_s", _DEFAULTS.register_timeout_s),
         tcp_host=tcp_host.strip("[]"),
+        curve_server_key=curve_key,
         fault_injection=fault,
         fault_injection_prefix=prefix,
     )

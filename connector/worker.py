@@ -38,6 +38,7 @@ import anyio
 import structlog
 import torch
 
+from protocols.channel import curve_client_keys
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from workers.layout import CacheSpec, LayerLayout, detect_layout
@@ -153,20 +154,20 @@ class ConnectorWorker:
         )
         pool = self.pool
         client = BrokerClient(
-            ClientConfig(broker=self.config.broker, register_timeout_s=self.config.register_timeout_s),
+            ClientConfig(
+                broker=self.config.broker,
+                register_timeout_s=self.config.register_timeout_s,
+                curve=curve_client_keys(self.config.curve_server_key),
+            ),
             registration,
             handler=self,
             pool_free=None if self.is_producer else (lambda: pool.statistics().free),
         )
         try:
             self.client = SyncBrokerClient(client)
-        except BaseException as exc:
+        except BaseException:
             self.close()
-            # The client's task group wraps a refusal or a timeout in an ExceptionGroup;
-            # vLLM's startup error should be the one sentence inside it.
-            while len(getattr(exc, "exceptions", ())) == 1:  # an (Base)ExceptionGroup
-                exc = exc.exceptions[0]  # type: ignore[attr-defined]
-            raise exc from None
+            raise
         self.log.info(
             "connector.registered",
             phase="register",

@@ -44,6 +44,7 @@ __all__ = [
     "MessageChannel",
     "PeerUnreachable",
     "ZmqChannel",
+    "curve_client_keys",
     "dealer",
     "router",
 ]
@@ -342,6 +343,21 @@ def _configure(sock: zmq.Socket, max_frame: int | None, hwm: int, linger_ms: int
     sock.setsockopt(zmq.RCVHWM, hwm)
     # zmq itself drops the connection of a peer that sends a larger frame.
     sock.setsockopt(zmq.MAXMSGSIZE, -1 if max_frame is None else max_frame)
+
+
+def curve_client_keys(server_public: str | bytes | None) -> tuple[bytes, bytes, bytes] | None:
+    """`dealer(curve=...)` keys for a client of a CURVE router with this Z85 public key.
+
+    A fresh client key pair per call: the router proves who it is and the traffic is
+    encrypted; which clients may connect is not checked. None when no key is given.
+    """
+    if not server_public:
+        return None
+    key = server_public.encode() if isinstance(server_public, str) else server_public
+    if len(key) != 40:
+        raise ValueError(f"a CURVE public key is 40 Z85 characters, got {len(key)}; copy it from `kvbroker keygen`")
+    public, secret = zmq.curve_keypair()
+    return public, secret, key
 
 
 def dealer(

@@ -13,6 +13,7 @@ synchronous callers such as vLLM's connector hooks: each method is one `portal.c
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -44,6 +45,9 @@ from protocols.messages import (
     Relay,
     Release,
 )
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 log = structlog.get_logger("kvbroker.client")
 
@@ -110,6 +114,18 @@ class BrokerClient:
         Raises `BrokerUnavailable` if the first registration gets no answer in time and
         `Refused` if the broker turns this peer away; later outages are retried forever.
         """
+        try:
+            await self._run(task_status)
+        except BaseExceptionGroup as group:
+            # A refusal or a startup timeout is one sentence for the operator, not a group.
+            inner: BaseException = group
+            while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+                inner = inner.exceptions[0]
+            if isinstance(inner, (BrokerUnavailable, Refused)):
+                raise inner from None
+            raise
+
+    async def _run(self, task_status: anyio.abc.TaskStatus[Registered]) -> None:
         ctx = zmq.Context()
         backoff = 0.05
         self._connected = anyio.Event()

@@ -140,3 +140,9 @@ def test_bad_instance_id(instance: Any) -> None:
 def test_bad_tcp_host_and_fault() -> None:
     assert "kv_connector_extra_config.tcp_host" in refused({"broker": BROKER, "tcp_host": ""})
     assert "kv_connector_extra_config.fault_injection" in refused({"broker": BROKER, "fault_injection": "explode"})
+
+
+def test_curve_server_key() -> None:
+    key = "B<6MgI-#$9bCh#+rPq}I-1ny[]t]{aC1.sJ=q-[G"
+    assert parse_config({"broker": BROKER, "curve_server_key": key}, kv_role="kv_producer", engine_id="e").curve_server_key == key
+    assert "kv_connector_extra_config.curve_server_key" in refused({"broker": BROKER, "curve_server_key": "short"})

@@ -15,7 +15,9 @@ import msgspec
 import pytest
 import zmq
 
+from protocols.channel import curve_client_keys
 from protocols.codec import HEADER, Codec, encode
+from protocols.errors import BrokerUnavailable
 from protocols.messages import Abort, Done, Expect, Layout, Offer, Prepare, Ready, Register
 from tests.support import ROOT, BrokerProcess, env, wait_until
 from workers.client import BrokerClient, ClientConfig, NullHandler
@@ -257,3 +259,33 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
         assert missing.returncode != 0 and "no log line carries transfer_id nope" in missing.stderr
     finally:
         assert broker.stop() == 0
+
+
+@pytest.mark.anyio
+async def test_curve_broker_serves_keyed_clients_only(tmp_path: Path, anyio_backend: str) -> None:
+    keygen = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "keygen", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert keygen.returncode == 0, keygen.stderr
+    assert oct((tmp_path / "broker.key_secret").stat().st_mode & 0o777) == "0o600"
+    public = (tmp_path / "broker.key").read_text().strip()
+    broker = BrokerProcess(tmp_path, "--curve-secret-file", str(tmp_path / "broker.key_secret"))
+    broker.start()
+    try:
+        reg = Register(role="prefill", instance_id="p0", compat_hash="h")
+        keyed = BrokerClient(ClientConfig(broker=broker.endpoint, curve=curve_client_keys(public)), reg)
+        plain = BrokerClient(ClientConfig(broker=broker.endpoint, register_timeout_s=1), reg)
+        async with anyio.create_task_group() as tg:
+            registered = await tg.start(keyed.run)
+            assert registered.peer_id == "p0:0"
+            with pytest.raises(BrokerUnavailable, match="did not answer"):
+                await plain.run()
+            tg.cancel_scope.cancel()
+        out = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "status", "--broker", broker.endpoint, "--json", "--curve-server-key", public],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert out.returncode == 0 and json.loads(out.stdout)["peers"][0]["peer_id"] == "p0:0", out.stderr
+    finally:
+        broker.stop()

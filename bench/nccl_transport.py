@@ -12,19 +12,20 @@ different polling delay.
 * raw          one NCCL send/recv of the same bytes as one contiguous tensor, the
                receive posted before the clock starts: the ceiling.
 * ours_full    END TO END, nothing done before the clock: P sends the Offer, then
-               enqueues the gathers of all chunks out of its paged cache (one kernel
-               each) while the Offer travels; D takes the Offer, leases pool room,
-               posts the first chunk's receive, sends Ready, then posts the other
-               receives and the scatters into its paged blocks (chunk k's scatter
-               waits for chunk k's receive); P waits for Ready, then posts every
-               chunk's send (chunk k's send waits for chunk k's gather event). The
-               clock stops when D's last scatter is done. gather + handshake round
+               enqueues the first chunk's gather out of its paged cache (one kernel)
+               while the Offer travels; D takes the Offer, leases pool room, sends
+               Ready, then posts every chunk's receive and then the scatters into its
+               paged blocks (chunk k's scatter waits for chunk k's receive); P waits
+               for Ready, posts chunk 0's send (it waits for chunk 0's gather event),
+               then for each further chunk enqueues its gather and posts its send.
+               The clock stops when D's last scatter is done: gather + handshake round
                trip + send + receive + scatter, all on the clock.
 * ours_expect  as ours_full, but D's Ready (credit granted, pool room leased) was
                given before the clock starts, as D's Expect does in vLLM while P still
                runs the prefill: the Offer is one way, P posts its sends without
-               waiting, and D posts its receives when the Offer arrives. On the clock:
-               gather + one-way Offer + send + receive + scatter.
+               waiting (a send posted first waits on P's GPU for its receive), and D
+               posts its receives when the Offer arrives. On the clock: gather +
+               one-way Offer + send + receive + scatter.
 * ours_staged  as ours_full with the gathers done before the clock (in vLLM
                `save_kv_layer` gathers each layer during the forward pass); the whole
                handshake round trip is still on the clock, after staging.
@@ -35,9 +36,10 @@ different polling delay.
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
 
-`ours_*@E/G` rows use other chunkings (first/last chunk E MiB, growth G); `~il` rows
-post P's first send right after the first chunk's gather and enqueue the other gathers
-after it (the default enqueues all gathers first). The trace lines give, per case, the
+`ours_full@F/L/G` rows use other chunkings (first chunk F MiB, last chunk L MiB, growth
+G; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
+and then post all sends (the default interleaves gathers and sends, one chunk at a
+time, after the first). The trace lines give, per case, the
 median time after P's clock start at which each step happened: host steps as taken,
 GPU steps from timing events mapped onto the host clock through an anchor event
 synchronized before the barrier (good to about 10 us). Traced runs are separate from
@@ -47,7 +49,7 @@ The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip
 a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
-Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 30] [--json PATH]
+Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--diag] [--json PATH]
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ class Case:
 
     kind: str
     label: str
-    chunking: tuple[int, int] | None = None  # (edge MiB, growth); None: one chunk
-    order: str = "gf"  # P: "gf" all gathers, then sends; "il" first send after the first gather
+    chunking: tuple[int, int, int] | None = None  # (first MiB, last MiB, growth); None: one chunk
+    order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends
 
 
 class _Side:
@@ -210,8 +212,9 @@ def _ids(side: _Side, n: int, seed: int) -> torch.Tensor:
 def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
     if case.chunking is None:
         return None
-    edge, growth = case.chunking
-    return pipeline_bounds(n, side.paged.staged_block_nbytes, edge_nbytes=edge << 20, growth=growth)
+    first, last, growth = case.chunking
+    return pipeline_bounds(n, side.paged.staged_block_nbytes, first_nbytes=first << 20, last_nbytes=last << 20,
+                           growth=growth)
 
 
 def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
@@ -240,25 +243,37 @@ def _gather_and_send(
     side: _Side, staged: StagedTransfer, bounds: list[int] | None, tid: str, order: str,
     wait: Callable[[], None] | None, clock: _Clock,
 ) -> Any:
-    """P's pipeline: gathers on the compute stream, each send after its gather's event."""
+    """P's pipeline: gathers on the compute stream, each send after its gather's event.
+
+    "pc": gather chunk 0, wait for Ready, post send 0, then gather and post chunk by
+    chunk (each host step overlaps the previous chunk's send). "gf": every gather,
+    then Ready, then every send.
+    """
     ends = bounds or [staged.num_blocks]
-    first = 1 if order == "il" else len(ends)
-    for end in ends[:first]:
-        side.stager.gather_chunk(staged, end)
-        clock.gpu(f"gather@{end}")
-    clock.mark("gathers_enqueued" if first == len(ends) else "gather0_enqueued")
-    if wait is not None:
-        wait()
-        clock.mark("ready_seen")
     tr = side.transport
-    if first == len(ends):
+    if order == "gf":
+        for end in ends:
+            side.stager.gather_chunk(staged, end)
+            clock.gpu(f"gather@{end}")
+        clock.mark("gathers_enqueued")
+        if wait is not None:
+            wait()
+            clock.mark("ready_seen")
         return tr.send_staged("D", staged, bounds=ends, transfer_id=tid)
-    tr.send_staged("D", staged, last_block=ends[0], transfer_id=tid)
-    clock.mark("send0_posted")
-    for end in ends[1:]:
+    start, done = 0, None
+    for k, end in enumerate(ends):
         side.stager.gather_chunk(staged, end)
         clock.gpu(f"gather@{end}")
-    return tr.send_staged("D", staged, first_block=ends[0], bounds=[e - ends[0] for e in ends[1:]], transfer_id=tid)
+        if k == 0:
+            clock.mark("gather0_enqueued")
+            if wait is not None:
+                wait()
+                clock.mark("ready_seen")
+        done = tr.send_staged("D", staged, first_block=start, last_block=end, transfer_id=tid)
+        if k == 0:
+            clock.mark("send0_posted")
+        start = end
+    return done
 
 
 def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
@@ -320,14 +335,9 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         clock.mark("offer_seen")
         if lease is None:
             lease = side.pool.acquire_nowait(size)
-
-        def posted() -> None:
-            clock.mark("recv0_posted")
-            if kind != "expect":
-                side.hs.ready(got)
-                clock.mark("ready_sent")
-
-        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds, transfer_id=got, posted=posted)
+            side.hs.ready(got)  # before posting: P's posting then overlaps ours
+            clock.mark("ready_sent")
+        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds, transfer_id=got)
         clock.mark("all_posted")
     if done is not None:
         _wait(done)
@@ -449,15 +459,16 @@ TARGETS = {  # (case, tokens, against): at least this
 }
 
 
-def _default_chunking() -> tuple[int, int]:
+def _default_chunking() -> tuple[int, int, int]:
     import inspect
 
     params = inspect.signature(pipeline_bounds).parameters
-    return params["edge_nbytes"].default >> 20, params["growth"].default
+    return (params["first_nbytes"].default >> 20, params["last_nbytes"].default >> 20,
+            params["growth"].default)
 
 
 def _cases(cfg: dict) -> dict[str, Case]:
-    chunk = (cfg["edge_mib"], cfg["growth"])
+    chunk = (cfg["first_mib"], cfg["last_mib"], cfg["growth"])
     cases = {
         "raw": Case("raw", "raw"),
         "ours_full": Case("full", "ours_full", chunk, cfg["order"]),
@@ -469,10 +480,10 @@ def _cases(cfg: dict) -> dict[str, Case]:
     }
     for alt in cfg["sweep"]:
         if tuple(alt) != chunk:
-            label = f"ours_full@{alt[0]}/{alt[1]}"
-            cases[label] = Case("full", label, tuple(alt), cfg["order"])
+            label = "ours_full@" + "/".join(map(str, alt))
+            cases[label] = Case("full", label, (alt[0], alt[1], alt[2]), cfg["order"])
     if cfg["diag"]:
-        other = "il" if cfg["order"] == "gf" else "gf"
+        other = "pc" if cfg["order"] == "gf" else "gf"
         for name in ("ours_full", "ours_expect"):
             base = cases[name]
             cases[f"{name}~{other}"] = Case(base.kind, f"{name}~{other}", base.chunking, other)
@@ -484,7 +495,7 @@ def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
     plan = []
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, False) for case in cases.values()]
-    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~il", "~gf"))]
+    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~pc", "~gf"))]
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, True) for case in traced]
     return plan
@@ -579,16 +590,17 @@ def _trace_lines(traces: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    edge, growth = _default_chunking()
+    first, last, growth = _default_chunking()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,2048,8192")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trace-iters", type=int, default=10)
-    ap.add_argument("--edge-mib", type=int, default=edge, help="first/last pipeline chunk (pipeline_bounds default)")
+    ap.add_argument("--first-mib", type=int, default=first, help="first pipeline chunk (pipeline_bounds default)")
+    ap.add_argument("--last-mib", type=int, default=last, help="last pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--growth", type=int, default=growth, help="chunk growth inward (pipeline_bounds default)")
-    ap.add_argument("--order", choices=("gf", "il"), default="gf", help="P: all gathers first, or interleaved")
-    ap.add_argument("--sweep", default="16/4,16/8,64/4", help="other edge/growth pairs for ours_full")
+    ap.add_argument("--order", choices=("pc", "gf"), default="pc", help="P: chunk by chunk, or all gathers first")
+    ap.add_argument("--sweep", default="64/32/4,256/32/4,128/16/4", help="other first/last/growth for ours_full")
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P order")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -598,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
-           "edge_mib": args.edge_mib, "growth": args.growth, "order": args.order, "sweep": sweep,
+           "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth, "order": args.order,
+           "sweep": sweep,
            "diag": args.diag, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()

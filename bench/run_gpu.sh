@@ -25,11 +25,12 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# BENCH_ARGS: extra benchmark flags (e.g. --diag); BENCH_TIMEOUT: seconds (240); SKIP_TESTS=1: no pytest.
+# BENCH_ARGS: extra benchmark flags (e.g. --diag); SKIP_TESTS=1: no pytest. The timeouts keep
+# one run under 4 minutes (the benchmark takes about 30 s, the tests about 90 s).
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-240}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-90}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 300 python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
+  timeout "${TEST_TIMEOUT:-180}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
   echo "pytest rc=$?"
 fi

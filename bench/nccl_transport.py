@@ -129,7 +129,8 @@ class Case:
     kind: str
     label: str
     chunking: tuple[int, int, int] | None = None  # (first MiB, last MiB, growth); None: one chunk
-    order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends
+    order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends;
+    # "pg" chunk 0's gather and send, then every other gather, then every other send
 
 
 class _Side:
@@ -247,10 +248,28 @@ def _gather_and_send(
 
     "pc": gather chunk 0, wait for Ready, post send 0, then gather and post chunk by
     chunk (each host step overlaps the previous chunk's send). "gf": every gather,
-    then Ready, then every send.
+    then Ready, then every send. "pg": gather chunk 0, Ready, send 0, then the other
+    gathers, then the other sends (each still waits for its own gather's event).
     """
     ends = bounds or [staged.num_blocks]
     tr = side.transport
+    if order == "pg":
+        side.stager.gather_chunk(staged, ends[0])
+        clock.gpu(f"gather@{ends[0]}")
+        clock.mark("gather0_enqueued")
+        if wait is not None:
+            wait()
+            clock.mark("ready_seen")
+        done = tr.send_staged("D", staged, last_block=ends[0], transfer_id=tid)
+        clock.mark("send0_posted")
+        if len(ends) == 1:
+            return done
+        for end in ends[1:]:
+            side.stager.gather_chunk(staged, end)
+            clock.gpu(f"gather@{end}")
+        clock.mark("gathers_enqueued")
+        return tr.send_staged("D", staged, first_block=ends[0], bounds=[e - ends[0] for e in ends[1:]],
+                              transfer_id=tid)
     if order == "gf":
         for end in ends:
             side.stager.gather_chunk(staged, end)
@@ -448,6 +467,68 @@ def _copy_rates(side: _Side, tokens: int) -> dict[str, float]:
     return out
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
+    """Median host microseconds of one NCCL send post and one gather launch, split up.
+
+    "hot": the posting thread spun for 2 ms first (a busy process, as P is while it
+    runs the model); "cold": it slept 5 ms first (as the benchmark's P does between
+    iterations, blocked on its barrier). D posts each matching receive; only P times.
+    """
+    tr = side.transport
+    comm = side.cache.get(side.peer, initiator=side.role == "P")
+    out: dict[str, list[float]] = {}
+    n_blocks = 64
+    ids = side.paged.block_ids(_ids(side, n_blocks, 1))
+    words = side.paged.staging_view(side.raw, n_blocks)
+    for mib in (32, 128, 512):
+        x = side.raw[: mib << 20]
+        for mode in ("hot", "cold"):
+            for _ in range(rounds):
+                side.barrier.wait()
+                if mode == "hot":
+                    _spin(0.002)
+                else:
+                    time.sleep(0.005)
+                if side.role == "D":
+                    _wait(tr.recv_tensors("P", [x]))
+                    continue
+                pg = comm.pg
+                with torch.cuda.stream(tr.stream):
+                    t0 = time.perf_counter()
+                    pg._start_coalescing()
+                    t1 = time.perf_counter()
+                    pg.send([x], 1, 0)
+                    t2 = time.perf_counter()
+                    work = pg._end_coalescing()
+                    t3 = time.perf_counter()
+                done = comm.completion([work], tr.stream, "send")
+                t4 = time.perf_counter()
+                for key, a, b in (("start", t0, t1), ("send", t1, t2), ("end", t2, t3), ("completion", t3, t4),
+                                  ("post", t0, t4)):
+                    out.setdefault(f"{mode}_{mib}MiB_{key}_us", []).append((b - a) * 1e6)
+                _wait(done)
+    if side.role == "P":
+        for mode in ("hot", "cold"):
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                if mode == "hot":
+                    _spin(0.002)
+                else:
+                    time.sleep(0.005)
+                t0 = time.perf_counter()
+                side.paged.gather(ids, words)
+                t1 = time.perf_counter()
+                out.setdefault(f"{mode}_gather_launch_us", []).append((t1 - t0) * 1e6)
+        torch.cuda.synchronize()
+    return {k: round(statistics.median(v), 1) for k, v in out.items()}
+
+
 # -- driver ------------------------------------------------------------------------------
 
 MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
@@ -483,10 +564,11 @@ def _cases(cfg: dict) -> dict[str, Case]:
             label = "ours_full@" + "/".join(map(str, alt))
             cases[label] = Case("full", label, (alt[0], alt[1], alt[2]), cfg["order"])
     if cfg["diag"]:
-        other = "pc" if cfg["order"] == "gf" else "gf"
-        for name in ("ours_full", "ours_expect"):
-            base = cases[name]
-            cases[f"{name}~{other}"] = Case(base.kind, f"{name}~{other}", base.chunking, other)
+        for other in cfg["diag_orders"]:
+            if other == cfg["order"]:
+                continue
+            base = cases["ours_full"]
+            cases[f"ours_full~{other}"] = Case(base.kind, f"ours_full~{other}", base.chunking, other)
     return cases
 
 
@@ -495,7 +577,7 @@ def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
     plan = []
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, False) for case in cases.values()]
-    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~pc", "~gf"))]
+    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~pc", "~gf", "~pg"))]
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, True) for case in traced]
     return plan
@@ -526,6 +608,10 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         side.connect()
         _zmq_setup(side)
         extra: dict[str, Any] = {"comm_mem_mib": side.comm_mem_mib, **_rtt_us(side)}
+        if cfg["host_costs"]:
+            extra["host_costs"] = _host_costs(side)
+        from workers.transports.nccl import TORCH_NCCL_QUIET
+        extra["torch_nccl_env"] = {k: os.environ.get(k) for k in TORCH_NCCL_QUIET}
         if role == "P":
             extra[f"copy_{max(cfg['tokens'])}"] = _copy_rates(side, max(cfg["tokens"]))
         rows, traces = [], []
@@ -599,9 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-mib", type=int, default=first, help="first pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--last-mib", type=int, default=last, help="last pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--growth", type=int, default=growth, help="chunk growth inward (pipeline_bounds default)")
-    ap.add_argument("--order", choices=("pc", "gf"), default="pc", help="P: chunk by chunk, or all gathers first")
-    ap.add_argument("--sweep", default="64/32/4,256/32/4,128/16/4", help="other first/last/growth for ours_full")
-    ap.add_argument("--diag", action="store_true", help="also time and trace the other P order")
+    ap.add_argument("--order", choices=("pc", "gf", "pg"), default="pc", help="P: chunk by chunk, or all gathers first")
+    ap.add_argument("--sweep", default="128/32/4,160/32/4,160/16/4", help="other first/last/growth for ours_full")
+    ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
+    ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
+    ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -612,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth, "order": args.order,
            "sweep": sweep,
-           "diag": args.diag, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+           "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
+           "host_costs": args.host_costs, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     conn_p, conn_d = ctx.Pipe()

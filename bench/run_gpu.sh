@@ -30,6 +30,14 @@ cat "$OUT/env.txt"
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-90}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
+# BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
+# (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
+if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  KVBROKER_NCCL_TORCH_DEBUG=1 timeout "${BENCH_TIMEOUT:-90}" python3 bench/nccl_transport.py \
+    --json "$OUT/nccl_transport-torchdebug.json" $BENCH_TORCH_DEBUG_ARGS 2>&1 | tee "$OUT/bench-torchdebug.log"
+  echo "bench (torch debug defaults) rc=$?"
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-180}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
   echo "pytest rc=$?"

@@ -215,7 +215,7 @@ class PagedKv:
 
 
 def pipeline_bounds(
-    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 128 << 20, last_nbytes: int = 32 << 20,
+    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 128 << 20, last_nbytes: int = 16 << 20,
     growth: int = 4, cap_nbytes: int = 1 << 30,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
@@ -231,7 +231,9 @@ def pipeline_bounds(
     `growth` times its outer neighbour (up to `cap_nbytes`), because a gather or
     scatter runs about five times faster than NCCL moves the bytes (1.8 TB/s against
     0.35 TB/s), so it still ends in time. A transfer of at most `first_nbytes +
-    last_nbytes` goes in one piece.
+    last_nbytes` goes in one piece. The defaults (128 MiB first, 16 MiB last, growth 4)
+    were the best end-to-end schedule in two runs on an H200 pair, at 2048 and 8192
+    tokens of Llama-3-8B-like KV, against a 32 MiB last chunk and other first chunks.
     """
     if num_blocks <= 0:
         return []

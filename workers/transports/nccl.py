@@ -40,6 +40,9 @@ a `TCPStore` without `init_process_group`: vLLM owns the global group.
   kernel then returns), drops it from the cache and raises `SendTimeout`/`RecvTimeout`.
   The next use rebuilds it. The group's watchdog timeout is set far above any transfer
   deadline, so the watchdog (whose default reaction kills the process) never fires first.
+* Host cost. Before its first group the transport switches off torch's NCCL flight
+  recorder and monitor threads (`TORCH_NCCL_QUIET`; an operator's values win): debugging
+  it does not use, on the posting thread or beside it.
 * Rebuilds and eviction are one-sided, so an acceptor checks `Rendezvous.poll` on each
   use and replaces its communicator when the initiator published a newer nonce. If the
   initiator sends before the acceptor saw it, that transfer misses its deadline on both
@@ -49,6 +52,7 @@ a `TCPStore` without `init_process_group`: vLLM owns the global group.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import secrets
 import socket
@@ -453,10 +457,44 @@ def _parse(payload: bytes) -> dict[str, Any]:
         raise RendezvousError(f"unusable NCCL rendezvous payload ({exc}): {payload[:120]!r}") from exc
 
 
+# torch's ProcessGroupNCCL debugging and monitoring, which this transport does not use:
+# its own deadlines and `Completion.wait` catch stuck ops, and it never reads the
+# flight recorder. The flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records every op,
+# with a captured stack, on the posting thread, i.e. on a transfer's critical path; the
+# dumps on timeout need it; the heartbeat monitor is one more thread per group, whose
+# reaction is to kill the process. Set with `os.environ.setdefault` before the first
+# group of the process (torch reads some once per process), so an operator's value
+# wins; KVBROKER_NCCL_TORCH_DEBUG=1 leaves torch's defaults alone. They are process-wide
+# but only switch debugging off. Knobs that change how ops run (record streams, event
+# caching) and NCCL_* variables, which would also change the host application's own
+# communicators, are left alone. Measured on an H200 pair (torch 2.11, NCCL 2.28): the
+# posting cost stayed within run-to-run noise (0.1-0.25 ms an op either way), so this
+# is hygiene, not the fix for host time.
+TORCH_NCCL_QUIET = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_DESYNC_DEBUG": "0",
+    "TORCH_NCCL_ENABLE_TIMING": "0",
+    "TORCH_NCCL_TRACE_CPP_STACK": "0",
+    "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
+}
+
+
+def _quiet_torch_nccl() -> dict[str, str]:
+    """Apply `TORCH_NCCL_QUIET` (unless opted out); returns the values in effect."""
+    if os.environ.get("KVBROKER_NCCL_TORCH_DEBUG", "") not in ("", "0"):
+        return {}
+    for key, value in TORCH_NCCL_QUIET.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in TORCH_NCCL_QUIET}
+
+
 def _new_group(store: Any, rank: int, device: torch.device, watchdog_timeout_s: float) -> Any:
     """A 2-rank ProcessGroupNCCL on `store`, connected now rather than at the first op."""
     from torch.distributed import ProcessGroupNCCL
 
+    _quiet_torch_nccl()
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=watchdog_timeout_s)
     pg = ProcessGroupNCCL(store, rank, 2, opts)

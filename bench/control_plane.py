@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,28 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
+def wait_readable(socks: list[zmq.Socket], timeout_s: float) -> None:
+    """Sleep until one of `socks` may have a message queued, or `timeout_s` has passed.
+
+    Not `zmq.Poller`/`Socket.poll`: they take whole milliseconds and truncate a float, so
+    every wait under 1 ms (all of them at 2,000 offers/s) becomes a busy loop that keeps a
+    core of this 2-core setup running and delays the server's threads by whole scheduler
+    slices. `select` on the notification fds sleeps to the microsecond. Those fds are
+    edge-triggered: `zmq.EVENTS` is read first, and the caller drains every socket (recv
+    until `zmq.Again`) before calling again. May return early for nothing.
+    """
+    if any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in socks):
+        return
+    select.select([s.getsockopt(zmq.FD) for s in socks], [], [], timeout_s)
+
+
+def next_offer_in(rate: float | None, sent: int, n: int, elapsed: float) -> float:
+    """Seconds until the next offer is due: how long to wait for replies at most."""
+    if rate is None or sent >= n:
+        return 1.0
+    return max(0.0, sent / rate - elapsed)
+
+
 def dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.SNDHWM, 0)
@@ -94,9 +117,6 @@ class Driver:
             sock.send(self.codec.encode(reg))
             assert sock.poll(10_000), "broker did not answer Register"
             assert isinstance(self.codec.decode(sock.recv()), Registered)
-        self.poller = zmq.Poller()
-        self.poller.register(self.p, zmq.POLLIN)
-        self.poller.register(self.d, zmq.POLLIN)
 
     def run(self, n: int, window: int, rate: float | None = None) -> tuple[float, list[float]]:
         """Run n handshakes with at most `window` in flight (or offered at `rate` per second).
@@ -105,6 +125,7 @@ class Driver:
         """
         enc, dec = self.codec.encode, self.codec.decode
         psend, dsend, precv, drecv = self.p.send, self.d.send, self.p.recv, self.d.recv
+        socks = [self.p, self.d]
         started: dict[str, float] = {}
         lat: list[float] = []
         sent = done = 0
@@ -125,11 +146,11 @@ class Driver:
                     started[tid] = clock()
                     psend(enc(Offer(transfer_id=tid, nbytes=4096)))
                     sent += 1
-            timeout = 0 if rate is None else max(0.0, (sent / rate) - (clock() - t0)) * 1000
-            for sock, _ in self.poller.poll(timeout if rate is not None else 1000):
+            wait_readable(socks, next_offer_in(rate, sent, n, clock() - t0))
+            for recv in (drecv, precv):
                 while True:
                     try:
-                        raw = (drecv if sock is self.d else precv)(zmq.NOBLOCK)
+                        raw = recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     msg = dec(raw)
@@ -171,20 +192,19 @@ def echo_run(endpoint: str, n: int, window: int, rate: float | None = None, hops
                 started[sent], remaining[sent] = clock(), hops
                 s.send_multipart([sent.to_bytes(4, "little"), payload])
                 sent += 1
-        timeout = 1000 if rate is None else max(0.0, (sent / rate) - (clock() - t0)) * 1000
-        if s.poll(timeout):
-            while True:
-                try:
-                    key_b, body = s.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                key = int.from_bytes(key_b, "little")
-                remaining[key] -= 1
-                if remaining[key]:
-                    s.send_multipart([key_b, body])
-                else:
-                    lat.append(clock() - started.pop(key))
-                    done += 1
+        wait_readable([s], next_offer_in(rate, sent, n, clock() - t0))
+        while True:
+            try:
+                key_b, body = s.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            key = int.from_bytes(key_b, "little")
+            remaining[key] -= 1
+            if remaining[key]:
+                s.send_multipart([key_b, body])
+            else:
+                lat.append(clock() - started.pop(key))
+                done += 1
     elapsed = clock() - t0
     ctx.destroy(linger=0)
     return elapsed, lat

@@ -65,6 +65,10 @@ class Refused(KvBrokerError):
         self.detail = detail
 
 
+class RendezvousError(KvBrokerError):
+    """A peer's rendezvous data (to build a communicator) did not arrive or was unusable."""
+
+
 class TransferFailed(KvBrokerError):
     """A transfer was aborted; `reason` says why, in one sentence."""
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 import time
 
-from protocols.errors import KvBrokerError
+from protocols.errors import RendezvousError
 from protocols.messages import Relay
 
 from .client import SyncBrokerClient
 
 
-class RendezvousTimeout(KvBrokerError):
+class RendezvousTimeout(RendezvousError):
     """The peer's rendezvous payload did not arrive in time."""
 
 

@@ -67,7 +67,7 @@ from typing import Any, Literal, Protocol
 import structlog
 import torch
 
-from protocols.errors import KvBrokerError, RecvTimeout, SendTimeout
+from protocols.errors import KvBrokerError, RecvTimeout, RendezvousError, SendTimeout
 from workers.gpu_staging import PagedKv, StagedTransfer
 
 __all__ = [
@@ -80,10 +80,6 @@ log = structlog.get_logger()
 
 class CommunicatorLimit(KvBrokerError):
     """Every cached communicator is busy and the cache is full."""
-
-
-class RendezvousError(KvBrokerError):
-    """The peer's rendezvous data did not arrive, or could not be used."""
 
 
 class Rendezvous(Protocol):

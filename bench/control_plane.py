@@ -5,8 +5,10 @@ Baseline, measured in the same run on the same cores: a raw pyzmq ROUTER echo se
 broker (Offer, Prepare, Ready, Go, Done, Release: 3 in, 3 out), so the echo's equivalent
 is one echo round trip per message pair: echo_msgs_per_s / 3 handshakes per second.
 
-The broker (or echo server) runs as its own process pinned to one core; the driver
-that plays both the prefill and the decode peer runs pinned to the other core.
+The broker (or echo server) runs as its own process pinned to one core (--no-pin-server
+lets it float); the driver that plays both the prefill and the decode peer is unpinned
+unless --pin-driver. The driver sleeps between offers with select on the sockets'
+notification fds: zmq's own poll takes whole milliseconds and would spin.
 
     python bench/control_plane.py [--transfers 50000] [--json out.json]
 """

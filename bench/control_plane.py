@@ -226,6 +226,10 @@ def main() -> None:
     ap.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument(
+        "--broker-log-level", default="warning",
+        help="info logs two JSON lines per transfer (to a file in a temporary folder)",
+    )
+    ap.add_argument(
         "--no-pin-server", dest="pin_server", action="store_false",
         help="let the server's main and zmq I/O threads run on any core (it still uses about one)",
     )
@@ -256,7 +260,7 @@ def main() -> None:
         port_file = tmp / "endpoint"
         broker, bep = start_server(
             [sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0", "--port-file", str(port_file),
-             "--log-format", "json", "--log-level", "warning", "--backend", args.backend, "--max-transfers", "1000000",
+             "--log-format", "json", "--log-level", args.broker_log_level, "--backend", args.backend, "--max-transfers", "1000000",
              "--transfer-lease", "600", "--peer-lease", "600", "--heartbeat", "60"],
             server_core, str(port_file), tmp,
         )

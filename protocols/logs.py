@@ -14,16 +14,13 @@ from typing import IO, Any
 import msgspec
 import structlog
 
-_json = msgspec.json.Encoder()
+# One encoder for every line; anything msgspec cannot encode is logged as its repr.
+_json = msgspec.json.Encoder(enc_hook=repr)
 
 
-def _dumps(obj: Any, default: Any = None, **_: Any) -> bytes:
-    # JSONRenderer passes `default=`; msgspec calls it `enc_hook`.
-    return msgspec.json.Encoder(enc_hook=default).encode(obj) if default else _json.encode(obj)
-
-
-def _fallback(obj: Any) -> Any:
-    return repr(obj)
+def _dumps(obj: Any, **_: Any) -> bytes:
+    # JSONRenderer passes `default=`; the encoder's enc_hook already covers it.
+    return _json.encode(obj)
 
 
 def configure_logging(fmt: str = "console", level: str = "info", stream: IO[Any] | None = None) -> None:
@@ -42,7 +39,7 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: IO[Any]
     if fmt == "json":
         processors = shared + [
             structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(serializer=lambda o, **kw: _dumps(o, default=_fallback)),
+            structlog.processors.JSONRenderer(serializer=_dumps),
         ]
         factory: Any = structlog.BytesLoggerFactory(stream.buffer if hasattr(stream, "buffer") else stream)
     else:

@@ -58,6 +58,9 @@ T = TypeVar("T")
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _RCVMORE = int(zmq.RCVMORE)
+# Backoff for a send that zmq refuses while reporting POLLOUT (see `_io`).
+_BLIND_WAIT_MIN_S = 0.0005
+_BLIND_WAIT_MAX_S = 0.05
 
 
 class PeerUnreachable(KvBrokerError):
@@ -192,18 +195,27 @@ class ZmqChannel:
     async def _io(self, op: Callable[[], T], flag: int, peer: bytes = b"") -> T:
         """Run `op` until it does not raise `zmq.Again`, sleeping on the fd in between."""
         retried = False
+        blind = _BLIND_WAIT_MIN_S
         while True:
             self._check_open()
             try:
                 result = op()
             except zmq.Again:
-                # A ROUTER with ROUTER_MANDATORY shows POLLOUT while any peer has room,
-                # yet one full peer gives Again: retry once per wake, then sleep, never spin.
-                if self._events() & flag and not retried:
+                if not self._events() & flag:
+                    retried = False
+                    await self._wait(flag)
+                    continue
+                # A ROUTER with ROUTER_MANDATORY shows POLLOUT while any peer has room, yet
+                # one full peer gives Again: retry once, then sleep, never spin. Nothing
+                # signals when that one peer drains (reading EVENTS may already have
+                # spent the edge that said so), so the sleep also ends after a backoff.
+                if not retried:
                     retried = True
                     continue
                 retried = False
-                await self._wait(flag)
+                with anyio.move_on_after(blind):
+                    await self._wait(flag)
+                blind = min(blind * 2, _BLIND_WAIT_MAX_S)
                 continue
             except zmq.ZMQError as exc:
                 raise self._error(exc, peer) from exc

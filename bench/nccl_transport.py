@@ -36,6 +36,12 @@ different polling delay.
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
 
+Backends: every case runs over the transport's default communicator backend (the
+"direct" NCCL binding where the library loads); rows suffixed `~torch` run the same case
+over torch's ProcessGroupNCCL backend in the same run (`--backends`), and `raw~torch`
+is the bare send posted through torch. `x raw` is always against `raw` on the default
+backend, the faster ceiling.
+
 `ours_full@F/L/G` rows use other chunkings (first chunk F MiB, last chunk L MiB, growth
 G; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
 and then post all sends (the default interleaves gathers and sends, one chunk at a
@@ -49,7 +55,8 @@ The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip
 a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
-Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--diag] [--json PATH]
+Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--backends auto|direct,torch]
+       [--diag] [--json PATH]
 """
 
 from __future__ import annotations
@@ -131,20 +138,24 @@ class Case:
     chunking: tuple[int, int, int] | None = None  # (first MiB, last MiB, growth); None: one chunk
     order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends;
     # "pg" chunk 0's gather and send, then every other gather, then every other send
+    backend: str | None = None  # None: the first of cfg["backends"]
 
 
 class _Side:
     """One process's state: caches, pools, transport and the control links."""
 
-    def __init__(self, role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: Any, cfg: dict) -> None:
+    def __init__(self, role: str, dev: int, outbox: dict, inbox: dict, conn: Any, barrier: Any, cfg: dict) -> None:
         from workers.transports.nccl import CommunicatorCache, NcclTransport, QueueRendezvous
 
         torch.cuda.set_device(dev)
         self.role, self.conn, self.barrier, self.cfg = role, conn, barrier, cfg
         self.peer = "D" if role == "P" else "P"
         self.device = torch.device("cuda", dev)
-        self.cache = CommunicatorCache(role, self.device, QueueRendezvous(outbox, inbox), capacity=2)
-        self.transport = NcclTransport(self.cache)
+        # One cache and transport per backend, each on its own rendezvous queues.
+        self.caches = {b: CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b]), capacity=2,
+                                            backend=b) for b in cfg["backends"]}
+        self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
+        self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
         nb = cfg["cache_blocks"]
         g = torch.Generator(device=self.device).manual_seed(dev)
@@ -157,16 +168,23 @@ class _Side:
         self.pool = BufferPool(cap, device=self.device)
         self.stager = Stager(self.paged, self.pool)
         self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
-        self.comm_mem_mib = 0.0
+        self.comm_mem_mib: dict[str, float] = {}
+
+    def use(self, backend: str | None) -> None:
+        b = backend or self.cfg["backends"][0]
+        self.cache, self.transport = self.caches[b], self.transports[b]
 
     def connect(self) -> None:
-        comm = self.cache.get(self.peer, initiator=self.role == "P")
-        self.comm_mem_mib = round(comm.mem_bytes / 2**20, 1)
-        # One full-size exchange, posted by both sides at once, before anything is timed.
-        if self.role == "P":
-            _wait(self.transport.send_tensors("D", [self.raw]))
-        else:
-            _wait(self.transport.recv_tensors("P", [self.raw]))
+        for b in self.cfg["backends"]:
+            self.use(b)
+            comm = self.cache.get(self.peer, initiator=self.role == "P")
+            self.comm_mem_mib[b] = round(comm.mem_bytes / 2**20, 1)
+            # One full-size exchange, posted by both sides at once, before anything is timed.
+            if self.role == "P":
+                _wait(self.transport.send_tensors("D", [self.raw]))
+            else:
+                _wait(self.transport.recv_tensors("P", [self.raw]))
+        self.use(None)
 
 
 class _Clock:
@@ -220,6 +238,7 @@ def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
 
 def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
     """Run one case for one prompt length; returns each iteration's stamps on this side."""
+    side.use(case.backend)
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
@@ -237,6 +256,7 @@ def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> li
             out.append(clock.collect())
         else:
             clock.collect()
+    side.use(None)
     return out
 
 
@@ -480,8 +500,10 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
     runs the model); "cold": it slept 5 ms first (as the benchmark's P does between
     iterations, blocked on its barrier). D posts each matching receive; only P times.
     """
-    tr = side.transport
-    comm = side.cache.get(side.peer, initiator=side.role == "P")
+    if "torch" not in side.caches:
+        return {}
+    tr = side.transports["torch"]
+    comm = side.caches["torch"].get(side.peer, initiator=side.role == "P")
     out: dict[str, list[float]] = {}
     n_blocks = 64
     ids = side.paged.block_ids(_ids(side, n_blocks, 1))
@@ -559,6 +581,10 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_full_1": Case("full", "ours_full_1", None, cfg["order"]),
         "per_layer": Case("per_layer", "per_layer"),
     }
+    for b in cfg["backends"][1:]:  # the same cases over the other backends
+        for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
+            base = cases[name]
+            cases[f"{name}~{b}"] = Case(base.kind, f"{name}~{b}", base.chunking, base.order, b)
     for alt in cfg["sweep"]:
         if tuple(alt) != chunk:
             label = "ours_full@" + "/".join(map(str, alt))
@@ -577,7 +603,8 @@ def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
     plan = []
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, False) for case in cases.values()]
-    traced = [c for name, c in cases.items() if name in TRACED or name.endswith(("~pc", "~gf", "~pg"))]
+    traced = [c for name, c in cases.items()
+              if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~")))]
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, True) for case in traced]
     return plan
@@ -607,7 +634,10 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         side = _Side(role, dev, outbox, inbox, conn, barrier, cfg)
         side.connect()
         _zmq_setup(side)
-        extra: dict[str, Any] = {"comm_mem_mib": side.comm_mem_mib, **_rtt_us(side)}
+        extra: dict[str, Any] = {"backends": cfg["backends"], "comm_mem_mib": side.comm_mem_mib, **_rtt_us(side)}
+        from workers.transports import nccl_lib
+        lib = nccl_lib.load()
+        extra["nccl_lib"] = {"path": lib.path, "version": ".".join(map(str, lib.version))} if lib else None
         if cfg["host_costs"]:
             extra["host_costs"] = _host_costs(side)
         from workers.transports.nccl import TORCH_NCCL_QUIET
@@ -631,7 +661,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                          "chunks": len(bounds) if bounds else 1,
                          "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
                          "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
-        side.cache.close()
+        for cache in side.caches.values():
+            cache.close()
         results.put((role, {"rows": rows, "traces": traces, **extra}))
     except BaseException:
         results.put((role, {"error": traceback.format_exc()}))
@@ -686,7 +717,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--last-mib", type=int, default=last, help="last pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--growth", type=int, default=growth, help="chunk growth inward (pipeline_bounds default)")
     ap.add_argument("--order", choices=("pc", "gf", "pg"), default="pc", help="P: chunk by chunk, or all gathers first")
-    ap.add_argument("--sweep", default="128/32/4,160/32/4,160/16/4", help="other first/last/growth for ours_full")
+    ap.add_argument("--sweep", default="", help="other first/last/growth for ours_full, e.g. 128/32/4,160/16/4")
+    ap.add_argument("--backends", default="auto",
+                    help="communicator backends, the first timed unsuffixed; auto: the default, then torch")
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
@@ -695,15 +728,23 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 2:
         print("needs 2 CUDA GPUs", file=sys.stderr)
         return 2
+    from workers.transports.nccl import resolve_backend
+
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.backends == "auto":
+        first_backend = resolve_backend()
+        backends = [first_backend] + (["torch"] if first_backend != "torch" else [])
+    else:
+        backends = [resolve_backend(b) for b in args.backends.split(",") if b]
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth, "order": args.order,
-           "sweep": sweep,
+           "sweep": sweep, "backends": backends,
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
-    p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    p_to_d, d_to_p = {b: ctx.Queue() for b in backends}, {b: ctx.Queue() for b in backends}
+    results = ctx.Queue()
     conn_p, conn_d = ctx.Pipe()
     barrier = ctx.Barrier(2)
     procs = [ctx.Process(target=_worker, args=("P", 0, p_to_d, d_to_p, conn_p, barrier, results, cfg)),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The NCCL transport's GPU checks on one host with 2 GPUs: the gpu-marked tests, then the
-# end-to-end benchmark. Run from the project root with the wheels of `.whl/` present
+# The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
+# communicator backends), then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
 # (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu).
 #   bash bench/run_gpu.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -21,14 +21,19 @@ print("pg api:", {n: hasattr(pg, n) for n in ("abort", "_shutdown", "_start_coal
                                                "eager_connect_single_device", "bound_device_id")})
 s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
 print("tcpstore port 0 ->", s.port)
+from workers.transports import nccl_lib
+from workers.transports.nccl import resolve_backend
+lib = nccl_lib.load()
+print("nccl_lib:", (lib.path, lib.version) if lib else nccl_lib.load_error(), "default backend:", resolve_backend())
 EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# BENCH_ARGS: extra benchmark flags (e.g. --diag); SKIP_TESTS=1: no pytest. The timeouts keep
-# one run under 4 minutes (the benchmark takes about 30 s, the tests about 90 s).
+# BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch); SKIP_TESTS=1: no pytest.
+# The timeouts keep one run under 5 minutes: the benchmark (about 40 s) gets BENCH_TIMEOUT,
+# the direct backend's tests TEST_TIMEOUT, torch's whatever is left of TOTAL_BUDGET.
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-90}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-80}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 # BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
 # (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
@@ -39,6 +44,14 @@ if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then
   echo "bench (torch debug defaults) rc=$?"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-180}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"
-  echo "pytest rc=$?"
+  timeout "${TEST_TIMEOUT:-110}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch" 2>&1 \
+    | tee "$OUT/pytest.log"
+  echo "pytest (CPU and direct backend) rc=$?"
+  left=$(( ${TOTAL_BUDGET:-285} - SECONDS ))
+  if [ "$left" -gt 20 ]; then
+    timeout "$left" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k torch 2>&1 | tee "$OUT/pytest-torch.log"
+    echo "pytest (torch backend) rc=$?"
+  else
+    echo "pytest (torch backend) skipped: ${left} s left"
+  fi
 fi

@@ -30,6 +30,19 @@ two_gpus = pytest.mark.skipif(
 )
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
+def _direct_available() -> bool:
+    from workers.transports import nccl_lib
+
+    return nccl_lib.load() is not None
+
+
+# Both communicator backends: "direct" (the ctypes NCCL binding) and "torch" (ProcessGroupNCCL).
+BACKENDS = [
+    pytest.param("direct", marks=pytest.mark.skipif(not _direct_available(), reason="no loadable libnccl")),
+    "torch",
+]
+
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 4, 64, 16, 8, 128
 REQ_P = [3, 17, 18, 40, 41, 42, 9, 60]  # the request's blocks on P (the same every time)
 REQ_D = [50, 2, 33, 34, 7, 8, 61, 20]  # where D puts them
@@ -154,7 +167,7 @@ def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) ->
     torch.cuda.set_device(dev)
     device = torch.device("cuda", dev)
     rdv = QueueRendezvous(outbox, inbox, timeout_s=60.0)
-    cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4))
+    cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4), backend=cfg.get("backend"))
     transport = NcclTransport(cache, unsafe_skip_event_wait=cfg.get("skip_event_wait", False))
     return device, rdv, cache, transport
 
@@ -229,32 +242,36 @@ def _report(name: str, data: dict[str, Any]) -> None:
 
 @pytest.mark.gpu
 @two_gpus
-def test_repeated_prompt_survives_block_reuse() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_prompt_survives_block_reuse(backend: str) -> None:
     """1,000 identical prompts, blocks overwritten right after staging: zero mismatches."""
-    res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6})["D"]
-    _report("safe", res)
+    res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6, "backend": backend})["D"]
+    _report(f"safe[{backend}]", res)
     assert res["mismatches"] == 0
 
 
 @pytest.mark.gpu
 @two_gpus
-def test_chunked_pipeline_with_ready_handshake() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
     """Chunked staging and sending (chunk k's send after chunk k's gather event), D's Ready
     sent before it posts, chunk k scattered as soon as chunk k arrives: 300 repeated
     prompts, zero mismatches. The first iteration also builds the communicator after Ready."""
-    res = _run_pair(_race_worker, {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True}, timeout_s=90.0)["D"]
-    _report("safe_chunked_ready", res)
+    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "backend": backend}
+    res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
+    _report(f"safe_chunked_ready[{backend}]", res)
     assert res["mismatches"] == 0
 
 
 @pytest.mark.gpu
 @two_gpus
-def test_unsafe_variants_can_fail() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unsafe_variants_can_fail(backend: str) -> None:
     """Without the event wait, or with staging off the compute stream, corruption shows."""
-    skip = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "skip_event_wait": True})["D"]
-    _report("unsafe_skip_event_wait", skip)
-    side = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "stage_on_side_stream": True})["D"]
-    _report("unsafe_stage_on_side_stream", side)
+    skip = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "skip_event_wait": True, "backend": backend})["D"]
+    _report(f"unsafe_skip_event_wait[{backend}]", skip)
+    side = _run_pair(_race_worker, {"iters": 200, "matmuls": 6, "stage_on_side_stream": True, "backend": backend})["D"]
+    _report(f"unsafe_stage_on_side_stream[{backend}]", side)
     assert skip["mismatches"] > 0 or side["mismatches"] > 0, "the race never showed: the safe test proves nothing"
 
 
@@ -262,7 +279,7 @@ def _timeout_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, 
     from protocols.errors import RecvTimeout
 
     try:
-        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"capacity": 1})
+        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"capacity": 1, "backend": cfg["backend"]})
         mib = lambda: torch.cuda.mem_get_info(device)[0] / 2**20  # noqa: E731
         x = torch.arange(1 << 20, device=device, dtype=torch.int32)
         res: dict[str, Any] = {}
@@ -293,7 +310,7 @@ def _timeout_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, 
             # P's second peer "D2" lives here too, with its own cache; P evicts "D" for it.
             from workers.transports.nccl import CommunicatorCache, NcclTransport
 
-            other = NcclTransport(CommunicatorCache("D2", device, rdv, capacity=1))
+            other = NcclTransport(CommunicatorCache("D2", device, rdv, capacity=1, backend=cfg["backend"]))
             other.recv_tensors("P", [y]).wait(time.monotonic() + 30.0)
             res["second_comm_mem_mib"] = round(other.cache.get("P", initiator=False).mem_bytes / 2**20, 1)
             res["evicted_ok"] = bool(torch.equal(y, x * 2))
@@ -309,9 +326,10 @@ def _timeout_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, 
 
 @pytest.mark.gpu
 @two_gpus
-def test_timeout_aborts_then_rebuilds_and_evicts() -> None:
-    out = _run_pair(_timeout_worker, {}, timeout_s=120.0)
-    _report("timeout_abort_rebuild", {"P": out["P"], "D": out["D"]})
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeout_aborts_then_rebuilds_and_evicts(backend: str) -> None:
+    out = _run_pair(_timeout_worker, {"backend": backend}, timeout_s=120.0)
+    _report(f"timeout_abort_rebuild[{backend}]", {"P": out["P"], "D": out["D"]})
     d = out["D"]
     assert d["timed_out"] and d["timeout_after_s"] < 10
     assert d["rebuilt_ok"] and d["evicted_ok"]

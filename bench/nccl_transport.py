@@ -640,7 +640,7 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         extra["nccl_lib"] = {"path": lib.path, "version": ".".join(map(str, lib.version))} if lib else None
         if cfg["host_costs"]:
             extra["host_costs"] = _host_costs(side)
-        from workers.transports.nccl import TORCH_NCCL_QUIET
+        from workers.transports.nccl_setup import TORCH_NCCL_QUIET
         extra["torch_nccl_env"] = {k: os.environ.get(k) for k in TORCH_NCCL_QUIET}
         if role == "P":
             extra[f"copy_{max(cfg['tokens'])}"] = _copy_rates(side, max(cfg["tokens"]))

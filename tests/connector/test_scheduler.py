@@ -12,7 +12,6 @@ from typing import Any
 from connector.config import ConnectorConfig
 from connector.scheduler import (
     ConnectorScheduler,
-    KvBrokerMetadata,
     LoadSpec,
     SaveSpec,
     tokens_digest,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import subprocess

@@ -1,0 +1,509 @@
+"""NCCL communicators for the GPU transport: two backends, a capped cache, rendezvous.
+
+See `workers/transports/nccl.py` for the theory of operation; this module holds the
+communicator side of it (building, posting, completion, abort, LRU cache) so the
+transport module keeps to moving staged transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import structlog
+import torch
+
+from protocols.errors import KvBrokerError, RecvTimeout, RendezvousError, SendTimeout
+
+from .nccl_setup import init_direct, master_store, new_torch_group, parse_payload, resolve_backend
+
+log = structlog.get_logger()
+
+
+class CommunicatorLimit(KvBrokerError):
+    """Every cached communicator is busy and the cache is full."""
+
+
+class Rendezvous(Protocol):
+    """Carries a small payload from the initiator to one acceptor (the broker's `Relay`).
+
+    `receive` blocks until a payload for `key` arrives and raises `RendezvousError`
+    past its own deadline; `poll` returns the newest unread payload or None at once.
+    """
+
+    def publish(self, peer: str, key: str, payload: bytes) -> None: ...
+
+    def receive(self, peer: str, key: str) -> bytes: ...
+
+    def poll(self, peer: str, key: str) -> bytes | None: ...
+
+
+class QueueRendezvous:
+    """A `Rendezvous` over `multiprocessing` queues, for tests and benchmarks on one host.
+
+    Args:
+        outbox: where this side's published payloads go, as ``(key, payload)``.
+        inbox: where the other side's arrive.
+        timeout_s: how long `receive` waits.
+    """
+
+    def __init__(self, outbox: Any, inbox: Any, *, timeout_s: float = 60.0) -> None:
+        self._out, self._in, self._timeout_s = outbox, inbox, timeout_s
+        self._unread: dict[str, bytes] = {}
+
+    def publish(self, peer: str, key: str, payload: bytes) -> None:
+        self._out.put((key, payload))
+
+    def _drain(self, block_until: float | None) -> None:
+        while True:
+            try:
+                if block_until is None:
+                    key, payload = self._in.get_nowait()
+                else:
+                    key, payload = self._in.get(timeout=max(0.0, block_until - time.monotonic()))
+            except queue.Empty:
+                return
+            self._unread[key] = payload
+            block_until = None
+
+    def receive(self, peer: str, key: str) -> bytes:
+        deadline = time.monotonic() + self._timeout_s
+        while key not in self._unread:
+            if time.monotonic() >= deadline:
+                raise RendezvousError(f"no rendezvous data under {key!r} from {peer} in {self._timeout_s} s.")
+            self._drain(deadline)
+        self._drain(None)  # take the newest, if several generations queued up
+        return self._unread.pop(key)
+
+    def poll(self, peer: str, key: str) -> bytes | None:
+        self._drain(None)
+        return self._unread.pop(key, None)
+
+
+class Completion:
+    """A CUDA event after one or more NCCL ops. A missed deadline aborts the
+    communicator and raises `SendTimeout`/`RecvTimeout`: the bytes are then lost."""
+
+    def __init__(
+        self, comm: NcclCommunicator, event: torch.cuda.Event, op: Literal["send", "recv"], transfer_id: str,
+        keep: Sequence[Any] = (),
+    ) -> None:
+        self.comm, self.event, self.op, self.transfer_id = comm, event, op, transfer_id
+        self._keep = list(keep)  # bounce buffers and posted works must outlive the op
+
+    def done(self) -> bool:
+        """True once the op finished on the GPU; never blocks."""
+        return self.event.query()
+
+    def wait(self, deadline: float, *, spin_s: float = 0.001, max_pause_s: float = 1e-4) -> None:
+        """Block until done or `deadline` (a `time.monotonic()` value) passes.
+
+        Spins for `spin_s` (transfers often end within it), then sleeps in steps that
+        double up to `max_pause_s`: the pause bounds how late the end is noticed.
+
+        Raises:
+            SendTimeout, RecvTimeout: the deadline passed; the communicator is aborted.
+        """
+        start = time.monotonic()
+        pause = 0.0
+        while not self.event.query():
+            now = time.monotonic()
+            if now >= deadline:
+                self.comm.fail(f"{self.op} missed its deadline")
+                exc = SendTimeout if self.op == "send" else RecvTimeout
+                raise exc(self.transfer_id or "-", f"NCCL {self.op} with {self.comm.peer} timed out")
+            if now - start > spin_s:
+                pause = min(max(pause * 2, 1e-5), max_pause_s)
+            time.sleep(pause)
+        self._keep.clear()
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    size: int
+    capacity: int
+    created: int
+    evicted: int
+    aborted: int
+
+
+class NcclCommunicator:
+    """One 2-rank NCCL communicator with one peer (torch's ProcessGroupNCCL); built by
+    `CommunicatorCache`. `DirectCommunicator` is the same over the bare NCCL library."""
+
+    backend = "torch"
+
+    def __init__(
+        self, *, peer: str, rank: int, device: torch.device, pg: Any, store: Any, nonce: str,
+        cache: CommunicatorCache | None, mem_bytes: int,
+    ) -> None:
+        self.peer, self.rank, self.peer_rank, self.device = peer, rank, 1 - rank, device
+        self.pg, self.nonce, self.mem_bytes = pg, nonce, mem_bytes
+        self._store = store  # the store's server must live as long as the group
+        self._cache = cache
+        self._pending: list[Completion] = []
+        self.broken = self.closed = False
+        # Held while one transfer posts its chunks: NCCL matches ops by posting order,
+        # so two transfers' chunks must never interleave on one communicator.
+        self.lock = threading.RLock()
+
+    def idle(self) -> bool:
+        """No op of this communicator is still running."""
+        self._pending = [c for c in self._pending if not c.done()]
+        return not self._pending
+
+    def post(
+        self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
+        after: Sequence[torch.cuda.Event | None] = (),
+    ) -> Any:
+        """Post `ops` as one NCCL group once `stream` has waited for `after`; returns the work.
+
+        The group's NCCL stream waits on `stream` now: later work on `stream` cannot
+        delay it, earlier work cannot be overtaken. ``work.wait()`` makes the current
+        stream wait for the group.
+
+        Raises:
+            RuntimeError: closed, or the ops were refused (then it is aborted).
+        """
+        if self.closed:
+            raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
+        with self.lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+            try:
+                return self._post(ops, stream)
+            except BaseException:
+                self.fail("posting an op failed")
+                raise
+
+    def _post(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream) -> Any:
+        self.pg._start_coalescing()
+        try:
+            for op, tensor in ops:
+                fn = self.pg.send if op == "send" else self.pg.recv
+                fn([tensor], self.peer_rank, 0)
+        finally:
+            work = self.pg._end_coalescing()
+        return work
+
+    def completion(
+        self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
+        keep: Sequence[Any] = (),
+    ) -> Completion:
+        """Make `stream` wait for `works` (no host block) and return an event after them."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for work in works:
+                if work is not None:
+                    work.wait()
+            event = torch.cuda.Event()
+            event.record(stream)
+        # The works (and the tensors a direct one holds) live until the completion is seen.
+        done = Completion(self, event, op, transfer_id, [*keep, *(w for w in works if w is not None)])
+        self._pending.append(done)
+        return done
+
+    def fail(self, reason: str) -> None:
+        """Abort after an error or a timeout and drop out of the cache."""
+        if self.closed:
+            return
+        self.broken = True
+        log.warning("nccl.abort", peer=self.peer, nonce=self.nonce, backend=self.backend, reason=reason)
+        if self._cache is not None:
+            self._cache._forget(self)
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the NCCL communicator, freeing its memory; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._abort()
+        except Exception as exc:  # abort is best effort; the object is dropped anyway
+            log.warning("nccl.abort_failed", peer=self.peer, backend=self.backend, error=repr(exc))
+        self._pending.clear()
+
+    def _abort(self) -> None:
+        try:
+            try:
+                self.pg.abort()
+            except TypeError:  # torch versions whose abort() takes a reason
+                self.pg.abort(None)
+        finally:
+            self.pg = None
+            self._store = None
+
+
+class _DirectWork:
+    """A posted group of a `DirectCommunicator`: an event after it on the NCCL stream.
+
+    Holds the group's tensors, so the caching allocator cannot hand their memory to
+    anyone else while the ops may still use it."""
+
+    __slots__ = ("event", "tensors")
+
+    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        self.event, self.tensors = event, tensors
+
+    def wait(self) -> None:
+        """Make the current stream wait for the group (no host block)."""
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+class DirectCommunicator(NcclCommunicator):
+    """A 2-rank communicator driven through `workers.transports.nccl_lib`: a few
+    microseconds of host time an op instead of torch's 0.1-0.25 ms.
+
+    Like a process group it runs its ops on a stream of its own, which waits on the
+    posting stream's tail at posting; so two communicators of one transport never queue
+    behind each other, and the ordering rules of `NcclCommunicator.post` hold as they are.
+    """
+
+    backend = "direct"
+
+    def __init__(
+        self, *, peer: str, rank: int, device: torch.device, lib: Any, handle: int, nonce: str,
+        cache: CommunicatorCache | None, mem_bytes: int,
+    ) -> None:
+        super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
+                         mem_bytes=mem_bytes)
+        self.lib, self.handle = lib, handle
+        self.nccl_stream = torch.cuda.Stream(device)
+        self._stream_ptr = self.nccl_stream.cuda_stream
+
+    def _post(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream) -> Any:
+        lib, handle, peer, sp = self.lib, self.handle, self.peer_rank, self._stream_ptr
+        tensors = []
+        for _, tensor in ops:
+            if not tensor.is_cuda or not tensor.is_contiguous():
+                raise ValueError(f"NCCL ops need contiguous CUDA tensors; got one on {tensor.device}.")
+            tensors.append(tensor)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        self.nccl_stream.wait_event(ready)
+        lib.group_start()
+        try:
+            for op, tensor in ops:
+                fn = lib.send if op == "send" else lib.recv
+                fn(tensor.data_ptr(), tensor.numel() * tensor.element_size(), peer, handle, sp)
+        finally:
+            lib.group_end()
+        done = torch.cuda.Event()
+        done.record(self.nccl_stream)
+        return _DirectWork(done, tensors)
+
+    def async_error(self) -> int:
+        """NCCL's asynchronous error code for this communicator (0: none)."""
+        return self.lib.async_error(self.handle) if not self.closed else 0
+
+    def _abort(self) -> None:
+        handle, self.handle = self.handle, 0
+        if handle:
+            self.lib.abort(handle)
+
+
+class CommunicatorCache:
+    """At most `capacity` live communicators of one local worker, LRU-evicted when idle.
+
+    Args:
+        local_id: this worker's id, as peers and the rendezvous know it.
+        device: this worker's GPU.
+        rendezvous: carries the store address to the acceptor.
+        capacity: communicators kept at once.
+        advertise_host: the address acceptors reach this host's stores at.
+        connect_timeout_s: how long building a communicator may take (rendezvous
+            waits and NCCL's init).
+        watchdog_timeout_s: the process group's own timeout (torch backend); keep it
+            well above every transfer deadline (see the module docstring).
+        backend: "direct" (the NCCL library through `nccl_lib`), "torch" (a
+            ProcessGroupNCCL), or None: `KVBROKER_NCCL_BACKEND` if set, else "direct"
+            when the library loads, else "torch". It applies to communicators this side
+            initiates; an acceptor builds whichever kind the initiator's payload names.
+
+    Raises:
+        ValueError: an unknown backend, or "direct" without a loadable NCCL library.
+    """
+
+    def __init__(
+        self, local_id: str, device: torch.device | str, rendezvous: Rendezvous, *, capacity: int = 8,
+        advertise_host: str = "127.0.0.1", connect_timeout_s: float = 60.0, watchdog_timeout_s: float = 600.0,
+        backend: str | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, not {capacity}.")
+        self.backend = resolve_backend(backend)
+        self.local_id, self.device, self.rendezvous = local_id, torch.device(device), rendezvous
+        self.capacity, self.advertise_host = capacity, advertise_host
+        self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
+        self._comms: OrderedDict[str, NcclCommunicator] = OrderedDict()
+        self._lock = threading.Lock()
+        self._created = self._evicted = self._aborted = 0
+
+    @staticmethod
+    def key(initiator: str, acceptor: str) -> str:
+        return f"nccl/{initiator}>{acceptor}"
+
+    def get(self, peer: str, *, initiator: bool) -> NcclCommunicator:
+        """The communicator with `peer`, built through the rendezvous if needed.
+
+        Args:
+            initiator: True on the side that creates the store (the sender).
+
+        Raises:
+            RendezvousError: the peer's address did not arrive in time or was invalid.
+            CommunicatorLimit: the cache is full of busy communicators.
+            RuntimeError: torch could not build the process group (peer gone, ...).
+        """
+        payload = None
+        with self._lock:
+            comm = self._comms.get(peer)
+            if comm is not None and not initiator:
+                payload = self.rendezvous.poll(peer, self.key(peer, self.local_id))
+                if payload is not None and parse_payload(payload)["nonce"] == comm.nonce:
+                    payload = None
+                if payload is not None:  # the initiator rebuilt: ours is stale
+                    self._comms.pop(peer)
+                    self._aborted += 1
+                    comm.abort()
+                    comm = None
+            if comm is not None:
+                self._comms.move_to_end(peer)
+                return comm
+            if len(self._comms) >= self.capacity and not any(c.idle() for c in self._comms.values()):
+                raise CommunicatorLimit(
+                    f"all {len(self._comms)} NCCL communicators are busy (capacity {self.capacity}); "
+                    "raise the communicator capacity or wait for transfers to finish."
+                )
+        comm = self._connect(peer, initiator, payload)
+        with self._lock:
+            old = self._comms.pop(peer, None)
+            self._comms[peer] = comm
+            self._created += 1
+            victims = self._evict_locked()
+        for victim in ([old] if old is not None else []) + victims:
+            victim.abort()
+        return comm
+
+    def discard(self, peer: str) -> None:
+        """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted)."""
+        with self._lock:
+            comm = self._comms.pop(peer, None)
+            if comm is not None:
+                self._aborted += 1
+        if comm is not None:
+            comm.abort()
+
+    def statistics(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(len(self._comms), self.capacity, self._created, self._evicted, self._aborted)
+
+    def close(self) -> None:
+        """Abort every communicator; the cache stays usable."""
+        with self._lock:
+            comms = list(self._comms.values())
+            self._comms.clear()
+        for comm in comms:
+            comm.abort()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _forget(self, comm: NcclCommunicator) -> None:
+        with self._lock:
+            if self._comms.get(comm.peer) is comm:
+                del self._comms[comm.peer]
+                self._aborted += 1
+
+    def _evict_locked(self) -> list[NcclCommunicator]:
+        victims: list[NcclCommunicator] = []
+        while len(self._comms) > self.capacity:
+            idle = next((p for p, c in self._comms.items() if c.idle()), None)
+            if idle is None:  # all became busy while we connected: over capacity until one idles
+                log.warning("nccl.over_capacity", size=len(self._comms), capacity=self.capacity)
+                break
+            victims.append(self._comms.pop(idle))
+            self._evicted += 1
+        return victims
+
+    def _connect(self, peer: str, initiator: bool, payload: bytes | None) -> NcclCommunicator:
+        info = None
+        if not initiator:
+            info = parse_payload(payload if payload is not None else self.rendezvous.receive(peer, self.key(peer, self.local_id)))
+        if (info["backend"] if info is not None else self.backend) == "direct":
+            return self._connect_direct(peer, info)
+        return self._connect_torch(peer, info)
+
+    def _connect_direct(self, peer: str, info: dict[str, Any] | None) -> NcclCommunicator:
+        """Initiator: a unique id through the rendezvous, then the acceptor's ack; acceptor:
+        the ack. Then both run ncclCommInitRank and a warm-up exchange under a deadline."""
+        from workers.transports import nccl_lib
+
+        lib = nccl_lib.load()
+        if lib is None:
+            raise RendezvousError(f"{peer} asked for a direct NCCL communicator: {nccl_lib.load_error()}")
+        key = self.key(self.local_id, peer) if info is None else self.key(peer, self.local_id)
+        deadline = time.monotonic() + self.connect_timeout_s
+        if info is None:
+            uid, nonce = lib.unique_id(), secrets.token_hex(8)
+            self.rendezvous.publish(peer, key, json.dumps(
+                {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce}).encode())
+            # ncclCommInitRank blocks until the peer joins: start it once the peer is there.
+            while True:
+                ack = self.rendezvous.receive(peer, f"{key}/joined")
+                if ack.decode(errors="replace") == nonce:
+                    break
+                if time.monotonic() >= deadline:  # only stale acks of older generations
+                    raise RendezvousError(f"{peer} did not join NCCL rendezvous {nonce} in time.")
+            rank = 0
+        else:
+            uid, nonce, rank = info["id"], info["nonce"], 1
+            self.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        handle = init_direct(lib, uid, rank, self.device, deadline, peer, nonce)
+        mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="direct", mem_mib=round(mem / 2**20, 1))
+        return DirectCommunicator(peer=peer, rank=rank, device=self.device, lib=lib, handle=handle, nonce=nonce,
+                                  cache=self, mem_bytes=mem)
+
+    def _connect_torch(self, peer: str, info: dict[str, Any] | None) -> NcclCommunicator:
+        from torch.distributed import PrefixStore, TCPStore
+
+        initiator = info is None
+        timeout = timedelta(seconds=self.connect_timeout_s)
+        if initiator:
+            store = master_store(self.advertise_host, timeout)
+            nonce = secrets.token_hex(8)
+            self.rendezvous.publish(
+                peer, self.key(self.local_id, peer),
+                json.dumps({"v": 1, "host": self.advertise_host, "port": store.port, "nonce": nonce}).encode(),
+            )
+            # ncclCommInitRank has no deadline, so only start it once the peer is there.
+            try:
+                store.wait([f"kvbroker/{nonce}/joined"], timeout)
+            except Exception as exc:  # DistStoreError / RuntimeError, by torch version
+                raise RendezvousError(f"{peer} did not join NCCL rendezvous {nonce} in time: {exc}") from exc
+        else:
+            if info["backend"] != "torch":  # pragma: no cover - _connect dispatches
+                raise RendezvousError(f"not a torch rendezvous payload: {info}")
+            try:
+                store = TCPStore(info["host"], info["port"], is_master=False, timeout=timeout)
+            except Exception as exc:
+                raise RendezvousError(f"cannot reach {peer}'s store at {info['host']}:{info['port']}: {exc}") from exc
+            nonce = info["nonce"]
+            store.set(f"kvbroker/{nonce}/joined", b"1")
+        rank = 0 if initiator else 1
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pg = new_torch_group(PrefixStore(f"kvbroker/{nonce}/pg", store), rank, self.device, self.watchdog_timeout_s)
+        mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="torch", mem_mib=round(mem / 2**20, 1))
+        return NcclCommunicator(
+            peer=peer, rank=rank, device=self.device, pg=pg, store=store, nonce=nonce, cache=self, mem_bytes=mem
+        )

@@ -1,0 +1,198 @@
+"""Building NCCL communicators: backend choice, NCCL init under a deadline, torch groups.
+
+Split from `nccl_comm.py` (the communicators and their cache), which calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+
+from protocols.errors import RendezvousError
+
+log = structlog.get_logger()
+
+BACKENDS = ("direct", "torch")
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The communicator backend to use: `backend`, else `KVBROKER_NCCL_BACKEND`, else
+    "direct" when the NCCL library loads, else "torch".
+
+    Raises:
+        ValueError: an unknown name, or "direct" asked for without a loadable library.
+    """
+    from workers.transports import nccl_lib
+
+    name = backend or os.environ.get("KVBROKER_NCCL_BACKEND", "") or None
+    if name is None:
+        return "direct" if nccl_lib.load() is not None else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown NCCL backend {name!r}; use one of {BACKENDS}.")
+    if name == "direct" and nccl_lib.load() is None:
+        raise ValueError(f"the direct NCCL backend needs the NCCL library: {nccl_lib.load_error()}")
+    return name
+
+
+def init_direct(lib: Any, uid: bytes, rank: int, device: torch.device, deadline: float, peer: str,
+                 nonce: str) -> int:
+    """ncclCommInitRank plus one small exchange each way, on a helper thread, by `deadline`.
+
+    NCCL connects point-to-point channels inside the first group that uses them, and
+    that blocks the posting thread until the peer posts too (see `new_torch_group`); the
+    exchange does it now, while both sides are here. Past the deadline the communicator,
+    if init got that far, is aborted (which also ends a stuck exchange); a thread still
+    inside ncclCommInitRank, which has no deadline of its own, aborts what it gets once
+    that returns.
+
+    Raises:
+        RendezvousError: the deadline passed or NCCL failed.
+    """
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)
+            handle = lib.init_rank(2, uid, rank)
+            with lock:
+                box["handle"] = handle
+                if box.get("abandoned"):
+                    box.pop("handle")
+                    lib.abort(handle)
+                    return
+            stream = torch.cuda.Stream(device)
+            buf = torch.zeros(2, 1 << 20, dtype=torch.uint8, device=device)
+            torch.cuda.current_stream(device).synchronize()
+            lib.group_start()
+            try:
+                lib.send(buf[0].data_ptr(), buf[0].numel(), 1 - rank, handle, stream.cuda_stream)
+                lib.recv(buf[1].data_ptr(), buf[1].numel(), 1 - rank, handle, stream.cuda_stream)
+            finally:
+                lib.group_end()
+            stream.synchronize()
+            err = lib.async_error(handle)
+            if err not in (0, 7):
+                raise RuntimeError(f"NCCL reported {lib.error_string(err)} after the warm-up exchange")
+            box["ok"] = True
+        except BaseException as exc:  # reported to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"nccl-init-{peer}", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        if box.get("ok"):
+            return box["handle"]
+        box["abandoned"] = True
+        handle = box.pop("handle", None)
+    if handle:
+        try:
+            lib.abort(handle)
+        except Exception as exc:  # best effort: the handle is dropped anyway
+            log.warning("nccl.abort_failed", peer=peer, backend="direct", error=repr(exc))
+    if "error" in box:
+        raise RendezvousError(f"NCCL init with {peer} (rendezvous {nonce}) failed: {box['error']}") from box["error"]
+    raise RendezvousError(f"NCCL init with {peer} (rendezvous {nonce}) did not finish in time.")
+
+
+def master_store(host: str, timeout: timedelta) -> Any:
+    """A TCPStore server on a free port (port 0 where torch supports it)."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        if store.port:
+            return store
+    except (RuntimeError, ValueError):
+        pass
+    with socket.socket() as s:  # older stores: pick a port, accepting a small race
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def parse_payload(payload: bytes) -> dict[str, Any]:
+    """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id."""
+    try:
+        info = json.loads(payload)
+        if not isinstance(info.get("nonce"), str):
+            raise ValueError("bad fields")
+        if info.get("v") == 2 and info.get("backend") == "direct":
+            uid = bytes.fromhex(info["id"])
+            if len(uid) != 128:
+                raise ValueError(f"an NCCL unique id is 128 bytes, not {len(uid)}")
+            return {"backend": "direct", "id": uid, "nonce": info["nonce"]}
+        if info.get("v") != 1 or not isinstance(info["port"], int):
+            raise ValueError("bad fields")
+        return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousError(f"unusable NCCL rendezvous payload ({exc}): {payload[:120]!r}") from exc
+
+
+# torch's ProcessGroupNCCL debugging and monitoring, which this transport does not use:
+# its own deadlines and `Completion.wait` catch stuck ops, and it never reads the
+# flight recorder. The flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records every op,
+# with a captured stack, on the posting thread, i.e. on a transfer's critical path; the
+# dumps on timeout need it; the heartbeat monitor is one more thread per group, whose
+# reaction is to kill the process. Set with `os.environ.setdefault` before the first
+# group of the process (torch reads some once per process), so an operator's value
+# wins; KVBROKER_NCCL_TORCH_DEBUG=1 leaves torch's defaults alone. They are process-wide
+# but only switch debugging off. Knobs that change how ops run (record streams, event
+# caching) and NCCL_* variables, which would also change the host application's own
+# communicators, are left alone. Measured on an H200 pair (torch 2.11, NCCL 2.28): the
+# posting cost stayed within run-to-run noise (0.1-0.25 ms an op either way), so this
+# is hygiene, not the fix for host time.
+TORCH_NCCL_QUIET = {
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_DESYNC_DEBUG": "0",
+    "TORCH_NCCL_ENABLE_TIMING": "0",
+    "TORCH_NCCL_TRACE_CPP_STACK": "0",
+    "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
+}
+
+
+def quiet_torch_nccl() -> dict[str, str]:
+    """Apply `TORCH_NCCL_QUIET` (unless opted out); returns the values in effect."""
+    if os.environ.get("KVBROKER_NCCL_TORCH_DEBUG", "") not in ("", "0"):
+        return {}
+    for key, value in TORCH_NCCL_QUIET.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in TORCH_NCCL_QUIET}
+
+
+def new_torch_group(store: Any, rank: int, device: torch.device, watchdog_timeout_s: float) -> Any:
+    """A 2-rank ProcessGroupNCCL on `store`, connected now rather than at the first op."""
+    from torch.distributed import ProcessGroupNCCL
+
+    quiet_torch_nccl()
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=watchdog_timeout_s)
+    pg = ProcessGroupNCCL(store, rank, 2, opts)
+    try:
+        pg.bound_device_id = device
+    except (AttributeError, RuntimeError):  # older torch: eager connect alone suffices
+        pass
+    with torch.cuda.device(device):
+        pg.eager_connect_single_device(device)
+        # NCCL connects point-to-point channels lazily, inside the first group that uses
+        # them, and that blocks until the peer posts its side. A receive posted long
+        # before its send (normal for D) would then block its thread, deadline or not.
+        # One small exchange each way, while both sides are here, connects them now.
+        buf = torch.zeros(2, 1 << 20, dtype=torch.uint8, device=device)
+        pg._start_coalescing()
+        pg.send([buf[0]], 1 - rank, 0)
+        pg.recv([buf[1]], 1 - rank, 0)
+        pg._end_coalescing().wait()
+        torch.cuda.current_stream(device).synchronize()
+    return pg

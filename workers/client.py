@@ -16,7 +16,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 import anyio.abc
@@ -145,6 +145,12 @@ class BrokerClient:
                                     f"{self.config.broker}` or fix the broker address"
                                 ) from None
                             self._log.warning("broker.unreachable", broker=self.config.broker, retry_s=backoff)
+                        except Refused as exc:
+                            if self.registered is None:
+                                raise
+                            # A restarted broker may refuse us for now (say, a peer of another
+                            # model registered first); keep trying rather than detach for good.
+                            self._log.error("broker.refused", code=exc.code, detail=exc.detail, retry_s=backoff)
                         else:
                             backoff = 0.05
                             first = self.registered is None
@@ -157,12 +163,15 @@ class BrokerClient:
                             else:
                                 self._log.info("broker.reregistered", peer=reg.peer_id)
                                 await self._resend()
-                            await self._session(chan, reg, tasks)
-                            self._chan = None
-                            self._connected = anyio.Event()
+                            try:
+                                await self._session(chan, reg, tasks)
+                            finally:
+                                self._chan = None
+                                self._connected = anyio.Event()
                     await anyio.sleep(backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, self.config.reconnect_max_s)
         finally:
+            self._chan = None
             ctx.destroy(linger=0)
 
     async def goodbye(self) -> None:
@@ -228,25 +237,35 @@ class BrokerClient:
         h = self.handler
         if isinstance(msg, Prepare):
             self._expects.discard(msg.transfer_id)
-            tasks.start_soon(h.on_prepare, msg)
+            tasks.start_soon(self._guarded, h.on_prepare, msg)
         elif isinstance(msg, Go):
-            tasks.start_soon(h.on_go, msg)
+            tasks.start_soon(self._guarded, h.on_go, msg)
         elif isinstance(msg, Release):
             self._offers.pop(msg.transfer_id, None)
-            tasks.start_soon(h.on_release, msg)
+            tasks.start_soon(self._guarded, h.on_release, msg)
         elif isinstance(msg, Abort):
             self._offers.pop(msg.transfer_id, None)
             self._expects.discard(msg.transfer_id)
-            tasks.start_soon(h.on_abort, msg)
+            tasks.start_soon(self._guarded, h.on_abort, msg)
         elif isinstance(msg, Relay):
-            tasks.start_soon(h.on_relay, msg)
+            tasks.start_soon(self._guarded, h.on_relay, msg)
         elif isinstance(msg, Error):
             self._log.warning("broker.error", code=msg.code, detail=msg.detail, transfer_id=msg.transfer_id or None)
             if msg.transfer_id and (msg.transfer_id in self._offers or msg.transfer_id in self._expects):
                 self._offers.pop(msg.transfer_id, None)
                 self._expects.discard(msg.transfer_id)
-                tasks.start_soon(h.on_abort, Abort(transfer_id=msg.transfer_id, reason=msg.detail))
+                tasks.start_soon(self._guarded, h.on_abort, Abort(transfer_id=msg.transfer_id, reason=msg.detail))
         # Heartbeat echoes only refresh last_rx.
+
+    async def _guarded(self, handler: Callable[[Any], Awaitable[None]], msg: Message) -> None:
+        """Run one handler; its failure is logged and ends that transfer's handling only,
+        never the broker session that every other transfer shares."""
+        try:
+            await handler(msg)
+        except Exception:
+            self._log.exception(
+                "handler.failed", handler=getattr(handler, "__name__", "?"), transfer_id=getattr(msg, "transfer_id", None)
+            )
 
     async def _resend(self) -> None:
         for offer in list(self._offers.values()):

@@ -1,0 +1,93 @@
+"""The broker client against a real broker process: it outlives handler bugs and refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+
+from protocols.codec import Codec
+from protocols.messages import Go, Goodbye, Prepare, Register, Registered
+from tests.support import BrokerProcess
+from workers.client import BrokerClient, ClientConfig, NullHandler
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+
+class Decode(NullHandler):
+    client: BrokerClient
+
+    async def on_prepare(self, msg: Prepare) -> None:
+        await self.client.ready(msg.transfer_id, msg.nbytes)
+
+
+async def test_a_failing_handler_does_not_end_the_session(tmp_path: Path, anyio_backend: str) -> None:
+    broker = BrokerProcess(tmp_path)
+    broker.start()
+
+    class Prefill(NullHandler):
+        def __init__(self) -> None:
+            self.gone: list[str] = []
+            self.second = anyio.Event()
+
+        async def on_go(self, msg: Go) -> None:
+            self.gone.append(msg.transfer_id)
+            if msg.transfer_id == "t1":
+                raise ValueError("a bug in one transfer's handling")
+            self.second.set()
+
+    handler, dec = Prefill(), Decode()
+    cfg = ClientConfig(broker=broker.endpoint)
+    p = BrokerClient(cfg, Register(role="prefill", instance_id="p", compat_hash="h"), handler)
+    d = BrokerClient(cfg, Register(role="decode", instance_id="d", pool_capacity=1 << 20, compat_hash="h"), dec)
+    dec.client = d
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(p.run)
+            await tg.start(d.run)
+            with anyio.fail_after(10):
+                await p.offer("t1", 10)
+                while handler.gone != ["t1"]:
+                    await anyio.sleep(0.01)
+                await p.offer("t2", 10)
+                await handler.second.wait()
+            assert p.connected and p.registrations == 1
+            tg.cancel_scope.cancel()
+    finally:
+        broker.stop()
+
+
+async def test_a_refused_reregistration_is_retried(tmp_path: Path, anyio_backend: str) -> None:
+    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
+    broker.start()
+    p = BrokerClient(
+        ClientConfig(broker=broker.endpoint, reconnect_max_s=0.5), Register(role="prefill", instance_id="p", compat_hash="A")
+    )
+    ctx = zmq.Context()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(p.run)
+            broker.stop()
+            broker.start()
+            # A decode peer of another model is first at the restarted broker: P is refused.
+            codec = Codec()
+            other = ctx.socket(zmq.DEALER)
+            other.setsockopt(zmq.LINGER, 0)
+            other.connect(broker.endpoint)
+            other.send(codec.encode(Register(role="decode", instance_id="d-other", pool_capacity=10, compat_hash="B")))
+            with anyio.fail_after(20):
+                while not isinstance(codec.decode(other.recv(zmq.NOBLOCK)) if other.poll(0) else None, Registered):
+                    await anyio.sleep(0.01)
+                while '"code":"refused"' not in broker.log_path.read_text():
+                    await anyio.sleep(0.02)
+                assert p.registrations == 1 and not p.connected
+                other.send(codec.encode(Goodbye()))
+                while p.registrations < 2:
+                    await anyio.sleep(0.02)
+            assert p.connected
+            tg.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+        broker.stop()

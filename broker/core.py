@@ -100,6 +100,7 @@ class Pool:
     """The credit ledger of one decode peer's receive pool."""
 
     capacity: int
+    alignment: int = 1
     reserved: int = 0
     reported_free: int = -1
     # FIFO of transfers routed here and waiting for credit; bounded by max_transfers.
@@ -108,6 +109,10 @@ class Pool:
     @property
     def free(self) -> int:
         return self.capacity - self.reserved
+
+    def credit_for(self, nbytes: int) -> int:
+        """The room a transfer takes in this pool: leases come in whole alignment units."""
+        return -(-nbytes // self.alignment) * self.alignment
 
 
 @dataclass
@@ -224,7 +229,7 @@ class Broker:
             self._evict(now, old, "it registered again", out)
         if identity in self.by_identity:
             self._evict(now, self.peers[self.by_identity[identity]], "its socket registered as another peer", out)
-        pool = Pool(capacity=reg.pool_capacity) if reg.role == "decode" else None
+        pool = Pool(capacity=reg.pool_capacity, alignment=reg.pool_alignment) if reg.role == "decode" else None
         self.peers[pid] = Peer(pid, identity, reg, now + self.config.peer_lease_s, pool)
         self.by_identity[identity] = pid
         out.append(
@@ -425,7 +430,7 @@ class Broker:
                     return
                 break
         if d is None:
-            fits = [p for p in self._candidates(t) if p.pool and p.pool.capacity >= t.nbytes]
+            fits = [p for p in self._candidates(t) if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
             d = max(fits, key=lambda p: (p.pool.free, -len(p.transfers)), default=None) if fits else None  # type: ignore[union-attr]
             if d is None and self._candidates(t):
                 d = self._candidates(t)[0]  # too small: refused just below, with the size named
@@ -433,7 +438,7 @@ class Broker:
             t.state = S.UNROUTED
             return
         assert d.pool is not None
-        if t.nbytes > d.pool.capacity:
+        if d.pool.credit_for(t.nbytes) > d.pool.capacity:
             self._abort(
                 t,
                 f"it needs {t.nbytes} bytes but the receive pool of {d.peer_id} holds only {d.pool.capacity}; "
@@ -454,11 +459,12 @@ class Broker:
         while pool.waiting:
             key = next(iter(pool.waiting))
             t = self.transfers[key]
-            if t.nbytes > pool.free:
+            need = pool.credit_for(t.nbytes)
+            if need > pool.free:
                 return
             del pool.waiting[key]
-            pool.reserved += t.nbytes
-            t.reserved, t.state, t.credit_deadline = t.nbytes, S.PREPARING, None
+            pool.reserved += need
+            t.reserved, t.state, t.credit_deadline = need, S.PREPARING, None
             assert t.prefill is not None
             out.append(
                 Send(

@@ -149,6 +149,7 @@ class ConnectorWorker:
             world_size=self.info.world_size,
             endpoints=endpoints,
             pool_capacity=0 if self.is_producer else self.pool.capacity,
+            pool_alignment=1 if self.is_producer else self.pool.alignment,
             compat_hash=compat_hash(self.compat),
             compat=self.compat,
         )

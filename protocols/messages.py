@@ -61,6 +61,8 @@ class Register(_Msg, kw_only=True, tag="register"):
     world_size: Annotated[int, Meta(ge=1, le=1 << 16)] = 1
     endpoints: Endpoints = {}
     pool_capacity: Bytes = 0
+    # The pool leases whole multiples of this; the broker reserves credit the same way.
+    pool_alignment: Annotated[int, Meta(ge=1, le=1 << 30)] = 1
     compat_hash: Annotated[str, Meta(max_length=128)] = ""
     # The fields behind compat_hash, so a refusal can name what differs.
     compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Text], Meta(max_length=32)] = {}

@@ -64,7 +64,7 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             for key in pool.waiting:
                 assert b.transfers[key].state is S.WAITING_CREDIT and b.transfers[key].decode == pid
             if pool.waiting:  # FIFO: the head waits only because it does not fit
-                assert b.transfers[next(iter(pool.waiting))].nbytes > pool.free
+                assert pool.credit_for(b.transfers[next(iter(pool.waiting))].nbytes) > pool.free
     for key, t in b.transfers.items():
         assert t.key == key
         for ref in (t.prefill, t.decode, t.expected_by):
@@ -72,7 +72,8 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             if ref is not None:
                 assert key in b.peers[ref].transfers
         if t.state in HOLDS_CREDIT:
-            assert t.decode is not None and t.reserved == t.nbytes and t.credit_deadline is None
+            assert t.decode is not None and t.credit_deadline is None
+            assert t.reserved == b.peers[t.decode].pool.credit_for(t.nbytes)  # type: ignore[union-attr]
         else:
             assert t.reserved == 0
         if t.state is S.EXPECTED:
@@ -220,6 +221,7 @@ class FakeCluster:
         rank: int = 0,
         world_size: int = 1,
         pool: int = 0,
+        alignment: int = 1,
         compat_hash: str = "h",
         compat: dict[str, str] | None = None,
         identity: bytes | None = None,
@@ -232,6 +234,7 @@ class FakeCluster:
             world_size=world_size,
             endpoints={"tcp": f"tcp://{instance}-{rank}:7000"},
             pool_capacity=pool,
+            pool_alignment=alignment,
             compat_hash=compat_hash,
             compat=compat or {},
         )

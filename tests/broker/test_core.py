@@ -186,6 +186,19 @@ def test_credit_is_granted_fifo(c: FakeCluster) -> None:
     assert c.pool(d) == (100, 90, 0)
 
 
+def test_credit_is_reserved_in_whole_pool_alignment_units(c: FakeCluster) -> None:
+    # D's pool leases whole 4 KiB units: three 2,000-byte transfers need 12 KiB, not 6,000 B.
+    p, d = c.prefill(), c.decode(pool=8192, alignment=4096)
+    for tid in ("a", "b", "c"):
+        p.offer(tid, 2000)
+    assert prepared(d) == ["a", "b"] and c.state("c") is S.WAITING_CREDIT
+    assert c.pool(d) == (8192, 8192, 1)
+    d.ready("a")
+    d.done("a")
+    assert prepared(d) == ["c"]
+    assert c.pool(d) == (8192, 8192, 0)
+
+
 def test_credit_returns_on_abort_and_serves_the_next(c: FakeCluster) -> None:
     p, d = c.prefill(), c.decode(pool=100)
     p.offer("a", 100)

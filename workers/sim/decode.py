@@ -106,6 +106,7 @@ class DecodeWorker:
                 instance_id=self.config.instance,
                 endpoints={"tcp": endpoint},
                 pool_capacity=self.pool.capacity,
+                pool_alignment=self.pool.alignment,
                 compat_hash=g.compat_hash(),
                 compat=g.compat(),
             ),

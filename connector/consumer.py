@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -35,7 +36,7 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Expect, Prepare
 from workers.layout import scatter_layer_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
-from workers.transports.tcp import TcpReceiver
+from workers.transports.tcp import TcpReceiver, TcpTransportError
 
 from .scheduler import KvBrokerMetadata, LoadSpec
 
@@ -46,6 +47,9 @@ __all__ = ["ConsumerSide"]
 
 MAX_TOMBSTONES = 4096  # transfers the broker aborted before a local request claimed them
 BROKER_ABORT = "aborted by the broker: "
+# A load still "receiving" this long after its deadline lost its receiving task (the
+# client's loop stopped or was torn down): `get_finished` fails it and frees its lease.
+RECEIVE_GRACE_S = 1.0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class ConsumerSide:
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._errors: set[int] = set()
         self._registrations = 1
+        self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
 
     def start_transport(self) -> dict[str, str]:
         """Listen for producers; the endpoint goes into this peer's registration."""
@@ -109,7 +114,7 @@ class ConsumerSide:
                 self._loads[tid] = load
                 new.append(load)
         if new:
-            w.spawn(self._announce, new)
+            self._spawn("expect", new[0].transfer_id, self._announce, new)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Scatter what arrived, fail what is late; both count as received for vLLM."""
@@ -148,13 +153,21 @@ class ConsumerSide:
                 reason=load.reason,
             )
         if dones or aborts:
-            w.spawn(self._finish, dones, aborts)
+            self._spawn("finish", (dones or aborts)[0][0], self._finish, dones, aborts)
         return finished
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
         """Take the loads that ended (expiring late ones first); re-Expect after a broker restart."""
         w = self.w
         now = time.monotonic()
+        with w.lock:
+            stuck = [
+                load
+                for load in self._loads.values()
+                if load.state == "receiving" and now > load.deadline + RECEIVE_GRACE_S
+            ]
+        for load in stuck:
+            self._give_up_stuck(load)
         with w.lock:
             for load in self._loads.values():
                 if load.state == "waiting" and (now > load.deadline or load.spec.req_id in finished_req_ids):
@@ -175,8 +188,58 @@ class ConsumerSide:
         if registrations != self._registrations:
             self._registrations = registrations  # a restarted broker forgot our Expects
             if waiting:
-                w.spawn(self._announce, waiting)
+                self._spawn("expect", waiting[0].transfer_id, self._announce, waiting)
         return done
+
+    def _give_up_stuck(self, load: _Load) -> None:
+        """Fail a load whose receiving task is gone: stop the receiver writing, then free the lease."""
+        assert self.receiver is not None
+        reason = f"no KV within the load deadline of {self.w.config.load_timeout_s:g} s (the receive never ended)"
+        try:
+            self.receiver.cancel_blocking(load.transfer_id, reason)
+        except TcpTransportError as exc:
+            self._quarantine(load, str(exc))
+        self._fail(load, reason, telling=False)
+
+    def _fail(self, load: _Load, reason: str, *, telling: bool) -> bool:
+        """Mark `load` failed and free its lease; True if the caller must tell the broker now."""
+        with self.w.lock:
+            lease, load.lease = load.lease, None
+            load.state, load.reason = "failed", load.reason or reason
+            tell = telling and not load.settled
+            if tell:
+                load.settled = True
+        if lease is not None:
+            lease.release()
+        return tell
+
+    def _quarantine(self, load: _Load, why: str) -> None:
+        """The receiver may still write into this lease: keep it out of the pool for good."""
+        with self.w.lock:
+            lease, load.lease = load.lease, None
+            if lease is not None:
+                self._quarantined.append(lease)
+        self.w.log.error(
+            "transfer.lease_quarantined",
+            transfer_id=load.transfer_id,
+            phase="receive",
+            nbytes=lease.nbytes if lease is not None else 0,
+            reason=why,
+        )
+
+    def _spawn(self, phase: str, tid: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """`spawn`, but a stopped client loop is logged, never raised into vLLM's step."""
+        try:
+            self.w.spawn(fn, *args)
+        except Exception as exc:
+            self.w.log.error("transfer.spawn_failed", transfer_id=tid, phase=phase, error=repr(exc))
+
+    async def _send(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """`send_bounded` that logs a failure (closed channel, broker gone) instead of raising it."""
+        try:
+            await self.w.send_bounded(what, tid, send, *args)
+        except Exception as exc:
+            self.w.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
 
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
@@ -238,21 +301,21 @@ class ConsumerSide:
                 continue
             # Sent untracked: an Expect that crosses our own Prepare is refused by the
             # broker, and that refusal must not abort the transfer.
-            await w.send_bounded("expect", tid, client.send, Expect(transfer_id=tid))
+            await self._send("expect", tid, client.send, Expect(transfer_id=tid))
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
 
     async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:
         assert self.w.client is not None
         client = self.w.client.client
         for tid, nbytes in dones:
-            await self.w.send_bounded("done", tid, client.done, tid, nbytes)
+            await self._send("done", tid, client.done, tid, nbytes)
         for tid, reason in aborts:
             await self._abort(tid, reason)
 
     async def _abort(self, tid: str, reason: str) -> None:
         assert self.w.client is not None
         client = self.w.client.client
-        await self.w.send_bounded("abort", tid, client.abort, tid, reason)
+        await self._send("abort", tid, client.abort, tid, reason)
 
     async def on_prepare(self, msg: Prepare) -> None:
         w, tid = self.w, msg.transfer_id
@@ -271,23 +334,22 @@ class ConsumerSide:
             await self._abort(tid, "this decode instance already gave the transfer up")
             return
         assert load.scope is not None
-        reason = ""
+        # Kept if the task is cancelled from outside (the client's task group ends):
+        # the load still fails, and `get_finished` tells the broker.
+        reason = "the broker client stopped while the KV was being received"
+        ended = False
         try:
             with load.scope:
                 reason = await self._receive(msg, load)
             if load.scope.cancelled_caught:
                 reason = load.reason or "cancelled"
+            ended = True
         except Exception as exc:  # one transfer must never take the client down
             reason = f"decode worker error: {exc!r}"
             w.log.exception("transfer.crashed", transfer_id=tid, phase="receive")
-        if not reason:
-            return
-        if load.lease is not None:
-            load.lease.release()
-            load.lease = None
-        with w.lock:
-            load.state, load.reason = "failed", load.reason or reason
-            tell, load.settled = not load.settled, True
+            ended = True
+        finally:
+            tell = bool(reason) and self._fail(load, reason, telling=ended)
         if tell:
             await self._abort(tid, reason)
 
@@ -346,9 +408,14 @@ class ConsumerSide:
             return str(exc)
         finally:
             if expecting:
-                await self.receiver.cancel(tid, "the load ended")
+                try:
+                    await self.receiver.cancel(tid, "the load ended")
+                except TcpTransportError as exc:
+                    self._quarantine(load, str(exc))
         load.nbytes = nbytes
         with w.lock:
+            if load.state != "receiving":  # given up by `get_finished` meanwhile
+                return load.reason or "the load was given up"
             load.state = "received"
         return ""
 

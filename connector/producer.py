@@ -22,8 +22,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -32,7 +33,7 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Release
 from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
-from workers.transports.tcp import TcpSender
+from workers.transports.tcp import SourceInUse, TcpSender
 
 from .scheduler import KvBrokerMetadata, SaveSpec
 
@@ -108,6 +109,15 @@ class ProducerSide:
                     reason=f"no staging room ({exc or 'timed out'}); raise staging_bytes (now {w.pool.capacity} B)",
                 )
                 return None
+            except Exception as exc:  # the client's loop is gone or failed: never raise into vLLM's step
+                w.log.error(
+                    "transfer.stage_failed",
+                    transfer_id=tid,
+                    phase="stage",
+                    nbytes=nbytes,
+                    reason=f"waiting for staging room failed: {exc!r}",
+                )
+                return None
         staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
         return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic())
 
@@ -128,8 +138,24 @@ class ProducerSide:
         w.log.error("transfer.duplicate", transfer_id=tid, phase="stage", reason=reason)
         assert w.client is not None
         client = w.client.client
-        w.spawn(w.send_bounded, "abort", tid, client.abort, tid, reason)
+        self._spawn("abort", tid, self._send, "abort", tid, client.abort, tid, reason)
         self._unstage(tid, "aborted", reason)
+
+    def _spawn(self, phase: str, tid: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """`spawn`, but a stopped client loop is logged, never raised into vLLM's step."""
+        try:
+            self.w.spawn(fn, *args)
+        except Exception as exc:
+            self.w.log.error("transfer.spawn_failed", transfer_id=tid, phase=phase, error=repr(exc))
+
+    async def _send(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> bool:
+        """`send_bounded` that logs a failure (closed channel, broker gone) instead of raising it."""
+        try:
+            await self.w.send_bounded(what, tid, send, *args)
+        except Exception as exc:
+            self.w.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
+            return False
+        return True
 
     async def _acquire(self, nbytes: int) -> Lease:
         assert self.w.pool is not None
@@ -165,7 +191,11 @@ class ProducerSide:
             ready.append((tid, staged))
         if ready:
             assert w.client is not None
-            w.client.call(self._offer_all, ready)
+            try:
+                w.client.call(self._offer_all, ready)
+            except Exception as exc:  # e.g. the portal stopped: the staged copies wait for their TTL
+                for tid, _staged in ready:
+                    w.log.error("transfer.offer_failed", transfer_id=tid, phase="offer", error=repr(exc))
         self._expire()
 
     async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
@@ -184,7 +214,8 @@ class ProducerSide:
         client = w.client.client
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
         nbytes = staged.lease.nbytes
-        await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode)
+        if not await self._send("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode):
+            return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
         w.log.info(
             "transfer.offered",
@@ -202,8 +233,15 @@ class ProducerSide:
         ttl = self.w.config.staging_ttl_s
         with self.w.lock:
             old = [tid for tid, s in self._staged.items() if now - s.created > ttl]
+        if not old:
+            return
+        assert self.w.client is not None
+        client = self.w.client.client
         for tid in old:
-            self._unstage(tid, "expired", f"no Release or Abort within {ttl:g} s")
+            reason = f"no Release or Abort within {ttl:g} s"
+            self._unstage(tid, "expired", reason)
+            # Tell the broker (the client forgets its re-send record): D's credit comes back.
+            self._spawn("expired", tid, self._send, "abort", tid, client.abort, tid, reason)
 
     def _unstage(self, tid: str, phase: str, reason: str = "") -> None:
         w = self.w
@@ -233,6 +271,7 @@ class ProducerSide:
         assert self.sender is not None
         endpoint = msg.endpoints.get("tcp")
         t0 = time.monotonic()
+        let_go = True  # False: a cancelled send's thread may still read the staging
         try:
             if endpoint is None:
                 raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
@@ -243,6 +282,15 @@ class ProducerSide:
             # D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
+        except SourceInUse as exc:
+            let_go = False
+            w.log.error("transfer.staging_quarantined", transfer_id=tid, phase="send", reason=str(exc))
+        except Exception as exc:  # e.g. a malformed endpoint from the peer: fail this transfer only
+            reason = f"cannot send to decode endpoint {endpoint!r}: {exc}"
+            w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
+            assert w.client is not None
+            await self._send("abort", tid, w.client.client.abort, tid, reason)
+            self._unstage(tid, "aborted", reason)  # the broker ends it: no Release/Abort comes back
         else:
             w.count("sent")
             w.count("bytes", msg.nbytes)
@@ -259,7 +307,9 @@ class ProducerSide:
         finally:
             with w.lock:
                 staged.sends -= 1
-                free_now = staged.dead and staged.sends == 0
+                free_now = staged.dead and staged.sends == 0 and let_go
+                if not let_go:
+                    staged.sends += 1  # never reaches 0: the lease is never released
             if free_now:
                 staged.lease.release()
 

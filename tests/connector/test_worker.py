@@ -18,8 +18,10 @@ import torch
 
 from connector.config import EngineInfo, parse_config
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
-from connector.worker import ConnectorWorker
+from connector.worker import ConnectorWorker, compat_hash
 from protocols.errors import BrokerUnavailable, Refused
+from protocols.messages import Abort, Layout, Prepare, Register
+from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from tests.support import BrokerProcess, engine_step_pause, wait_until
 
 pytestmark = pytest.mark.slow
@@ -305,3 +307,110 @@ def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerPr
     finally:
         p.close()
         d.close()
+
+
+# -- regressions: nothing escapes into vLLM's step, nothing leaks ------------------------
+
+
+class _Peer:
+    """A bare broker client standing in for the other role, recording what the broker sends it."""
+
+    def __init__(self, broker: str, role: str, compat: dict[str, str], endpoints: dict[str, str]) -> None:
+        self.prepares: list[Prepare] = []
+        self.aborts: list[Abort] = []
+        self.ready = True
+        reg = Register(
+            role=role,
+            instance_id=f"fake-{role}",
+            rank=0,
+            world_size=1,
+            endpoints=endpoints,
+            pool_capacity=0 if role == "prefill" else 1 << 24,
+            compat_hash=compat_hash(compat),
+            compat=compat,
+        )
+        self.client = BrokerClient(ClientConfig(broker=broker), reg, handler=self)
+        self.sync = SyncBrokerClient(self.client)
+
+    async def on_prepare(self, msg: Prepare) -> None:
+        self.prepares.append(msg)
+        if self.ready:
+            await self.client.ready(msg.transfer_id, msg.nbytes, 0)
+
+    async def on_go(self, msg: object) -> None:
+        pass  # never sends: the decode side stays "receiving"
+
+    async def on_release(self, msg: object) -> None:
+        pass
+
+    async def on_abort(self, msg: Abort) -> None:
+        self.aborts.append(msg)
+
+    async def on_relay(self, msg: object) -> None:
+        pass
+
+
+def test_malformed_decode_endpoint_aborts_the_transfer(broker: BrokerProcess) -> None:
+    pc = make_caches(seed=20)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = _Peer(broker.endpoint, "decode", p.compat, {"tcp": "http://x:1"})
+    try:
+        d.sync.expect("t-bad")
+        stage(p, pc, "t-bad", [1, 2])
+        abort = wait_until(lambda: next(iter(d.aborts), None), 10, "the broker to abort the transfer")
+        assert "http://x:1" in abort.reason
+        wait_until(lambda: not p.statistics()["staged_now"], 5, "P to free its staged copy on the Abort")
+        assert p.client is not None and p.client.client.connected
+    finally:
+        d.sync.close()
+        p.close()
+
+
+def test_a_stopped_client_never_raises_into_the_step(broker: BrokerProcess) -> None:
+    pc = make_caches(seed=21)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    try:
+        assert p.client is not None and p.pool is not None
+        p.client.close()  # the client's loop is gone
+        stage(p, pc, "t-offline", [1, 2])  # wait_for_save's offer: must not raise
+        assert p.statistics()["staged_now"] == 1  # kept until its TTL
+        hog = p.pool.acquire_nowait(p.pool.statistics().largest_free)
+        stage(p, pc, "t-full", [3])  # waiting for room goes through the loop: must not raise
+        hog.release()
+        assert p.statistics()["staged_now"] == 1
+    finally:
+        p.close()
+
+
+def test_client_torn_down_mid_receive_fails_the_load_and_frees_its_lease(broker: BrokerProcess) -> None:
+    dc = make_caches(seed=22)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60)
+    fake_p = _Peer(broker.endpoint, "prefill", d.compat, {})
+    try:
+        assert d.pool is not None and d.client is not None
+        load(d, "t-cut", [4, 5], cached=0)
+        layout = Layout(num_layers=len(LAYERS), block_nbytes=d.block_nbytes, num_blocks=2)
+        fake_p.sync.offer("t-cut", 2 * len(LAYERS) * d.block_nbytes, layout)
+        wait_until(lambda: d.pool.statistics().reserved, 10, "D to lease room and send Ready")  # type: ignore[union-attr]
+        d.client.close()  # cancels the handler running on_prepare
+        _, errors, _took = run_steps(d, {"req-t-cut"}, 10)
+        assert errors == {4, 5}
+        assert d.pool.statistics().reserved == 0
+    finally:
+        fake_p.sync.close()
+        d.close()
+
+
+def test_expired_staging_is_aborted_at_the_broker(broker: BrokerProcess) -> None:
+    pc = make_caches(seed=23)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    try:
+        assert p.producer is not None and p.client is not None
+        stage(p, pc, "t-old", [1])
+        assert "t-old" in p.client.client._offers  # re-sent after a reconnect until settled
+        p.producer._staged["t-old"].created -= 10 * p.config.staging_ttl_s  # it outlived its TTL
+        p.wait_for_save()  # the next step expires it
+        assert p.statistics()["staged_now"] == 0
+        wait_until(lambda: "t-old" not in p.client.client._offers, 5, "the Abort to reach the client")  # type: ignore[union-attr]
+    finally:
+        p.close()

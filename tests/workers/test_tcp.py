@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from protocols.errors import RecvTimeout, SendTimeout
+from tests.support import wait_until
 from workers.pool import BufferPool
 from workers.transports.tcp import (
     HEADER,
@@ -330,3 +331,63 @@ def test_close_fails_pending_transfers_and_joins_every_thread() -> None:
     sock.close()
     with pytest.raises(TcpTransportError, match="not running"):
         rx.expect("late", 0, bytearray(1))
+
+
+# -- regressions ------------------------------------------------------------------------
+
+
+async def test_send_cancelled_before_its_thread_starts_returns_at_once() -> None:
+    """The shielded wait for the send thread must not last its whole timeout when no thread ever ran."""
+    with TcpSender(TcpConfig(io_timeout_s=3, connect_timeout_s=3)) as tx:
+        t0 = time.monotonic()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await tx.send("tcp://127.0.0.1:1", "early", 0, payload(16))
+        assert scope.cancelled_caught
+        assert time.monotonic() - t0 < 1, "a send cancelled before it started must return at once"
+
+
+class _FailingAccept:
+    """The receiver's listener, whose accept() fails like a process out of descriptors."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.failing = True
+        self.calls = 0
+
+    def accept(self):
+        self.calls += 1
+        if self.failing:
+            raise OSError(24, "Too many open files")
+        return self.listener.accept()
+
+    def __getattr__(self, name: str):
+        return getattr(self.listener, name)
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **kw: self.events.append(event)
+
+
+def test_accept_errors_back_off_and_log_once_per_burst() -> None:
+    with TcpReceiver(config=TcpConfig(io_timeout_s=2.0)) as rx, TcpSender(TcpConfig(io_timeout_s=2.0)) as tx:
+        lines = _Lines()
+        rx._log = lines  # type: ignore[assignment]
+        listener = _FailingAccept(rx._listener)  # type: ignore[arg-type]
+        rx._listener = listener  # type: ignore[assignment]
+        rx.expect("t", 0, bytearray(8))
+        sent = threading.Thread(target=tx.send_blocking, args=(rx.endpoint, "t", 0, bytes(range(8))))
+        sent.start()  # queued on the listener: every accept fails while `failing`
+        wait_until(lambda: listener.calls >= 2, 5, "a retried accept")
+        threading.Event().wait(0.5)  # a measurement window, not a wait for a condition
+        calls = listener.calls
+        assert calls <= 10, f"{calls} accept attempts in ~0.5 s: the accept loop spins"
+        assert lines.events.count("tcp.accept_failed") == 1
+        listener.failing = False
+        sent.join(10)
+        assert not sent.is_alive() and rx.statistics().received == 1
+        assert "tcp.accept_recovered" in lines.events

@@ -67,6 +67,7 @@ from .tcp_wire import (
     Completion,
     RecvFailed,
     SendFailed,
+    SourceInUse,
     TcpConfig,
     TcpTransportError,
     TransferCancelled,
@@ -96,6 +97,7 @@ __all__ = [
     "RecvFailed",
     "SendFailed",
     "SenderStats",
+    "SourceInUse",
     "TcpConfig",
     "TcpReceiver",
     "TcpSender",
@@ -116,6 +118,7 @@ class _SendOp:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.aborted = False
+        self.started = False
         self.finished = threading.Event()
 
     def attach(self, sock: socket.socket) -> None:
@@ -124,12 +127,20 @@ class _SendOp:
             if self.aborted:
                 shutdown(sock)
 
+    def begin(self) -> bool:
+        """Called by the sending thread first; False: aborted before it started, do not touch the data."""
+        with self.lock:
+            self.started = not self.aborted
+            return self.started
+
     def abort(self) -> None:
         with self.lock:
             if self.finished.is_set():
                 return
             self.aborted = True
-            if self.sock is not None:
+            if not self.started:
+                self.finished.set()  # the thread never ran (or will see `aborted` and not read the data)
+            elif self.sock is not None:
                 shutdown(self.sock)
 
 
@@ -176,6 +187,8 @@ class TcpSender:
             op.abort()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(op.finished.wait, self.config.io_timeout_s + self.config.connect_timeout_s)
+            if not op.finished.is_set():
+                raise SourceInUse(f"transfer {transfer_id}: the cancelled send still reads its source") from None
             raise
 
     def send_blocking(self, endpoint: str, transfer_id: str, attempt: int, data: Any) -> None:
@@ -206,6 +219,8 @@ class TcpSender:
         self.close()
 
     def _send(self, op: _SendOp, endpoint: str, transfer_id: str, attempt: int, view: memoryview) -> None:
+        if not op.begin():
+            raise SendFailed(transfer_id, "the send was cancelled")
         with self._lock:
             self._active.add(op)
         sock: socket.socket | None = None

@@ -47,6 +47,8 @@ from .tcp_wire import (
 
 log = structlog.get_logger("kvbroker.tcp")
 
+ACCEPT_BACKOFF_S = 0.1  # pause after a failed accept (EMFILE...) before trying again
+
 
 @dataclass
 class _Expected:
@@ -266,9 +268,11 @@ class TcpReceiver:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None and self._wake_r is not None
-        with selectors.DefaultSelector() as sel:
+        failures = 0  # accept errors in the current burst
+        with selectors.DefaultSelector() as sel, selectors.DefaultSelector() as wake:
             sel.register(self._listener, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
+            wake.register(self._wake_r, selectors.EVENT_READ)
             while not self._closing:
                 sel.select()
                 if self._closing:
@@ -277,9 +281,17 @@ class TcpReceiver:
                     sock, addr = self._listener.accept()
                 except (BlockingIOError, InterruptedError):
                     continue
-                except OSError as exc:  # EMFILE and friends: log, back off through select
-                    self._log.warning("tcp.accept_failed", error=str(exc))
+                except OSError as exc:
+                    # EMFILE and friends: the connection stays queued, so the listener
+                    # stays readable; wait on the wake socket only, not select, to back off.
+                    if not failures:
+                        self._log.warning("tcp.accept_failed", error=str(exc), retry_s=ACCEPT_BACKOFF_S)
+                    failures += 1
+                    wake.select(ACCEPT_BACKOFF_S)
                     continue
+                if failures:
+                    self._log.info("tcp.accept_recovered", failures=failures)
+                    failures = 0
                 self._admit(sock, f"{addr[0]}:{addr[1]}")
 
     def _admit(self, sock: socket.socket, peer: str) -> None:

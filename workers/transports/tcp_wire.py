@@ -90,6 +90,10 @@ class TcpTransportError(KvBrokerError):
     """This process misused the transport (a bad buffer, a duplicate registration...)."""
 
 
+class SourceInUse(TcpTransportError):
+    """A cancelled send's thread still reads its source after the deadline: do not release it."""
+
+
 class SendFailed(TransferFailed):
     """P could not deliver the bytes; D has not acknowledged them."""
 

@@ -261,8 +261,15 @@ class ConnectorWorker:
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run ``fn(*args)`` on the client's loop without waiting: a step never waits on the broker."""
-        assert self.client is not None
-        future = self.client.portal.start_task_soon(fn, *args)
+        client = self.client
+        if client is None:
+            self.log.warning("connector.not_connected", task=getattr(fn, "__name__", "?"))
+            return
+        try:
+            future = client.portal.start_task_soon(fn, *args)
+        except Exception as exc:  # the loop has stopped (shutdown): never fail vLLM's step
+            self.log.error("connector.task_not_started", task=getattr(fn, "__name__", "?"), error=repr(exc))
+            return
         future.add_done_callback(self._report)
 
     def _report(self, future: Future[Any]) -> None:
@@ -272,7 +279,11 @@ class ConnectorWorker:
     async def send_bounded(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Await ``send(*args)`` for at most SEND_TIMEOUT_S (shielded, so cleanup code may use it)."""
         with anyio.move_on_after(SEND_TIMEOUT_S, shield=True) as scope:
-            await send(*args)
+            try:
+                await send(*args)
+            except Exception as exc:  # a closed session: the lease or the TTL cleans up
+                self.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
+                return
         if scope.cancelled_caught:
             self.log.warning("broker.send_timeout", transfer_id=tid, phase=what, timeout_s=SEND_TIMEOUT_S)
 

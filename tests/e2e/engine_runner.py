@@ -55,6 +55,7 @@ import json
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -146,6 +147,9 @@ class EngineProcess:
             stderr=self._log_file if self._log_file else subprocess.DEVNULL,
             env=env,
             cwd=str(HERE),
+            # Its own process group: vLLM's engine-core and worker processes (when the
+            # engine runs multiprocess) are ended with it, never left behind.
+            start_new_session=True,
         )
         threading.Thread(
             target=self._read_loop, name=f"{self.name}-reader", daemon=True
@@ -176,13 +180,21 @@ class EngineProcess:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._end_group()
         self._close_files()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._end_group()
         self._close_files()
+
+    def _end_group(self) -> None:
+        """End what the child started in its process group (vLLM's engine-core/workers)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _close_files(self) -> None:
         if self.proc is not None and self.proc.stdin and not self.proc.stdin.closed:

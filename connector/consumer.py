@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -114,7 +113,7 @@ class ConsumerSide:
                 self._loads[tid] = load
                 new.append(load)
         if new:
-            self._spawn("expect", new[0].transfer_id, self._announce, new)
+            self.w.spawn(self._announce, new)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Scatter what arrived, fail what is late; both count as received for vLLM."""
@@ -153,7 +152,7 @@ class ConsumerSide:
                 reason=load.reason,
             )
         if dones or aborts:
-            self._spawn("finish", (dones or aborts)[0][0], self._finish, dones, aborts)
+            self.w.spawn(self._finish, dones, aborts)
         return finished
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
@@ -188,7 +187,7 @@ class ConsumerSide:
         if registrations != self._registrations:
             self._registrations = registrations  # a restarted broker forgot our Expects
             if waiting:
-                self._spawn("expect", waiting[0].transfer_id, self._announce, waiting)
+                self.w.spawn(self._announce, waiting)
         return done
 
     def _give_up_stuck(self, load: _Load) -> None:
@@ -226,20 +225,6 @@ class ConsumerSide:
             nbytes=lease.nbytes if lease is not None else 0,
             reason=why,
         )
-
-    def _spawn(self, phase: str, tid: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """`spawn`, but a stopped client loop is logged, never raised into vLLM's step."""
-        try:
-            self.w.spawn(fn, *args)
-        except Exception as exc:
-            self.w.log.error("transfer.spawn_failed", transfer_id=tid, phase=phase, error=repr(exc))
-
-    async def _send(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """`send_bounded` that logs a failure (closed channel, broker gone) instead of raising it."""
-        try:
-            await self.w.send_bounded(what, tid, send, *args)
-        except Exception as exc:
-            self.w.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
 
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
@@ -301,21 +286,21 @@ class ConsumerSide:
                 continue
             # Sent untracked: an Expect that crosses our own Prepare is refused by the
             # broker, and that refusal must not abort the transfer.
-            await self._send("expect", tid, client.send, Expect(transfer_id=tid))
+            await self.w.send_bounded("expect", tid, client.send, Expect(transfer_id=tid))
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
 
     async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:
         assert self.w.client is not None
         client = self.w.client.client
         for tid, nbytes in dones:
-            await self._send("done", tid, client.done, tid, nbytes)
+            await self.w.send_bounded("done", tid, client.done, tid, nbytes)
         for tid, reason in aborts:
             await self._abort(tid, reason)
 
     async def _abort(self, tid: str, reason: str) -> None:
         assert self.w.client is not None
         client = self.w.client.client
-        await self._send("abort", tid, client.abort, tid, reason)
+        await self.w.send_bounded("abort", tid, client.abort, tid, reason)
 
     async def on_prepare(self, msg: Prepare) -> None:
         w, tid = self.w, msg.transfer_id

@@ -22,9 +22,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -138,24 +137,8 @@ class ProducerSide:
         w.log.error("transfer.duplicate", transfer_id=tid, phase="stage", reason=reason)
         assert w.client is not None
         client = w.client.client
-        self._spawn("abort", tid, self._send, "abort", tid, client.abort, tid, reason)
+        self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
         self._unstage(tid, "aborted", reason)
-
-    def _spawn(self, phase: str, tid: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """`spawn`, but a stopped client loop is logged, never raised into vLLM's step."""
-        try:
-            self.w.spawn(fn, *args)
-        except Exception as exc:
-            self.w.log.error("transfer.spawn_failed", transfer_id=tid, phase=phase, error=repr(exc))
-
-    async def _send(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> bool:
-        """`send_bounded` that logs a failure (closed channel, broker gone) instead of raising it."""
-        try:
-            await self.w.send_bounded(what, tid, send, *args)
-        except Exception as exc:
-            self.w.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
-            return False
-        return True
 
     async def _acquire(self, nbytes: int) -> Lease:
         assert self.w.pool is not None
@@ -214,7 +197,7 @@ class ProducerSide:
         client = w.client.client
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
         nbytes = staged.lease.nbytes
-        if not await self._send("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode):
+        if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
         w.log.info(
@@ -241,7 +224,7 @@ class ProducerSide:
             reason = f"no Release or Abort within {ttl:g} s"
             self._unstage(tid, "expired", reason)
             # Tell the broker (the client forgets its re-send record): D's credit comes back.
-            self._spawn("expired", tid, self._send, "abort", tid, client.abort, tid, reason)
+            self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
 
     def _unstage(self, tid: str, phase: str, reason: str = "") -> None:
         w = self.w
@@ -289,7 +272,7 @@ class ProducerSide:
             reason = f"cannot send to decode endpoint {endpoint!r}: {exc}"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
             assert w.client is not None
-            await self._send("abort", tid, w.client.client.abort, tid, reason)
+            await self.w.send_bounded("abort", tid, w.client.client.abort, tid, reason)
             self._unstage(tid, "aborted", reason)  # the broker ends it: no Release/Abort comes back
         else:
             w.count("sent")

@@ -276,16 +276,21 @@ class ConnectorWorker:
         if not future.cancelled() and future.exception() is not None:
             self.log.error("connector.task_failed", error=repr(future.exception()))
 
-    async def send_bounded(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """Await ``send(*args)`` for at most SEND_TIMEOUT_S (shielded, so cleanup code may use it)."""
+    async def send_bounded(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> bool:
+        """Await ``send(*args)`` for at most SEND_TIMEOUT_S (shielded, so cleanup code may use it).
+
+        Never raises: a failed send (closed session, broker gone) is logged and gives False;
+        the lease or the staging TTL cleans up after it.
+        """
         with anyio.move_on_after(SEND_TIMEOUT_S, shield=True) as scope:
             try:
                 await send(*args)
-            except Exception as exc:  # a closed session: the lease or the TTL cleans up
+            except Exception as exc:
                 self.log.warning("broker.send_failed", transfer_id=tid, phase=what, error=repr(exc))
-                return
+                return False
         if scope.cancelled_caught:
             self.log.warning("broker.send_timeout", transfer_id=tid, phase=what, timeout_s=SEND_TIMEOUT_S)
+        return True
 
     # -- bookkeeping -------------------------------------------------------------------------
 

@@ -45,20 +45,19 @@ released again).
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import threading
 from collections import deque
 from dataclasses import dataclass
 from math import prod
 from types import TracebackType
-from typing import Callable
 
 import anyio
 import anyio.lowlevel
 import torch
 
 from protocols.errors import KvBrokerError
+from workers.waker import make_waker
 
 __all__ = [
     "BufferPool",
@@ -160,29 +159,11 @@ class _Waiter:
         self.nbytes = nbytes
         self.size = size
         self.event = anyio.Event()
-        self.wake = _make_waker(self.event)
+        self.wake = make_waker(self.event)
         self.lease: Lease | None = None
         # Set once the waiting task (or the pool, when that task's loop is gone) owns
         # the outcome; after that the pool never touches this waiter again.
         self.settled = False
-
-
-def _make_waker(event: anyio.Event) -> Callable[[], None]:
-    """Return a callable, safe from any thread and never blocking, that sets `event`."""
-    native = anyio.lowlevel.current_token().native_token
-    owner = threading.get_ident()
-    if isinstance(native, asyncio.AbstractEventLoop):
-        schedule: Callable[[Callable[[], None]], object] = native.call_soon_threadsafe
-    else:  # trio.lowlevel.TrioToken
-        schedule = native.run_sync_soon  # type: ignore[attr-defined]
-
-    def wake() -> None:
-        if threading.get_ident() == owner:
-            event.set()
-        else:
-            schedule(event.set)
-
-    return wake
 
 
 class BufferPool:

@@ -24,7 +24,6 @@ Deadlines are the kernel's: sockets stay in blocking mode with ``SO_RCVTIMEO`` a
 
 from __future__ import annotations
 
-import asyncio
 import select
 import socket
 import struct
@@ -39,6 +38,7 @@ import anyio.lowlevel
 import torch
 
 from protocols.errors import KvBrokerError, RecvTimeout, TransferFailed
+from workers.waker import make_waker
 
 MAGIC = b"KVBT"
 VERSION = 1
@@ -244,25 +244,6 @@ def still_open(sock: socket.socket) -> bool:
 # -- completion ------------------------------------------------------------------------
 
 
-def _make_waker(event: anyio.Event) -> Callable[[], None]:
-    """A callable that sets `event` from any thread without blocking it."""
-    native = anyio.lowlevel.current_token().native_token
-    owner = threading.get_ident()
-    schedule: Callable[[Callable[[], object]], object]
-    if isinstance(native, asyncio.AbstractEventLoop):
-        schedule = native.call_soon_threadsafe
-    else:  # trio.lowlevel.TrioToken
-        schedule = native.run_sync_soon  # type: ignore[attr-defined]
-
-    def wake() -> None:
-        if threading.get_ident() == owner:
-            event.set()
-        else:
-            schedule(event.set)
-
-    return wake
-
-
 class Completion:
     """The outcome of one expected transfer, settled exactly once.
 
@@ -300,7 +281,7 @@ class Completion:
         with self._lock:
             if not self._settled.is_set():
                 event = anyio.Event()
-                waker = _make_waker(event)
+                waker = make_waker(event)
                 self._wakers.append(waker)
         if event is None:
             await anyio.lowlevel.checkpoint()

@@ -42,6 +42,12 @@ over torch's ProcessGroupNCCL backend in the same run (`--backends`), and `raw~t
 is the bare send posted through torch. `x raw` is always against `raw` on the default
 backend, the faster ceiling.
 
+Copies that overlap the wire (every gather after the first chunk's, every scatter
+before the last chunk's) run on a capped grid (`--copy-programs`, the transport's
+`COPY_PROGRAMS`), and NCCL's stream has high priority. The `~capN` rows cap those
+copies at N programs instead (`cap0`: full width); `~lowprio` rows are the transport
+without either (NCCL at the default priority, full-width copies): what they buy.
+
 `ours_full@F/L/G` rows use other chunkings (first chunk F MiB, last chunk L MiB, growth
 G; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
 and then post all sends (the default interleaves gathers and sends, one chunk at a
@@ -56,7 +62,8 @@ a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--backends auto|direct,torch]
-       [--diag] [--json PATH]
+       [--copy-programs N] [--variants cap0,cap16,cap64,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -79,6 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds  # noqa: E402
 from workers.pool import BufferPool  # noqa: E402
+from workers.transports.nccl import COPY_PROGRAMS  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 DEADLINE_S = 30.0
@@ -139,6 +147,8 @@ class Case:
     order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends;
     # "pg" chunk 0's gather and send, then every other gather, then every other send
     backend: str | None = None  # None: the first of cfg["backends"]
+    copy_programs: int | None = COPY_PROGRAMS  # the grid cap of copies that overlap the wire; None: full
+    high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
 
 
 class _Side:
@@ -223,6 +233,20 @@ class _Clock:
         return self.stamps
 
 
+def _nccl_priority(side: _Side, high: bool) -> None:
+    """Run the direct communicator's ops on a high- or a default-priority stream (the
+    `~lowprio` variant shows what the transport's high priority buys)."""
+    comm = side.cache.get(side.peer, initiator=side.role == "P")
+    if not hasattr(comm, "nccl_stream"):
+        return
+    streams = side.__dict__.setdefault("_nccl_streams", {})
+    if not streams:
+        streams[True] = comm.nccl_stream
+        streams[False] = torch.cuda.Stream(side.device, priority=0)
+    comm.nccl_stream = streams[high]
+    comm._stream_ptr = comm.nccl_stream.cuda_stream
+
+
 def _ids(side: _Side, n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randperm(side.cfg["cache_blocks"], generator=g)[:n]
@@ -239,6 +263,8 @@ def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
 def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
     """Run one case for one prompt length; returns each iteration's stamps on this side."""
     side.use(case.backend)
+    side.transport.copy_programs = case.copy_programs
+    _nccl_priority(side, case.high_priority)
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
@@ -285,34 +311,34 @@ def _gather_and_send(
         if len(ends) == 1:
             return done
         for end in ends[1:]:
-            side.stager.gather_chunk(staged, end)
+            side.stager.gather_chunk(staged, end, programs=tr.copy_programs)
             clock.gpu(f"gather@{end}")
         clock.mark("gathers_enqueued")
         return tr.send_staged("D", staged, first_block=ends[0], bounds=[e - ends[0] for e in ends[1:]],
                               transfer_id=tid)
     if order == "gf":
-        for end in ends:
-            side.stager.gather_chunk(staged, end)
+        for k, end in enumerate(ends):
+            side.stager.gather_chunk(staged, end, programs=None if k == 0 else tr.copy_programs)
             clock.gpu(f"gather@{end}")
         clock.mark("gathers_enqueued")
         if wait is not None:
             wait()
             clock.mark("ready_seen")
         return tr.send_staged("D", staged, bounds=ends, transfer_id=tid)
-    start, done = 0, None
-    for k, end in enumerate(ends):
-        side.stager.gather_chunk(staged, end)
-        clock.gpu(f"gather@{end}")
-        if k == 0:
-            clock.mark("gather0_enqueued")
-            if wait is not None:
-                wait()
-                clock.mark("ready_seen")
-        done = tr.send_staged("D", staged, first_block=start, last_block=end, transfer_id=tid)
-        if k == 0:
-            clock.mark("send0_posted")
-        start = end
-    return done
+
+    def step(what: str, end: int) -> None:
+        if what == "gather":
+            clock.gpu(f"gather@{end}")
+        if end == ends[0]:
+            clock.mark("gather0_enqueued" if what == "gather" else "send0_posted")
+
+    def ready() -> None:
+        if wait is not None:
+            wait()
+            clock.mark("ready_seen")
+
+    return tr.gather_and_send("D", side.stager, staged, bounds=bounds, before_send=ready, transfer_id=tid,
+                              on_step=step)
 
 
 def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
@@ -467,17 +493,19 @@ def _copy_rates(side: _Side, tokens: int) -> dict[str, float]:
     ids = side.paged.block_ids(_ids(side, n, 1))
     out = {}
     buf = side.paged.staging_view(side.raw, n)
-    for label, paged in (("triton", side.paged), ("per_layer", PagedKv(side.kv, use_triton=False))):
-        if label == "triton" and not paged.use_triton:
-            continue
+    kinds = [("per_layer", PagedKv(side.kv, use_triton=False), None)]
+    if side.paged.use_triton:
+        kinds = [("triton", side.paged, None)] + [(f"triton{c}", side.paged, c) for c in (16, 32, 64, 128)] + kinds
+    for label, paged, programs in kinds:
         for op in ("gather", "scatter"):
             fn = getattr(paged, op)
-            fn(ids, buf)
+            kw = {"programs": programs} if programs else {}
+            fn(ids, buf, **kw)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             times = []
             for _ in range(10):
                 start.record()
-                fn(ids, buf)
+                fn(ids, buf, **kw)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
@@ -494,60 +522,77 @@ def _spin(seconds: float) -> None:
 
 
 def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
-    """Median host microseconds of one NCCL send post and one gather launch, split up.
+    """Median host microseconds of the steps before P's first byte leaves, split up.
 
     "hot": the posting thread spun for 2 ms first (a busy process, as P is while it
     runs the model); "cold": it slept 5 ms first (as the benchmark's P does between
     iterations, blocked on its barrier). D posts each matching receive; only P times.
+    Posts: `send_tensors` whole, and its bare NCCL group (default backend); and torch's
+    coalesced send when the torch backend runs. Launches: `Stager.begin`, then a chunk's
+    gather through `gather_chunk` and as the bare kernel call.
     """
-    if "torch" not in side.caches:
-        return {}
-    tr = side.transports["torch"]
-    comm = side.caches["torch"].get(side.peer, initiator=side.role == "P")
     out: dict[str, list[float]] = {}
-    n_blocks = 64
-    ids = side.paged.block_ids(_ids(side, n_blocks, 1))
-    words = side.paged.staging_view(side.raw, n_blocks)
-    for mib in (32, 128, 512):
-        x = side.raw[: mib << 20]
+
+    def rec(key: str, *stamps: float) -> None:
+        out.setdefault(key, []).append((stamps[-1] - stamps[0]) * 1e6)
+
+    def settle(mode: str) -> None:
+        if mode == "hot":
+            _spin(0.002)
+        else:
+            time.sleep(0.005)
+
+    x = side.raw[: 128 << 20]
+    posts = [("post", side.transports[side.cfg["backends"][0]])]
+    if "torch" in side.transports and side.cfg["backends"][0] != "torch":
+        posts.append(("torchpost", side.transports["torch"]))
+    for name, tr in posts:
+        comm = tr.cache.get(side.peer, initiator=side.role == "P")
         for mode in ("hot", "cold"):
-            for _ in range(rounds):
-                side.barrier.wait()
-                if mode == "hot":
-                    _spin(0.002)
-                else:
-                    time.sleep(0.005)
-                if side.role == "D":
-                    _wait(tr.recv_tensors("P", [x]))
-                    continue
-                pg = comm.pg
-                with torch.cuda.stream(tr.stream):
+            for bare in (False, True):
+                for _ in range(rounds):
+                    side.barrier.wait()
+                    settle(mode)
+                    if side.role == "D":
+                        _wait(tr.recv_tensors("P", [x]))
+                        continue
                     t0 = time.perf_counter()
-                    pg._start_coalescing()
-                    t1 = time.perf_counter()
-                    pg.send([x], 1, 0)
-                    t2 = time.perf_counter()
-                    work = pg._end_coalescing()
-                    t3 = time.perf_counter()
-                done = comm.completion([work], tr.stream, "send")
-                t4 = time.perf_counter()
-                for key, a, b in (("start", t0, t1), ("send", t1, t2), ("end", t2, t3), ("completion", t3, t4),
-                                  ("post", t0, t4)):
-                    out.setdefault(f"{mode}_{mib}MiB_{key}_us", []).append((b - a) * 1e6)
-                _wait(done)
+                    if not bare:
+                        done = tr.send_tensors("D", [x])
+                        rec(f"{mode}_{name}_send_tensors_us", t0, time.perf_counter())
+                    elif hasattr(comm, "lib"):  # the bare NCCL group, no torch around it
+                        comm.lib.group_start()
+                        comm.lib.send(x.data_ptr(), x.numel(), comm.peer_rank, comm.handle, comm._stream_ptr)
+                        comm.lib.group_end()
+                        rec(f"{mode}_{name}_bare_group_us", t0, time.perf_counter())
+                        done = comm.completion([], comm.nccl_stream, "send")
+                    else:
+                        with torch.cuda.stream(tr.stream):
+                            comm.pg._start_coalescing()
+                            comm.pg.send([x], 1, 0)
+                            work = comm.pg._end_coalescing()
+                        rec(f"{mode}_{name}_bare_group_us", t0, time.perf_counter())
+                        done = comm.completion([work], tr.stream, "send")
+                    _wait(done)
     if side.role == "P":
+        ids = _ids(side, 64, 1)
+        words = side.paged.staging_view(side.raw, 32)
         for mode in ("hot", "cold"):
             for _ in range(rounds):
                 torch.cuda.synchronize()
-                if mode == "hot":
-                    _spin(0.002)
-                else:
-                    time.sleep(0.005)
+                settle(mode)
                 t0 = time.perf_counter()
-                side.paged.gather(ids, words)
+                staged = side.stager.begin(ids)
                 t1 = time.perf_counter()
-                out.setdefault(f"{mode}_gather_launch_us", []).append((t1 - t0) * 1e6)
-        torch.cuda.synchronize()
+                side.stager.gather_chunk(staged, 32)
+                t2 = time.perf_counter()
+                side.paged.gather(staged.ids[:32], words)
+                t3 = time.perf_counter()
+                rec(f"{mode}_stager_begin_us", t0, t1)
+                rec(f"{mode}_gather_chunk_us", t1, t2)
+                rec(f"{mode}_gather_kernel_us", t2, t3)
+                torch.cuda.synchronize()
+                staged.release()
     return {k: round(statistics.median(v), 1) for k, v in out.items()}
 
 
@@ -572,29 +617,39 @@ def _default_chunking() -> tuple[int, int, int]:
 
 def _cases(cfg: dict) -> dict[str, Case]:
     chunk = (cfg["first_mib"], cfg["last_mib"], cfg["growth"])
+    cap = cfg["copy_programs"]
     cases = {
         "raw": Case("raw", "raw"),
-        "ours_full": Case("full", "ours_full", chunk, cfg["order"]),
-        "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"]),
-        "ours_staged": Case("staged", "ours_staged", chunk),
-        "ours_data": Case("data", "ours_data", chunk),
-        "ours_full_1": Case("full", "ours_full_1", None, cfg["order"]),
+        "ours_full": Case("full", "ours_full", chunk, cfg["order"], copy_programs=cap),
+        "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], copy_programs=cap),
+        "ours_staged": Case("staged", "ours_staged", chunk, copy_programs=cap),
+        "ours_data": Case("data", "ours_data", chunk, copy_programs=cap),
+        "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], copy_programs=cap),
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
         for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
-            base = cases[name]
-            cases[f"{name}~{b}"] = Case(base.kind, f"{name}~{b}", base.chunking, base.order, b)
+            cases[f"{name}~{b}"] = replace(cases[name], label=f"{name}~{b}", backend=b)
     for alt in cfg["sweep"]:
         if tuple(alt) != chunk:
             label = "ours_full@" + "/".join(map(str, alt))
-            cases[label] = Case("full", label, (alt[0], alt[1], alt[2]), cfg["order"])
+            cases[label] = replace(cases["ours_full"], label=label, chunking=(alt[0], alt[1], alt[2]))
+    for variant in cfg["variants"]:  # capN: copies overlapping the wire get N programs (0: all);
+        # lowprio: NCCL's stream at the default priority and uncapped copies (no contention control)
+        if variant == "lowprio":
+            change: dict[str, Any] = {"high_priority": False, "copy_programs": None}
+        else:
+            n = int(variant.removeprefix("cap"))
+            change = {"copy_programs": n or None}
+            if change["copy_programs"] == cap:
+                continue
+        for name in ("ours_full", "ours_data"):
+            cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
         for other in cfg["diag_orders"]:
             if other == cfg["order"]:
                 continue
-            base = cases["ours_full"]
-            cases[f"ours_full~{other}"] = Case(base.kind, f"ours_full~{other}", base.chunking, other)
+            cases[f"ours_full~{other}"] = replace(cases["ours_full"], label=f"ours_full~{other}", order=other)
     return cases
 
 
@@ -604,7 +659,7 @@ def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, False) for case in cases.values()]
     traced = [c for name, c in cases.items()
-              if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~")))]
+              if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~", "ours_data~")))]
     for tokens in cfg["tokens"]:
         plan += [(case, tokens, True) for case in traced]
     return plan
@@ -723,6 +778,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
+    ap.add_argument("--copy-programs", type=int, default=COPY_PROGRAMS if COPY_PROGRAMS else 0,
+                    help="grid cap of copies that overlap the wire (0: full width)")
+    ap.add_argument("--variants", default="cap0,cap16,cap64,lowprio",
+                    help="ours_full/ours_data variants: capN (copies of N programs, 0: full), lowprio")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -739,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth, "order": args.order,
-           "sweep": sweep, "backends": backends,
+           "sweep": sweep, "backends": backends, "copy_programs": args.copy_programs or None,
+           "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")

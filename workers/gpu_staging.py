@@ -78,27 +78,32 @@ if triton is not None:
         block_ids,
         staging,
         num_cache_blocks,
+        num_rows,
         ROW: tl.constexpr,
         NUM_LAYERS: tl.constexpr,
         PRE: tl.constexpr,
         BLOCK: tl.constexpr,
         TO_STAGING: tl.constexpr,
     ):
-        # One program copies one (block, layer, pre) row of ROW words.
-        i = tl.program_id(0).to(tl.int64)
-        layer = tl.program_id(1)
-        p = tl.program_id(2).to(tl.int64)
-        base = tl.load(layer_ptrs + layer).to(tl.pointer_type(staging.dtype.element_ty))
-        blk = tl.load(block_ids + i).to(tl.int64)
-        cache_row = base + (p * num_cache_blocks + blk) * ROW
-        stage_row = staging + ((i * NUM_LAYERS + layer) * PRE + p) * ROW
-        for start in tl.range(0, ROW, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < ROW
-            if TO_STAGING:
-                tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
-            else:
-                tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
+        # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p.
+        # Program k copies rows k, k + G, k + 2G, ... (G programs): a grid capped below
+        # one program per row leaves the other SMs to NCCL's kernels.
+        for r in tl.range(tl.program_id(0), num_rows, tl.num_programs(0)):
+            row = r.to(tl.int64)
+            i = row // (NUM_LAYERS * PRE)
+            layer = (row // PRE) % NUM_LAYERS
+            p = row % PRE
+            base = tl.load(layer_ptrs + layer).to(tl.pointer_type(staging.dtype.element_ty))
+            blk = tl.load(block_ids + i).to(tl.int64)
+            cache_row = base + (p * num_cache_blocks + blk) * ROW
+            stage_row = staging + row * ROW
+            for start in tl.range(0, ROW, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < ROW
+                if TO_STAGING:
+                    tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
+                else:
+                    tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
 
 
 class PagedKv:
@@ -140,6 +145,7 @@ class PagedKv:
         ]
         on_cuda = self.device.type == "cuda"
         self.use_triton = (triton is not None and on_cuda) if use_triton is None else use_triton
+        self._block = min(triton.next_power_of_2(self.row_words), 4096) if self.use_triton else 0
         self._layer_ptrs = (
             torch.tensor([r.data_ptr() for r in self.rows], dtype=torch.int64, device=self.device)
             if self.use_triton
@@ -180,35 +186,42 @@ class PagedKv:
         """Copy one layer of `staged` into the blocks `ids`, one kernel."""
         self.rows[layer].index_copy_(1, ids, staged[:, layer].permute(1, 0, 2))
 
-    def gather(self, ids: torch.Tensor, staged: torch.Tensor) -> None:
-        """Copy every layer of the blocks `ids` into `staged`: one kernel with Triton."""
+    def gather(self, ids: torch.Tensor, staged: torch.Tensor, *, programs: int | None = None) -> None:
+        """Copy every layer of the blocks `ids` into `staged`: one kernel with Triton.
+
+        `programs` caps the kernel's grid (Triton only; None: one program per row, all
+        SMs). A copy that overlaps NCCL traffic on the same GPU should be capped: at
+        full width it takes the SMs and memory bandwidth NCCL's kernels need.
+        """
         if self.use_triton and ids.numel():
-            self._triton(ids, staged, to_staging=True)
+            self._triton(ids, staged, to_staging=True, programs=programs)
             return
         for layer in range(self.num_layers):
             self.gather_layer(layer, ids, staged)
 
-    def scatter(self, ids: torch.Tensor, staged: torch.Tensor) -> None:
-        """Copy every layer of `staged` into the blocks `ids`: one kernel with Triton."""
+    def scatter(self, ids: torch.Tensor, staged: torch.Tensor, *, programs: int | None = None) -> None:
+        """Copy every layer of `staged` into the blocks `ids`: one kernel with Triton
+        (`programs` as in `gather`)."""
         if self.use_triton and ids.numel():
-            self._triton(ids, staged, to_staging=False)
+            self._triton(ids, staged, to_staging=False, programs=programs)
             return
         for layer in range(self.num_layers):
             self.scatter_layer(layer, ids, staged)
 
-    def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool) -> None:
+    def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
-        block = min(triton.next_power_of_2(self.row_words), 4096)
-        grid = (ids.numel(), self.num_layers, self.pre)
+        rows = ids.numel() * self.num_layers * self.pre
+        grid = (rows if programs is None else max(1, min(rows, programs)),)
         _copy_rows_kernel[grid](
             self._layer_ptrs,
             ids,
             staged,
             self.num_blocks,
+            rows,
             ROW=self.row_words,
             NUM_LAYERS=self.num_layers,
             PRE=self.pre,
-            BLOCK=block,
+            BLOCK=self._block,
             TO_STAGING=to_staging,
             num_warps=8,
         )
@@ -392,12 +405,14 @@ class Stager:
         if staged._layers_done == self.paged.num_layers:
             staged.ready.append((staged.num_blocks, _record(self.paged.device)))
 
-    def gather_chunk(self, staged: StagedTransfer, end_block: int) -> None:
+    def gather_chunk(self, staged: StagedTransfer, end_block: int, *, programs: int | None = None) -> None:
         """Gather every layer of the next blocks, up to `end_block`, on the current stream.
 
         Records that chunk's event, so a transport may send it while the next chunk
         is gathered: use this to interleave gathers and sends when the gather is on the
-        critical path; `stage()` does all chunks at once.
+        critical path; `stage()` does all chunks at once. `programs` caps the copy's
+        grid (`PagedKv.gather`): pass it for a chunk gathered while earlier chunks are
+        on the wire.
 
         Raises:
             ValueError: `end_block` does not lie beyond the blocks staged so far.
@@ -407,10 +422,10 @@ class Stager:
             raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
         ids, words = staged.ids[start:end_block], staged.words[start:end_block]
         if staged.on_gpu or self.paged.device.type != "cuda":
-            self.paged.gather(ids, words)
+            self.paged.gather(ids, words, programs=programs)
         else:  # spilled: via a scratch tensor freed in stream order on this same stream
             scratch = torch.empty_like(words, device=self.paged.device)
-            self.paged.gather(ids, scratch)
+            self.paged.gather(ids, scratch, programs=programs)
             words.copy_(scratch, non_blocking=True)
         staged.ready.append((end_block, _record(self.paged.device)))
         if end_block == staged.num_blocks:

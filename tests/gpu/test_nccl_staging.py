@@ -121,10 +121,14 @@ def test_triton_and_per_layer_gather_agree() -> None:
     fast.gather(ids, fast.staging_view(a, len(REQ_P)))
     slow.gather(ids, slow.staging_view(b, len(REQ_P)))
     assert torch.equal(a, b)
-    out = _cache("cuda", seed=7)
-    PagedKv(out).scatter(ids, fast.staging_view(a, len(REQ_P)))
-    for s, t in zip(kv, out):
-        assert torch.equal(s[:, REQ_P], t[:, REQ_P])
+    for programs in (1, 3, 1000):  # a capped grid loops over the rows it does not cover at once
+        c = torch.zeros_like(a)
+        fast.gather(ids, fast.staging_view(c, len(REQ_P)), programs=programs)
+        assert torch.equal(c, b), programs
+        out = _cache("cuda", seed=7)
+        PagedKv(out).scatter(ids, fast.staging_view(a, len(REQ_P)), programs=programs)
+        for s, t in zip(kv, out):
+            assert torch.equal(s[:, REQ_P], t[:, REQ_P])
     print(f"triton gather used: {fast.use_triton}")
 
 

@@ -73,14 +73,14 @@ The rest holds for both (the torch details are marked as such).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import structlog
 import torch
 
 from protocols.errors import RendezvousError
-from workers.gpu_staging import PagedKv, StagedTransfer
+from workers.gpu_staging import PagedKv, StagedTransfer, Stager
 
 from .nccl_comm import (
     CacheStats,
@@ -101,6 +101,10 @@ __all__ = [
 
 log = structlog.get_logger()
 
+# Programs (CTAs) of a gather or scatter that overlaps the wire: enough to copy well
+# ahead of NVLink's ~0.35 TB/s, few enough to leave most SMs and HBM to NCCL.
+COPY_PROGRAMS = 32
+
 
 class NcclTransport:
     """Moves bytes and staged KV between GPUs over cached NCCL communicators.
@@ -110,6 +114,10 @@ class NcclTransport:
         unsafe_skip_event_wait: TEST ONLY. Post sends without waiting for the staging
             event, to show that the race this transport prevents is real.
 
+    `copy_programs` caps the grid of every gather or scatter that runs while this
+    transfer's bytes are on the wire (`PagedKv.gather`); only the first gather and the
+    last scatter, which nothing overlaps, run at full width. None: never capped.
+
     Set `trace` to a list to collect ``(label, timing event)`` pairs at each chunk's
     end (``send_done@B``, ``recv_done@B``, ``scatter_done@B``, B the chunk's end
     block within the call; ``@all`` for raw tensors): what a benchmark or
@@ -117,11 +125,15 @@ class NcclTransport:
     microseconds a chunk, so leave it None otherwise.
     """
 
-    def __init__(self, cache: CommunicatorCache, *, unsafe_skip_event_wait: bool = False) -> None:
+    def __init__(
+        self, cache: CommunicatorCache, *, copy_programs: int | None = COPY_PROGRAMS,
+        unsafe_skip_event_wait: bool = False,
+    ) -> None:
         self.cache = cache
         self.device = cache.device
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
+        self.copy_programs = copy_programs
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
         self.trace: list[tuple[str, torch.cuda.Event]] | None = None
 
@@ -166,6 +178,39 @@ class NcclTransport:
         return self._finish(comm, [work], self.stream, "recv", transfer_id)
 
     # -- staged KV -------------------------------------------------------------------
+
+    def gather_and_send(
+        self, peer: str, stager: Stager, staged: StagedTransfer, *, bounds: Sequence[int] | None = None,
+        before_send: Callable[[], None] | None = None, transfer_id: str = "",
+        on_step: Callable[[str, int], None] | None = None,
+    ) -> Completion:
+        """P's pipeline for a transfer from `Stager.begin`: gather chunk 0 on the current
+        stream, call `before_send` (wait for D's Ready: its round trip overlaps that
+        gather), post chunk 0's send; then, chunk by chunk, gather the next chunk (grid
+        capped: it runs while the previous one is on the wire) and post its send.
+
+        Each send waits on its own chunk's gather event, so P's blocks may be reused as
+        soon as this returns. The communicator's lock is held throughout, so no other
+        transfer's ops come between the chunks. `on_step(step, end_block)` is called
+        after each gather is enqueued ("gather") and each send posted ("send"): tracing. The completion is the last send's: NCCL runs
+        one communicator's ops in order.
+        """
+        ends = list(bounds) if bounds else [staged.num_blocks]
+        comm = self.cache.get(peer, initiator=True)
+        done, start = None, 0
+        with comm.lock:
+            for k, end in enumerate(ends):
+                stager.gather_chunk(staged, end, programs=None if k == 0 else self.copy_programs)
+                if on_step is not None:
+                    on_step("gather", end)
+                if k == 0 and before_send is not None:
+                    before_send()
+                done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
+                if on_step is not None:
+                    on_step("send", end)
+                start = end
+        assert done is not None
+        return done
 
     def send_staged(
         self, peer: str, staged: StagedTransfer, *, first_block: int = 0, last_block: int | None = None,
@@ -235,7 +280,8 @@ class NcclTransport:
                 if work is not None:
                     work.wait()
                 self._mark(self.scatter_stream, f"recv_done@{b1}")
-                paged.scatter(block_ids[b0:b1], words[b0:b1])
+                last = b1 == n  # nothing overlaps the last scatter: full width
+                paged.scatter(block_ids[b0:b1], words[b0:b1], programs=None if last else self.copy_programs)
                 self._mark(self.scatter_stream, f"scatter_done@{b1}")
         return comm.completion([], self.scatter_stream, "recv", transfer_id, works)
 

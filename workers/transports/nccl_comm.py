@@ -23,7 +23,7 @@ import torch
 
 from protocols.errors import KvBrokerError, RecvTimeout, RendezvousError, SendTimeout
 
-from .nccl_setup import init_direct, master_store, new_torch_group, parse_payload, resolve_backend
+from .nccl_setup import HIGH_PRIORITY, init_direct, master_store, new_torch_group, parse_payload, resolve_backend
 
 log = structlog.get_logger()
 
@@ -277,7 +277,10 @@ class DirectCommunicator(NcclCommunicator):
         super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
                          mem_bytes=mem_bytes)
         self.lib, self.handle = lib, handle
-        self.nccl_stream = torch.cuda.Stream(device)
+        # High priority: when a copy kernel on this GPU has CTAs waiting (a gather or
+        # scatter of another chunk), the block scheduler places NCCL's first, so a copy
+        # cannot hold a send or receive back from the wire.
+        self.nccl_stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._stream_ptr = self.nccl_stream.cuda_stream
 
     def _post(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream) -> Any:

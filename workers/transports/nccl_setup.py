@@ -22,6 +22,10 @@ log = structlog.get_logger()
 
 BACKENDS = ("direct", "torch")
 
+# The CUDA stream priority of the streams NCCL ops run on (lower is higher; compute and
+# copy streams keep the default 0). torch maps it into the device's range.
+HIGH_PRIORITY = -1
+
 
 def resolve_backend(backend: str | None = None) -> str:
     """The communicator backend to use: `backend`, else `KVBROKER_NCCL_BACKEND`, else
@@ -178,6 +182,7 @@ def new_torch_group(store: Any, rank: int, device: torch.device, watchdog_timeou
     quiet_torch_nccl()
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=watchdog_timeout_s)
+    opts.is_high_priority_stream = True  # as the direct backend's stream (see HIGH_PRIORITY)
     pg = ProcessGroupNCCL(store, rank, 2, opts)
     try:
         pg.bound_device_id = device

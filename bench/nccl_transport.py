@@ -42,14 +42,14 @@ over torch's ProcessGroupNCCL backend in the same run (`--backends`), and `raw~t
 is the bare send posted through torch. `x raw` is always against `raw` on the default
 backend, the faster ceiling.
 
-Copies that overlap the wire (every gather after the first chunk's, every scatter
-before the last chunk's) run on a capped grid (`--copy-programs`, the transport's
-`COPY_PROGRAMS`), and NCCL's stream has high priority. The `~capN` rows cap those
-copies at N programs instead (`cap0`: full width); `~lowprio` rows are the transport
-without either (NCCL at the default priority, full-width copies): what they buy.
+P's gathers after the first chunk's, which overlap earlier chunks' sends, run on a
+capped grid (`--gather-programs`, the transport's `GATHER_PROGRAMS`), and NCCL's
+stream has high priority. The `~capN` rows cap those gathers at N programs instead
+(`cap0`: full width); `~lowprio` rows are the transport without either (NCCL at the
+default priority, full-width gathers): what they buy.
 
-`ours_full@F/L/G` rows use other chunkings (first chunk F MiB, last chunk L MiB, growth
-G; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
+`ours_full@F/L/G[/B]` rows use other chunkings (first chunk F MiB, last chunk L MiB,
+growth G, back ramp growth B; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
 and then post all sends (the default interleaves gathers and sends, one chunk at a
 time, after the first). The trace lines give, per case, the
 median time after P's clock start at which each step happened: host steps as taken,
@@ -62,7 +62,7 @@ a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--backends auto|direct,torch]
-       [--copy-programs N] [--variants cap0,cap16,cap64,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
+       [--gather-programs N] [--variants cap0,cap16,cap64,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
        [--json PATH]
 """
 
@@ -86,7 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds  # noqa: E402
 from workers.pool import BufferPool  # noqa: E402
-from workers.transports.nccl import COPY_PROGRAMS  # noqa: E402
+from workers.transports.nccl import GATHER_PROGRAMS  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 DEADLINE_S = 30.0
@@ -143,11 +143,11 @@ class Case:
 
     kind: str
     label: str
-    chunking: tuple[int, int, int] | None = None  # (first MiB, last MiB, growth); None: one chunk
+    chunking: tuple[int, ...] | None = None  # (first MiB, last MiB, growth[, back growth]); None: one chunk
     order: str = "pc"  # P: "pc" gather and send chunk by chunk; "gf" all gathers, then all sends;
     # "pg" chunk 0's gather and send, then every other gather, then every other send
     backend: str | None = None  # None: the first of cfg["backends"]
-    copy_programs: int | None = COPY_PROGRAMS  # the grid cap of copies that overlap the wire; None: full
+    gather_programs: int | None = GATHER_PROGRAMS  # the grid cap of gathers that overlap the wire; None: full
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
 
 
@@ -255,15 +255,15 @@ def _ids(side: _Side, n: int, seed: int) -> torch.Tensor:
 def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
     if case.chunking is None:
         return None
-    first, last, growth = case.chunking
+    first, last, growth, *back = case.chunking
     return pipeline_bounds(n, side.paged.staged_block_nbytes, first_nbytes=first << 20, last_nbytes=last << 20,
-                           growth=growth)
+                           growth=growth, back_growth=back[0] if back else None)
 
 
 def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
     """Run one case for one prompt length; returns each iteration's stamps on this side."""
     side.use(case.backend)
-    side.transport.copy_programs = case.copy_programs
+    side.transport.gather_programs = case.gather_programs
     _nccl_priority(side, case.high_priority)
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
@@ -311,14 +311,14 @@ def _gather_and_send(
         if len(ends) == 1:
             return done
         for end in ends[1:]:
-            side.stager.gather_chunk(staged, end, programs=tr.copy_programs)
+            side.stager.gather_chunk(staged, end, programs=tr.gather_programs)
             clock.gpu(f"gather@{end}")
         clock.mark("gathers_enqueued")
         return tr.send_staged("D", staged, first_block=ends[0], bounds=[e - ends[0] for e in ends[1:]],
                               transfer_id=tid)
     if order == "gf":
         for k, end in enumerate(ends):
-            side.stager.gather_chunk(staged, end, programs=None if k == 0 else tr.copy_programs)
+            side.stager.gather_chunk(staged, end, programs=None if k == 0 else tr.gather_programs)
             clock.gpu(f"gather@{end}")
         clock.mark("gathers_enqueued")
         if wait is not None:
@@ -575,7 +575,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
                         done = comm.completion([work], tr.stream, "send")
                     _wait(done)
     if side.role == "P":
-        ids = _ids(side, 64, 1)
+        ids = side.paged.block_ids(_ids(side, 64, 1))  # on the GPU already, as in the timed cases
         words = side.paged.staging_view(side.raw, 32)
         for mode in ("hot", "cold"):
             for _ in range(rounds):
@@ -586,11 +586,18 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
                 t1 = time.perf_counter()
                 side.stager.gather_chunk(staged, 32)
                 t2 = time.perf_counter()
-                side.paged.gather(staged.ids[:32], words)
+                side.paged.gather(ids[:32], words)
                 t3 = time.perf_counter()
+                x_ids, x_words = staged.ids[32:48], staged.words[32:48]
+                t4 = time.perf_counter()
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(side.device))
+                t5 = time.perf_counter()
                 rec(f"{mode}_stager_begin_us", t0, t1)
                 rec(f"{mode}_gather_chunk_us", t1, t2)
                 rec(f"{mode}_gather_kernel_us", t2, t3)
+                rec(f"{mode}_two_slices_us", t3, t4)
+                rec(f"{mode}_event_record_us", t4, t5)
                 torch.cuda.synchronize()
                 staged.release()
     return {k: round(statistics.median(v), 1) for k, v in out.items()}
@@ -607,43 +614,43 @@ TARGETS = {  # (case, tokens, against): at least this
 }
 
 
-def _default_chunking() -> tuple[int, int, int]:
+def _default_chunking() -> tuple[int, int, int, int]:
     import inspect
 
     params = inspect.signature(pipeline_bounds).parameters
     return (params["first_nbytes"].default >> 20, params["last_nbytes"].default >> 20,
-            params["growth"].default)
+            params["growth"].default, params["back_growth"].default or params["growth"].default)
 
 
 def _cases(cfg: dict) -> dict[str, Case]:
-    chunk = (cfg["first_mib"], cfg["last_mib"], cfg["growth"])
-    cap = cfg["copy_programs"]
+    chunk = (cfg["first_mib"], cfg["last_mib"], cfg["growth"], cfg["back_growth"])
+    cap = cfg["gather_programs"]
     cases = {
         "raw": Case("raw", "raw"),
-        "ours_full": Case("full", "ours_full", chunk, cfg["order"], copy_programs=cap),
-        "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], copy_programs=cap),
-        "ours_staged": Case("staged", "ours_staged", chunk, copy_programs=cap),
-        "ours_data": Case("data", "ours_data", chunk, copy_programs=cap),
-        "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], copy_programs=cap),
+        "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap),
+        "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], gather_programs=cap),
+        "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
+        "ours_data": Case("data", "ours_data", chunk, gather_programs=cap),
+        "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], gather_programs=cap),
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
         for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
             cases[f"{name}~{b}"] = replace(cases[name], label=f"{name}~{b}", backend=b)
     for alt in cfg["sweep"]:
-        if tuple(alt) != chunk:
+        if tuple(alt) != chunk[: len(alt)]:
             label = "ours_full@" + "/".join(map(str, alt))
-            cases[label] = replace(cases["ours_full"], label=label, chunking=(alt[0], alt[1], alt[2]))
-    for variant in cfg["variants"]:  # capN: copies overlapping the wire get N programs (0: all);
-        # lowprio: NCCL's stream at the default priority and uncapped copies (no contention control)
+            cases[label] = replace(cases["ours_full"], label=label, chunking=tuple(alt))
+    for variant in cfg["variants"]:  # capN: gathers overlapping the wire get N programs (0: all);
+        # lowprio: NCCL's stream at the default priority and full-width gathers (no contention control)
         if variant == "lowprio":
-            change: dict[str, Any] = {"high_priority": False, "copy_programs": None}
+            change: dict[str, Any] = {"high_priority": False, "gather_programs": None}
         else:
             n = int(variant.removeprefix("cap"))
-            change = {"copy_programs": n or None}
-            if change["copy_programs"] == cap:
+            change = {"gather_programs": n or None}
+            if change["gather_programs"] == cap:
                 continue
-        for name in ("ours_full", "ours_data"):
+        for name in ("ours_full", "ours_data") if variant == "lowprio" else ("ours_full",):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
         for other in cfg["diag_orders"]:
@@ -762,7 +769,7 @@ def _trace_lines(traces: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    first, last, growth = _default_chunking()
+    first, last, growth, back_growth = _default_chunking()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=40)
@@ -771,17 +778,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-mib", type=int, default=first, help="first pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--last-mib", type=int, default=last, help="last pipeline chunk (pipeline_bounds default)")
     ap.add_argument("--growth", type=int, default=growth, help="chunk growth inward (pipeline_bounds default)")
+    ap.add_argument("--back-growth", type=int, default=back_growth, help="the back ramp's growth")
     ap.add_argument("--order", choices=("pc", "gf", "pg"), default="pc", help="P: chunk by chunk, or all gathers first")
-    ap.add_argument("--sweep", default="", help="other first/last/growth for ours_full, e.g. 128/32/4,160/16/4")
+    ap.add_argument("--sweep", default="", help="other first/last/growth[/back growth] for ours_full, e.g. 128/32/4,64/16/2/4")
     ap.add_argument("--backends", default="auto",
                     help="communicator backends, the first timed unsuffixed; auto: the default, then torch")
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
-    ap.add_argument("--copy-programs", type=int, default=COPY_PROGRAMS if COPY_PROGRAMS else 0,
+    ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
     ap.add_argument("--variants", default="cap0,cap16,cap64,lowprio",
-                    help="ours_full/ours_data variants: capN (copies of N programs, 0: full), lowprio")
+                    help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), lowprio")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -797,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         backends = [resolve_backend(b) for b in args.backends.split(",") if b]
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
-           "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth, "order": args.order,
-           "sweep": sweep, "backends": backends, "copy_programs": args.copy_programs or None,
+           "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth,
+           "back_growth": args.back_growth, "order": args.order,
+           "sweep": sweep, "backends": backends, "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}

@@ -229,7 +229,7 @@ class PagedKv:
 
 def pipeline_bounds(
     num_blocks: int, block_nbytes: int, *, first_nbytes: int = 128 << 20, last_nbytes: int = 16 << 20,
-    growth: int = 4, cap_nbytes: int = 1 << 30,
+    growth: int = 4, back_growth: int | None = None, cap_nbytes: int = 1 << 30,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
 
@@ -243,8 +243,10 @@ def pipeline_bounds(
     hides behind the host posting its send; and going inward each chunk may be
     `growth` times its outer neighbour (up to `cap_nbytes`), because a gather or
     scatter runs about five times faster than NCCL moves the bytes (1.8 TB/s against
-    0.35 TB/s), so it still ends in time. A transfer of at most `first_nbytes +
-    last_nbytes` goes in one piece. The defaults (128 MiB first, 16 MiB last, growth 4)
+    0.35 TB/s), so it still ends in time. `back_growth` (default: `growth`) is the
+    growth of the back ramp alone, whose chunks wait on the receiver's scatters rather
+    than the sender's gathers. A transfer of at most `first_nbytes + last_nbytes`
+    goes in one piece. The defaults (128 MiB first, 16 MiB last, growth 4)
     were the best end-to-end schedule in two runs on an H200 pair, at 2048 and 8192
     tokens of Llama-3-8B-like KV, against a 32 MiB last chunk and other first chunks.
     """
@@ -255,18 +257,18 @@ def pipeline_bounds(
     cap = max(first, last, cap_nbytes // bn)
     if num_blocks <= first + last:
         return [num_blocks]
-    g = max(1, growth)
+    g = (max(1, growth), max(1, growth if back_growth is None else back_growth))  # front, back
     sides: tuple[list[int], list[int]] = ([], [])  # the front ramp and the back ramp, outside in
     nxt = [first, last]
     rem, turn, piece = num_blocks, 0, 0
     while rem:
         mine, theirs = sides[turn], sides[1 - turn]
         size = min(cap, nxt[turn], rem)
-        if size == rem and theirs and size > g * theirs[-1] and nxt[1 - turn] < rem:
+        if size == rem and theirs and size > g[1 - turn] * theirs[-1] and nxt[1 - turn] < rem:
             turn = 1 - turn  # as the middle piece it would outgrow its other neighbour
             continue
         mine.append(size)
-        nxt[turn] = min(cap, nxt[turn] * g)
+        nxt[turn] = min(cap, nxt[turn] * g[turn])
         rem -= size
         piece, turn = turn, 1 - turn
     front, back = sides

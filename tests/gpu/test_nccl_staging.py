@@ -88,6 +88,15 @@ def test_pipeline_bounds_cover_and_ramp() -> None:
                            for k in range(1, len(sizes) - 1))
 
 
+def test_pipeline_bounds_back_growth() -> None:
+    mib = 1 << 20
+    # A slower front ramp (capped gathers) and the back ramp at its own growth.
+    ends = pipeline_bounds(512, 2 * mib, first_nbytes=64 * mib, last_nbytes=16 * mib, growth=2, back_growth=4)
+    sizes = [y - x for x, y in zip([0] + ends, ends)]
+    assert ends[-1] == 512 and sizes[:2] == [32, 64] and sizes[-3:] == [128, 32, 8]
+    assert pipeline_bounds(512, 2 * mib, growth=3, back_growth=3) == pipeline_bounds(512, 2 * mib, growth=3)
+
+
 @pytest.mark.parametrize("block_dim", [0, 1])
 def test_gather_scatter_roundtrip_cpu(block_dim: int) -> None:
     shape = (BLOCKS, 2, BLOCK, HEADS, DIM) if block_dim == 0 else (2, BLOCKS, BLOCK, HEADS, DIM)
@@ -172,7 +181,8 @@ def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) ->
     device = torch.device("cuda", dev)
     rdv = QueueRendezvous(outbox, inbox, timeout_s=60.0)
     cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4), backend=cfg.get("backend"))
-    transport = NcclTransport(cache, unsafe_skip_event_wait=cfg.get("skip_event_wait", False))
+    transport = NcclTransport(cache, gather_programs=cfg.get("gather_programs", 32),
+                              unsafe_skip_event_wait=cfg.get("skip_event_wait", False))
     return device, rdv, cache, transport
 
 
@@ -197,16 +207,23 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                     torch.mm(a, a, out=c)
                 for layer in range(LAYERS):  # this step writes the prompt's KV into its blocks
                     kv[layer].index_copy_(1, ids, prompt[layer])
+                ready = (lambda i=i: rdv.receive("D", f"ready/{i}")) if handshake else None
+                done = None
                 if cfg.get("stage_on_side_stream"):
                     with torch.cuda.stream(side):  # WRONG on purpose: not in compute-stream order
                         staged = stager.stage(ids, bounds=bounds)
+                elif cfg.get("pipelined"):  # gathers interleaved with sends, later ones capped
+                    staged = stager.begin(ids)
+                    done = transport.gather_and_send("D", stager, staged, bounds=bounds, before_send=ready)
                 else:
                     staged = stager.stage(ids, bounds=bounds)
                 for layer in range(LAYERS):  # the next step reuses the blocks at once
                     kv[layer].index_fill_(1, ids, -7.0)
-                if handshake:
-                    rdv.receive("D", f"ready/{i}")
-                transport.send_staged("D", staged, bounds=bounds).wait(time.monotonic() + 30.0)
+                if done is None:
+                    if ready is not None:
+                        ready()
+                    done = transport.send_staged("D", staged, bounds=bounds)
+                done.wait(time.monotonic() + 30.0)
                 staged.tensor.fill_(0x55)  # another request reuses this staging memory
                 staged.release()
                 torch.cuda.current_stream().synchronize()
@@ -258,10 +275,13 @@ def test_repeated_prompt_survives_block_reuse(backend: str) -> None:
 @two_gpus
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
-    """Chunked staging and sending (chunk k's send after chunk k's gather event), D's Ready
-    sent before it posts, chunk k scattered as soon as chunk k arrives: 300 repeated
-    prompts, zero mismatches. The first iteration also builds the communicator after Ready."""
-    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "backend": backend}
+    """P's pipeline (`gather_and_send`: chunk k's send after chunk k's gather event, the
+    gathers after the first on a capped grid), D's Ready sent before it posts, chunk k
+    scattered as soon as chunk k arrives: 300 repeated prompts, blocks overwritten right
+    after the call, zero mismatches. The first iteration also builds the communicator
+    after Ready."""
+    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
+           "gather_programs": 3, "backend": backend}
     res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
     _report(f"safe_chunked_ready[{backend}]", res)
     assert res["mismatches"] == 0

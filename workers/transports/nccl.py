@@ -10,16 +10,17 @@ any global group: vLLM owns that. Two backends build it (`CommunicatorCache(back
   Why a custom binding: each op posted through torch's ProcessGroupNCCL costs the host
   0.1-0.25 ms (work objects, coalescing, watchdog bookkeeping; measured on an H200
   pair, torch 2.11), so a chunked transfer's first byte left about 0.25 ms after a
-  bare send's and the wire idled between chunk posts. A direct post costs a few
-  microseconds plus two CUDA event records. Rendezvous: the initiator makes an
+  bare send's and the wire idled between chunk posts. A direct post is NCCL's own
+  group call (about 70 us of host time on that machine) plus one event wait and one
+  record, with no torch context managers. Rendezvous: the initiator makes an
   ncclUniqueId (128 bytes) and publishes ``{"v": 2, "backend": "direct", "id",
   "nonce"}`` through the `Rendezvous`; the acceptor answers on ``<key>/joined`` with
   the nonce; then both run ncclCommInitRank (initiator = rank 0) and one small
   exchange each way on a helper thread under `connect_timeout_s`, aborting the
-  communicator past it. Each communicator has its own CUDA stream, which waits on
-  the posting stream's tail at posting, as a process group's NCCL stream does; a
-  post returns a work whose ``wait()`` makes the current stream wait on an event after
-  the group, and holds the group's tensors until its completion is seen.
+  communicator past it. Each communicator has its own high-priority CUDA stream,
+  which waits at posting on the events the op depends on; a post returns a work
+  whose ``wait()`` makes the current stream wait on an event after the group, and
+  holds the group's tensors until its completion is seen.
 * "torch": a `ProcessGroupNCCL` built on a `TCPStore`, as below. An acceptor builds
   whichever kind the initiator's payload names.
 
@@ -40,9 +41,10 @@ The rest holds for both (the torch details are marked as such).
   memory on an H200, torch 2.11, NCCL 2.28) and evicts the least recently used *idle*
   one; busy ones are never evicted (`CommunicatorLimit` when all are). Evicted and
   failed communicators are aborted, which frees their memory.
-* Ordering. A send of staged KV is posted on the transport's stream only after
-  ``stream.wait_event(staged_event)``; the group's NCCL stream waits on that stream at
-  posting, so the send cannot read staging before the gather that fills it. NCCL pairs
+* Ordering. A send of staged KV is posted to run after its chunk's staging event
+  (the NCCL stream waits on it; torch: the transport's stream does, and the group's
+  NCCL stream waits on that stream), so the send cannot read staging before the
+  gather that fills it. NCCL pairs
   a peer's sends and receives by posting order alone, so one transfer's chunks are
   posted under the communicator's lock, and a receiver posts its transfers in the order
   the sender sends them (the order of its Ready messages).
@@ -101,9 +103,9 @@ __all__ = [
 
 log = structlog.get_logger()
 
-# Programs (CTAs) of a gather or scatter that overlaps the wire: enough to copy well
-# ahead of NVLink's ~0.35 TB/s, few enough to leave most SMs and HBM to NCCL.
-COPY_PROGRAMS = 32
+# Programs (CTAs) of a gather that overlaps the wire: enough to copy well ahead of
+# NVLink's ~0.35 TB/s, few enough to leave most SMs and HBM to NCCL.
+GATHER_PROGRAMS = 32
 
 
 class NcclTransport:
@@ -114,9 +116,10 @@ class NcclTransport:
         unsafe_skip_event_wait: TEST ONLY. Post sends without waiting for the staging
             event, to show that the race this transport prevents is real.
 
-    `copy_programs` caps the grid of every gather or scatter that runs while this
-    transfer's bytes are on the wire (`PagedKv.gather`); only the first gather and the
-    last scatter, which nothing overlaps, run at full width. None: never capped.
+    `gather_programs` caps the grid of every gather after a transfer's first chunk's:
+    those run while earlier chunks are on the wire, and a full-width gather takes the
+    SMs and memory bandwidth NCCL's send needs (`PagedKv.gather`). None: full width.
+    Scatters on the receiver stay full width: a capped one falls behind the wire.
 
     Set `trace` to a list to collect ``(label, timing event)`` pairs at each chunk's
     end (``send_done@B``, ``recv_done@B``, ``scatter_done@B``, B the chunk's end
@@ -126,14 +129,14 @@ class NcclTransport:
     """
 
     def __init__(
-        self, cache: CommunicatorCache, *, copy_programs: int | None = COPY_PROGRAMS,
+        self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS,
         unsafe_skip_event_wait: bool = False,
     ) -> None:
         self.cache = cache
         self.device = cache.device
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
-        self.copy_programs = copy_programs
+        self.gather_programs = gather_programs
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
         self.trace: list[tuple[str, torch.cuda.Event]] | None = None
 
@@ -200,7 +203,7 @@ class NcclTransport:
         done, start = None, 0
         with comm.lock:
             for k, end in enumerate(ends):
-                stager.gather_chunk(staged, end, programs=None if k == 0 else self.copy_programs)
+                stager.gather_chunk(staged, end, programs=None if k == 0 else self.gather_programs)
                 if on_step is not None:
                     on_step("gather", end)
                 if k == 0 and before_send is not None:
@@ -246,7 +249,8 @@ class NcclTransport:
                             self.stream.wait_event(event)
                         bounce = torch.empty(chunk.numel(), dtype=torch.uint8, device=self.device)
                         bounce.copy_(chunk, non_blocking=True)
-                    chunk, event = bounce, None
+                        event = _now(self.device)[0]  # the send waits for the copy
+                    chunk = bounce
                     keep.append(bounce)
                 works.append(comm.post([("send", chunk)], self.stream, [event]))
         return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
@@ -280,8 +284,7 @@ class NcclTransport:
                 if work is not None:
                     work.wait()
                 self._mark(self.scatter_stream, f"recv_done@{b1}")
-                last = b1 == n  # nothing overlaps the last scatter: full width
-                paged.scatter(block_ids[b0:b1], words[b0:b1], programs=None if last else self.copy_programs)
+                paged.scatter(block_ids[b0:b1], words[b0:b1])
                 self._mark(self.scatter_stream, f"scatter_done@{b1}")
         return comm.completion([], self.scatter_stream, "recv", transfer_id, works)
 

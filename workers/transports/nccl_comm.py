@@ -164,11 +164,14 @@ class NcclCommunicator:
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
         after: Sequence[torch.cuda.Event | None] = (),
     ) -> Any:
-        """Post `ops` as one NCCL group once `stream` has waited for `after`; returns the work.
+        """Post `ops` as one NCCL group, to run after the events `after`; returns the work.
 
-        The group's NCCL stream waits on `stream` now: later work on `stream` cannot
-        delay it, earlier work cannot be overtaken. ``work.wait()`` makes the current
-        stream wait for the group.
+        `after` must cover everything the group depends on (what wrote a send's
+        tensor, what still reads a receive's). torch posts through `stream`, which
+        waits for `after` and whose tail the group's NCCL stream then waits on; the
+        direct backend leaves `stream` alone and has its NCCL stream wait for `after`
+        itself. Later work on `stream` cannot delay the group either way.
+        ``work.wait()`` makes the current stream wait for the group.
 
         Raises:
             RuntimeError: closed, or the ops were refused (then it is aborted).
@@ -259,6 +262,12 @@ class _DirectWork:
         torch.cuda.current_stream().wait_event(self.event)
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    if not tensor.is_cuda or not tensor.is_contiguous():
+        raise ValueError(f"NCCL ops need contiguous CUDA tensors; got one on {tensor.device}.")
+    return tensor.numel() * tensor.element_size()
+
+
 class DirectCommunicator(NcclCommunicator):
     """A 2-rank communicator driven through `workers.transports.nccl_lib`: a few
     microseconds of host time an op instead of torch's 0.1-0.25 ms.
@@ -283,26 +292,48 @@ class DirectCommunicator(NcclCommunicator):
         self.nccl_stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._stream_ptr = self.nccl_stream.cuda_stream
 
-    def _post(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream) -> Any:
-        lib, handle, peer, sp = self.lib, self.handle, self.peer_rank, self._stream_ptr
-        tensors = []
-        for _, tensor in ops:
-            if not tensor.is_cuda or not tensor.is_contiguous():
-                raise ValueError(f"NCCL ops need contiguous CUDA tensors; got one on {tensor.device}.")
-            tensors.append(tensor)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-        self.nccl_stream.wait_event(ready)
-        lib.group_start()
-        try:
-            for op, tensor in ops:
-                fn = lib.send if op == "send" else lib.recv
-                fn(tensor.data_ptr(), tensor.numel() * tensor.element_size(), peer, handle, sp)
-        finally:
-            lib.group_end()
-        done = torch.cuda.Event()
-        done.record(self.nccl_stream)
-        return _DirectWork(done, tensors)
+    def post(
+        self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
+        after: Sequence[torch.cuda.Event | None] = (),
+    ) -> Any:
+        # The lean path, on every transfer's critical path: no device or stream context
+        # managers and no hop through `stream`; each costs the host microseconds, and a
+        # transfer posts one group per chunk (measured: 0.27 ms a post before, of which
+        # NCCL's own group call was 0.07 ms).
+        if self.closed:
+            raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
+        lib, handle, peer, sp, ns = self.lib, self.handle, self.peer_rank, self._stream_ptr, self.nccl_stream
+        sizes = [_nbytes(tensor) for _, tensor in ops]
+        with self.lock:
+            for event in after:
+                if event is not None:
+                    ns.wait_event(event)
+            try:
+                lib.group_start()
+                try:
+                    for (op, tensor), size in zip(ops, sizes):
+                        (lib.send if op == "send" else lib.recv)(tensor.data_ptr(), size, peer, handle, sp)
+                finally:
+                    lib.group_end()
+            except BaseException:
+                self.fail("posting an op failed")
+                raise
+            done = torch.cuda.Event()
+            done.record(ns)
+        return _DirectWork(done, [tensor for _, tensor in ops])
+
+    def completion(
+        self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
+        keep: Sequence[Any] = (),
+    ) -> Completion:
+        """As `NcclCommunicator.completion`; when `works` are this communicator's, the
+        last one's event is the completion (its groups run in order on one stream)."""
+        mine = [w for w in works if w is not None]
+        if not mine or not all(isinstance(w, _DirectWork) for w in mine):
+            return super().completion(works, stream, op, transfer_id, keep)
+        done = Completion(self, mine[-1].event, op, transfer_id, [*keep, *mine])
+        self._pending.append(done)
+        return done
 
     def async_error(self) -> int:
         """NCCL's asynchronous error code for this communicator (0: none)."""

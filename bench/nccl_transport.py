@@ -521,7 +521,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
+def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
     """Median host microseconds of the steps before P's first byte leaves, split up.
 
     "hot": the posting thread spun for 2 ms first (a busy process, as P is while it
@@ -529,7 +529,9 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
     iterations, blocked on its barrier). D posts each matching receive; only P times.
     Posts: `send_tensors` whole, and its bare NCCL group (default backend); and torch's
     coalesced send when the torch backend runs. Launches: `Stager.begin`, then a chunk's
-    gather through `gather_chunk` and as the bare kernel call.
+    gather through `gather_chunk`, `PagedKv.copy_range` (the kept compiled kernel) and
+    Triton's own launch path; one event record. `fast_launch` says whether the kept
+    kernel is in use (see `workers.gpu_staging._Launcher`).
     """
     out: dict[str, list[float]] = {}
 
@@ -541,6 +543,8 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
             _spin(0.002)
         else:
             time.sleep(0.005)
+
+    from workers.gpu_staging import _copy_rows_kernel
 
     x = side.raw[: 128 << 20]
     posts = [("post", side.transports[side.cfg["backends"][0]])]
@@ -586,21 +590,27 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, float]:
                 t1 = time.perf_counter()
                 side.stager.gather_chunk(staged, 32)
                 t2 = time.perf_counter()
-                side.paged.gather(ids[:32], words)
+                side.paged.copy_range(ids, words, 0, 32, to_staging=True)
                 t3 = time.perf_counter()
-                x_ids, x_words = staged.ids[32:48], staged.words[32:48]
+                paged = side.paged
+                _copy_rows_kernel[(32 * LAYERS * paged.pre,)](  # Triton's own launch path, for comparison
+                    paged._layer_ptrs, ids, words, paged.num_blocks, 0, 32 * LAYERS * paged.pre,
+                    ROW=paged.row_words, NUM_LAYERS=LAYERS, PRE=paged.pre, BLOCK=paged._block, TO_STAGING=True,
+                    num_warps=8)
                 t4 = time.perf_counter()
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(side.device))
                 t5 = time.perf_counter()
                 rec(f"{mode}_stager_begin_us", t0, t1)
                 rec(f"{mode}_gather_chunk_us", t1, t2)
-                rec(f"{mode}_gather_kernel_us", t2, t3)
-                rec(f"{mode}_two_slices_us", t3, t4)
+                rec(f"{mode}_copy_range_us", t2, t3)
+                rec(f"{mode}_triton_launch_us", t3, t4)
                 rec(f"{mode}_event_record_us", t4, t5)
                 torch.cuda.synchronize()
                 staged.release()
-    return {k: round(statistics.median(v), 1) for k, v in out.items()}
+    res: dict[str, Any] = {k: round(statistics.median(v), 1) for k, v in out.items()}
+    res["fast_launch"] = bool(side.paged._launch and side.paged._launch.fast)
+    return res
 
 
 # -- driver ------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
+import structlog
 import torch
 
 from protocols.messages import Layout
@@ -58,6 +60,8 @@ except ImportError:  # pragma: no cover - depends on the host
     triton = None
 
 __all__ = ["PagedKv", "StagedTransfer", "Stager", "pipeline_bounds"]
+
+log = structlog.get_logger()
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -72,13 +76,14 @@ def _word_dtype(row_nbytes: int) -> torch.dtype:
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_cache_blocks", "first_row", "end_row"])
     def _copy_rows_kernel(
         layer_ptrs,
         block_ids,
         staging,
         num_cache_blocks,
-        num_rows,
+        first_row,
+        end_row,
         ROW: tl.constexpr,
         NUM_LAYERS: tl.constexpr,
         PRE: tl.constexpr,
@@ -86,9 +91,9 @@ if triton is not None:
         TO_STAGING: tl.constexpr,
     ):
         # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p.
-        # Program k copies rows k, k + G, k + 2G, ... (G programs): a grid capped below
-        # one program per row leaves the other SMs to NCCL's kernels.
-        for r in tl.range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        # Program k copies rows first_row + k, + G, + 2G, ... below end_row (G programs):
+        # a grid capped below one program per row leaves the other SMs to NCCL's kernels.
+        for r in tl.range(first_row + tl.program_id(0), end_row, tl.num_programs(0)):
             row = r.to(tl.int64)
             i = row // (NUM_LAYERS * PRE)
             layer = (row // PRE) % NUM_LAYERS
@@ -104,6 +109,58 @@ if triton is not None:
                     tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
                 else:
                     tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
+
+
+class _Launcher:
+    """Launches `_copy_rows_kernel` through its compiled kernel, skipping Triton's
+    per-call argument binding and cache-key building (about half of a launch's host
+    time, and a gather launch is on P's critical path).
+
+    Each variant (direction, and the pointer alignments Triton specializes on; the
+    int arguments are `do_not_specialize`) is launched through Triton once, which
+    compiles it and returns the compiled kernel kept here; later launches call that
+    kernel's launcher directly. `check()` runs once, when the cache is registered: a
+    one-block gather both ways, compared. If this Triton's launcher takes other
+    arguments, the fast path raises or copies wrong there and stays off (every launch
+    then goes through Triton).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.compiled: dict[tuple[bool, bool, bool], Any] = {}
+        self.fast = False
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton itself calls
+        self._stream = (lambda: raw(self.index)) if raw is not None else (
+            lambda: torch.cuda.current_stream(self.index).cuda_stream)
+
+    def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
+        key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0)
+        kernel = self.compiled.get(key)
+        if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
+            kernel.run(grid[0], 1, 1, self._stream(), kernel.function, kernel.packed_metadata, None, None, None,
+                       *args)
+            return
+        kernel = _copy_rows_kernel[grid](*args[:6], ROW=args[6], NUM_LAYERS=args[7], PRE=args[8], BLOCK=args[9],
+                                         TO_STAGING=args[10], num_warps=8)
+        self.compiled.setdefault(key, kernel)
+
+    def check(self, args: tuple[Any, ...]) -> None:
+        """Switch the fast path on if it copies as Triton's launch does (`args` gather
+        rows 0 and up into ``args[2]``; this synchronizes the current stream)."""
+        staging = args[2]
+        want, got = torch.full_like(staging, -1), torch.full_like(staging, -2)
+        try:
+            self((1,), (*args[:2], want, *args[3:]))
+            self.fast = True
+            self((1,), (*args[:2], got, *args[3:]))
+            torch.cuda.current_stream(self.index).synchronize()
+            self.fast = torch.equal(want, got)
+        except Exception as exc:  # another Triton's launcher: keep Triton's path
+            self.fast = False
+            log.info("gpu_staging.fast_launch_off", reason=repr(exc))
+            return
+        if not self.fast:
+            log.warning("gpu_staging.fast_launch_off", reason="the fast launch copied other bytes")
 
 
 class PagedKv:
@@ -151,6 +208,13 @@ class PagedKv:
             if self.use_triton
             else None
         )
+        self._launch = _Launcher(self.device) if self.use_triton else None
+        if self._launch is not None:  # compiles the gather now, not on the first transfer
+            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+            one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
+            per_block = self.num_layers * self.pre
+            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, self.row_words,
+                                self.num_layers, self.pre, self._block, True))
 
     @property
     def block_nbytes(self) -> int:
@@ -169,6 +233,8 @@ class PagedKv:
 
     def block_ids(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Block ids as an int64 tensor on the cache's device (one small copy)."""
+        if isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dtype is torch.int64 and ids.device == self.device:
+            return ids  # already converted (the caller's critical path pays nothing)
         t = torch.as_tensor(ids, dtype=torch.int64)
         # Only host ids are checked: checking device ids would synchronize the stream.
         if t.device.type == "cpu" and t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_blocks):
@@ -208,23 +274,25 @@ class PagedKv:
         for layer in range(self.num_layers):
             self.scatter_layer(layer, ids, staged)
 
+    def copy_range(
+        self, ids: torch.Tensor, staging: torch.Tensor, start: int, end: int, *, to_staging: bool,
+        programs: int | None = None,
+    ) -> None:
+        """Gather (or scatter) blocks ``[start, end)`` of a whole transfer, one Triton kernel.
+
+        `ids` are the transfer's block ids and `staging` its whole staging buffer in
+        words (any shape, contiguous, starting at block 0), so a chunk costs no tensor
+        slicing on the host: only the launch, which is on P's critical path.
+        """
+        per_block = self.num_layers * self.pre
+        first, rows = start * per_block, (end - start) * per_block
+        grid = (rows if programs is None else max(1, min(rows, programs)),)
+        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows,
+                            self.row_words, self.num_layers, self.pre, self._block, to_staging))
+
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
-        rows = ids.numel() * self.num_layers * self.pre
-        grid = (rows if programs is None else max(1, min(rows, programs)),)
-        _copy_rows_kernel[grid](
-            self._layer_ptrs,
-            ids,
-            staged,
-            self.num_blocks,
-            rows,
-            ROW=self.row_words,
-            NUM_LAYERS=self.num_layers,
-            PRE=self.pre,
-            BLOCK=self._block,
-            TO_STAGING=to_staging,
-            num_warps=8,
-        )
+        self.copy_range(ids, staged, 0, ids.numel(), to_staging=to_staging, programs=programs)
 
 
 def pipeline_bounds(
@@ -309,6 +377,7 @@ class StagedTransfer:
     ready: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
     _layers_done: int = 0
     _words: torch.Tensor | None = field(default=None, repr=False)
+    _flat: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -317,7 +386,15 @@ class StagedTransfer:
     @property
     def tensor(self) -> torch.Tensor:
         """The staged bytes, uint8, exactly `nbytes` long."""
-        return self.lease.tensor[: self.nbytes]
+        t = self.lease.tensor
+        return t if t.numel() == self.nbytes else t[: self.nbytes]
+
+    @property
+    def flat_words(self) -> torch.Tensor:
+        """The staged bytes as one flat run of words (what `PagedKv.copy_range` takes)."""
+        if self._flat is None:
+            self._flat = self.tensor.view(self.paged.word)
+        return self._flat
 
     @property
     def words(self) -> torch.Tensor:
@@ -422,6 +499,12 @@ class Stager:
         start = staged.ready[-1][0] if staged.ready else 0
         if not start < end_block <= staged.num_blocks:
             raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
+        if staged.on_gpu and self.paged.use_triton:  # the hot path: no slicing, one launch
+            self.paged.copy_range(staged.ids, staged.flat_words, start, end_block, to_staging=True, programs=programs)
+            staged.ready.append((end_block, _record(self.paged.device)))
+            if end_block == staged.num_blocks:
+                staged._layers_done = self.paged.num_layers
+            return
         ids, words = staged.ids[start:end_block], staged.words[start:end_block]
         if staged.on_gpu or self.paged.device.type != "cuda":
             self.paged.gather(ids, words, programs=programs)

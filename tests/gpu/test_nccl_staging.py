@@ -138,7 +138,7 @@ def test_triton_and_per_layer_gather_agree() -> None:
         PagedKv(out).scatter(ids, fast.staging_view(a, len(REQ_P)), programs=programs)
         for s, t in zip(kv, out):
             assert torch.equal(s[:, REQ_P], t[:, REQ_P])
-    print(f"triton gather used: {fast.use_triton}")
+    print(f"triton gather used: {fast.use_triton}, compiled-kernel launch: {fast._launch and fast._launch.fast}")
 
 
 # -- two GPUs ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ log = structlog.get_logger()
 
 # Programs (CTAs) of a gather that overlaps the wire: enough to copy well ahead of
 # NVLink's ~0.35 TB/s, few enough to leave most SMs and HBM to NCCL.
-GATHER_PROGRAMS = 32
+GATHER_PROGRAMS = 64
 
 
 class NcclTransport:
@@ -242,7 +242,7 @@ class NcclTransport:
                     event = None
                 else:
                     waited = event
-                chunk = data[b0 * step : b1 * step]
+                chunk = data if b0 == 0 and b1 * step == data.numel() else data[b0 * step : b1 * step]
                 if not chunk.is_cuda:  # spilled: bring it back through a bounce buffer
                     with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                         if event is not None:
@@ -284,7 +284,10 @@ class NcclTransport:
                 if work is not None:
                     work.wait()
                 self._mark(self.scatter_stream, f"recv_done@{b1}")
-                paged.scatter(block_ids[b0:b1], words[b0:b1])
+                if paged.use_triton:  # no slicing: a chunk is a row range of the whole transfer
+                    paged.copy_range(block_ids, words, b0, b1, to_staging=False)
+                else:
+                    paged.scatter(block_ids[b0:b1], words[b0:b1])
                 self._mark(self.scatter_stream, f"scatter_done@{b1}")
         return comm.completion([], self.scatter_stream, "recv", transfer_id, works)
 

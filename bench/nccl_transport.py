@@ -55,7 +55,8 @@ time, after the first). The trace lines give, per case, the
 median time after P's clock start at which each step happened: host steps as taken,
 GPU steps from timing events mapped onto the host clock through an anchor event
 synchronized before the barrier (good to about 10 us). Traced runs are separate from
-the timed ones.
+the timed ones. For each prompt length the cases run in rounds, every case once per
+round, so the machine's drift over a run (seen at +-5%) falls on all of them alike.
 
 The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip over
 a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
@@ -260,28 +261,31 @@ def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
                            growth=growth, back_growth=back[0] if back else None)
 
 
-def _case(side: _Side, case: Case, tokens: int, iters: int, tracing: bool) -> list[dict[str, float]]:
-    """Run one case for one prompt length; returns each iteration's stamps on this side."""
-    side.use(case.backend)
-    side.transport.gather_programs = case.gather_programs
-    _nccl_priority(side, case.high_priority)
+def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bool) -> dict[str, list[dict]]:
+    """Run `cases` for one prompt length in rounds (each round runs every case once, in
+    order), so drift of the machine over the run falls on all cases alike; returns
+    each case's per-iteration stamps on this side."""
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
     nbytes = n * side.paged.staged_block_nbytes
-    bounds = _bounds(side, case, n)
-    out = []
+    bounds = {case.label: _bounds(side, case, n) for case in cases}
+    out: dict[str, list[dict]] = {case.label: [] for case in cases}
     warmup = 0 if tracing else side.cfg["warmup"]
     for it in range(warmup + iters):
-        clock = _Clock(side, tracing)
-        if side.role == "P":
-            _p_iter(side, case, p_ids, nbytes, bounds, f"{case.label}-{it}", clock)
-        else:
-            _d_iter(side, case, d_ids, nbytes, bounds, f"{case.label}-{it}", clock)
-        if it >= warmup:
-            out.append(clock.collect())
-        else:
-            clock.collect()
+        for case in cases:
+            side.use(case.backend)
+            side.transport.gather_programs = case.gather_programs
+            _nccl_priority(side, case.high_priority)
+            clock = _Clock(side, tracing)
+            tid = f"{case.label}-{it}"
+            if side.role == "P":
+                _p_iter(side, case, p_ids, nbytes, bounds[case.label], tid, clock)
+            else:
+                _d_iter(side, case, d_ids, nbytes, bounds[case.label], tid, clock)
+            stamps = clock.collect()
+            if it >= warmup:
+                out[case.label].append(stamps)
     side.use(None)
     return out
 
@@ -670,16 +674,12 @@ def _cases(cfg: dict) -> dict[str, Case]:
     return cases
 
 
-def _plan(cfg: dict) -> list[tuple[Case, int, bool]]:
+def _plan(cfg: dict) -> tuple[list[Case], list[Case]]:
+    """The timed cases, and the traced ones."""
     cases = _cases(cfg)
-    plan = []
-    for tokens in cfg["tokens"]:
-        plan += [(case, tokens, False) for case in cases.values()]
     traced = [c for name, c in cases.items()
               if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~", "ours_data~")))]
-    for tokens in cfg["tokens"]:
-        plan += [(case, tokens, True) for case in traced]
-    return plan
+    return list(cases.values()), traced
 
 
 def _merge_trace(case: Case, tokens: int, p: list[dict], d: list[dict], chunk_ends: list[int] | None) -> dict:
@@ -717,22 +717,27 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         if role == "P":
             extra[f"copy_{max(cfg['tokens'])}"] = _copy_rates(side, max(cfg["tokens"]))
         rows, traces = [], []
-        for case, tokens, tracing in _plan(cfg):
-            iters = cfg["trace_iters"] if tracing else cfg["iters"]
-            stamps = _case(side, case, tokens, iters, tracing)
-            if role == "D":
-                conn.send(stamps)
-                continue
-            theirs = conn.recv()
-            if tracing:
-                traces.append(_merge_trace(case, tokens, stamps, theirs, _bounds(side, case, tokens // BLOCK)))
-                continue
-            ms = [(d["t1"] - p["t0"]) * 1e3 for p, d in zip(stamps, theirs)]
-            bounds = _bounds(side, case, tokens // BLOCK)
-            rows.append({"case": case.label, "tokens": tokens, "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
-                         "chunks": len(bounds) if bounds else 1,
-                         "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
-                         "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
+        timed, traced = _plan(cfg)
+        for tracing in (False, True):
+            for tokens in cfg["tokens"]:
+                group = traced if tracing else timed
+                runs = _rounds(side, group, tokens, cfg["trace_iters"] if tracing else cfg["iters"], tracing)
+                if role == "D":
+                    conn.send(runs)
+                    continue
+                theirs_all = conn.recv()
+                for case in group:
+                    stamps, theirs = runs[case.label], theirs_all[case.label]
+                    bounds = _bounds(side, case, tokens // BLOCK)
+                    if tracing:
+                        traces.append(_merge_trace(case, tokens, stamps, theirs, bounds))
+                        continue
+                    ms = [(d["t1"] - p["t0"]) * 1e3 for p, d in zip(stamps, theirs)]
+                    rows.append({"case": case.label, "tokens": tokens,
+                                 "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
+                                 "chunks": len(bounds) if bounds else 1,
+                                 "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
+                                 "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
         for cache in side.caches.values():
             cache.close()
         results.put((role, {"rows": rows, "traces": traces, **extra}))

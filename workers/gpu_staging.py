@@ -126,19 +126,17 @@ class _Launcher:
     """
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.compiled: dict[tuple[bool, bool, bool], Any] = {}
         self.fast = False
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton itself calls
-        self._stream = (lambda: raw(self.index)) if raw is not None else (
-            lambda: torch.cuda.current_stream(self.index).cuda_stream)
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
         key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
-            kernel.run(grid[0], 1, 1, self._stream(), kernel.function, kernel.packed_metadata, None, None, None,
-                       *args)
+            stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
+            kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
             return
         kernel = _copy_rows_kernel[grid](*args[:6], ROW=args[6], NUM_LAYERS=args[7], PRE=args[8], BLOCK=args[9],
                                          TO_STAGING=args[10], num_warps=8)
@@ -547,5 +545,23 @@ def _record(device: torch.device) -> torch.cuda.Event | None:
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event.record(current_stream(device))
     return event
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """`torch.cuda.current_stream(device)`, without building a new Stream object each
+    call (a few microseconds on a transfer's critical path): the objects are kept by
+    raw stream handle, which is all a Stream object holds."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is None:
+        return torch.cuda.current_stream(index)
+    key = (index, _RAW_STREAM(index))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream

@@ -82,7 +82,7 @@ import structlog
 import torch
 
 from protocols.errors import RendezvousError
-from workers.gpu_staging import PagedKv, StagedTransfer, Stager
+from workers.gpu_staging import PagedKv, StagedTransfer, Stager, current_stream
 
 from .nccl_comm import (
     CacheStats,
@@ -295,7 +295,7 @@ class NcclTransport:
 def _now(device: torch.device) -> list[torch.cuda.Event]:
     """An event at the current tail of the current stream."""
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event.record(current_stream(device))
     return [event]
 
 

@@ -63,7 +63,7 @@ a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--backends auto|direct,torch]
-       [--gather-programs N] [--variants cap0,cap16,cap64,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
+       [--gather-programs N] [--variants cap0,cap32,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
        [--json PATH]
 """
 
@@ -787,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     first, last, growth, back_growth = _default_chunking()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,2048,8192")
-    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trace-iters", type=int, default=10)
     ap.add_argument("--first-mib", type=int, default=first, help="first pipeline chunk (pipeline_bounds default)")
@@ -803,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
-    ap.add_argument("--variants", default="cap0,cap16,cap64,lowprio",
+    ap.add_argument("--variants", default="cap0,cap32,lowprio",
                     help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), lowprio")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)

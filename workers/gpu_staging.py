@@ -295,7 +295,7 @@ class PagedKv:
 
 def pipeline_bounds(
     num_blocks: int, block_nbytes: int, *, first_nbytes: int = 128 << 20, last_nbytes: int = 16 << 20,
-    growth: int = 4, back_growth: int | None = None, cap_nbytes: int = 1 << 30,
+    growth: int = 4, back_growth: int | None = 3, cap_nbytes: int = 1 << 30,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
 
@@ -309,12 +309,15 @@ def pipeline_bounds(
     hides behind the host posting its send; and going inward each chunk may be
     `growth` times its outer neighbour (up to `cap_nbytes`), because a gather or
     scatter runs about five times faster than NCCL moves the bytes (1.8 TB/s against
-    0.35 TB/s), so it still ends in time. `back_growth` (default: `growth`) is the
-    growth of the back ramp alone, whose chunks wait on the receiver's scatters rather
-    than the sender's gathers. A transfer of at most `first_nbytes + last_nbytes`
-    goes in one piece. The defaults (128 MiB first, 16 MiB last, growth 4)
-    were the best end-to-end schedule in two runs on an H200 pair, at 2048 and 8192
-    tokens of Llama-3-8B-like KV, against a 32 MiB last chunk and other first chunks.
+    0.35 TB/s; a gather capped at 64 programs still 1.6 TB/s), so it still ends in
+    time. `back_growth` (None: `growth`) is the growth of the back ramp alone, whose
+    chunks wait on the receiver's scatters rather than the sender's gathers: a scatter
+    at full width slows the receive it overlaps, so the chunks before the last one
+    stay smaller. A transfer of at most `first_nbytes + last_nbytes` goes in one
+    piece. The defaults (128 MiB first, 16 MiB last, growth 4, back ramp 3) were the
+    best end-to-end schedule on an H200 pair at 2048 and 8192 tokens of
+    Llama-3-8B-like KV, against last chunks of 8 and 32 MiB, first chunks of 64-192
+    MiB, front growth 2-3 and back ramps of 2 and 4 (the runs in docs/RESULTS.md).
     """
     if num_blocks <= 0:
         return []

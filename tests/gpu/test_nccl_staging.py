@@ -68,8 +68,8 @@ def test_pipeline_bounds_cover_and_ramp() -> None:
     assert pipeline_bounds(0, 2 * mib) == []
     assert pipeline_bounds(48, 2 * mib) == [48]  # first + last chunk or less: one piece
     # The defaults for Llama-3-8B-like KV (2 MiB a block): 2048 and 8192 tokens.
-    assert pipeline_bounds(128, 2 * mib) == [64, 120, 128]
-    assert pipeline_bounds(512, 2 * mib) == [64, 320, 472, 504, 512]
+    assert pipeline_bounds(128, 2 * mib) == [64, 96, 120, 128]
+    assert pipeline_bounds(512, 2 * mib) == [64, 320, 408, 480, 504, 512]
     for first, last, growth in ((128, 32, 4), (64, 32, 4), (256, 32, 4), (128, 16, 4), (32, 32, 2)):
         f, b = first // 2, last // 2
         for n in list(range(1, 300)) + [512, 1000, 4096]:
@@ -94,7 +94,8 @@ def test_pipeline_bounds_back_growth() -> None:
     ends = pipeline_bounds(512, 2 * mib, first_nbytes=64 * mib, last_nbytes=16 * mib, growth=2, back_growth=4)
     sizes = [y - x for x, y in zip([0] + ends, ends)]
     assert ends[-1] == 512 and sizes[:2] == [32, 64] and sizes[-3:] == [128, 32, 8]
-    assert pipeline_bounds(512, 2 * mib, growth=3, back_growth=3) == pipeline_bounds(512, 2 * mib, growth=3)
+    assert pipeline_bounds(512, 2 * mib, growth=3, back_growth=None) == pipeline_bounds(
+        512, 2 * mib, growth=3, back_growth=3)
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])

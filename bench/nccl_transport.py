@@ -62,7 +62,7 @@ The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip
 a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
-Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 40] [--backends auto|direct,torch]
+Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
        [--gather-programs N] [--variants cap0,cap32,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
        [--json PATH]
 """

@@ -46,7 +46,8 @@ P's gathers after the first chunk's, which overlap earlier chunks' sends, run on
 capped grid (`--gather-programs`, the transport's `GATHER_PROGRAMS`), and NCCL's
 stream has high priority. The `~capN` rows cap those gathers at N programs instead
 (`cap0`: full width); `~lowprio` rows are the transport without either (NCCL at the
-default priority, full-width gathers): what they buy.
+default priority, full-width gathers): what they buy. `~aheadN` rows enqueue N gathers
+ahead of the sends (`NcclTransport.gather_and_send`'s lookahead).
 
 `ours_full@F/L/G[/B]` rows use other chunkings (first chunk F MiB, last chunk L MiB,
 growth G, back ramp growth B; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
@@ -150,6 +151,7 @@ class Case:
     backend: str | None = None  # None: the first of cfg["backends"]
     gather_programs: int | None = GATHER_PROGRAMS  # the grid cap of gathers that overlap the wire; None: full
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
+    lookahead: int = 0  # P: gathers enqueued ahead of the sends (`NcclTransport.gather_and_send`)
 
 
 class _Side:
@@ -276,6 +278,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
         for case in cases:
             side.use(case.backend)
             side.transport.gather_programs = case.gather_programs
+            side.transport.lookahead = case.lookahead
             _nccl_priority(side, case.high_priority)
             clock = _Clock(side, tracing)
             tid = f"{case.label}-{it}"
@@ -659,6 +662,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
         # lowprio: NCCL's stream at the default priority and full-width gathers (no contention control)
         if variant == "lowprio":
             change: dict[str, Any] = {"high_priority": False, "gather_programs": None}
+        elif variant.startswith("ahead"):
+            change = {"lookahead": int(variant.removeprefix("ahead"))}
         else:
             n = int(variant.removeprefix("cap"))
             change = {"gather_programs": n or None}
@@ -804,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
     ap.add_argument("--variants", default="cap0,cap32,lowprio",
-                    help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), lowprio")
+                    help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), aheadN (N gathers "
+                         "enqueued ahead of the sends), lowprio")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:

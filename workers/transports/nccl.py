@@ -129,7 +129,7 @@ class NcclTransport:
     """
 
     def __init__(
-        self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS,
+        self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS, lookahead: int = 0,
         unsafe_skip_event_wait: bool = False,
     ) -> None:
         self.cache = cache
@@ -137,6 +137,7 @@ class NcclTransport:
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
         self.gather_programs = gather_programs
+        self.lookahead = lookahead
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
         self.trace: list[tuple[str, torch.cuda.Event]] | None = None
 
@@ -185,27 +186,34 @@ class NcclTransport:
     def gather_and_send(
         self, peer: str, stager: Stager, staged: StagedTransfer, *, bounds: Sequence[int] | None = None,
         before_send: Callable[[], None] | None = None, transfer_id: str = "",
-        on_step: Callable[[str, int], None] | None = None,
+        on_step: Callable[[str, int], None] | None = None, lookahead: int | None = None,
     ) -> Completion:
         """P's pipeline for a transfer from `Stager.begin`: gather chunk 0 on the current
         stream, call `before_send` (wait for D's Ready: its round trip overlaps that
         gather), post chunk 0's send; then, chunk by chunk, gather the next chunk (grid
         capped: it runs while the previous one is on the wire) and post its send.
+        `lookahead` (default `self.lookahead`) gathers are enqueued ahead of the sends:
+        with 1, chunk k+1's gather starts before chunk k's send is posted, so it is done
+        by the time chunk k has left.
 
         Each send waits on its own chunk's gather event, so P's blocks may be reused as
         soon as this returns. The communicator's lock is held throughout, so no other
         transfer's ops come between the chunks. `on_step(step, end_block)` is called
-        after each gather is enqueued ("gather") and each send posted ("send"): tracing. The completion is the last send's: NCCL runs
-        one communicator's ops in order.
+        after each gather is enqueued ("gather") and each send posted ("send"), for
+        tracing. The completion is the last send's: NCCL runs one communicator's ops in
+        order.
         """
         ends = list(bounds) if bounds else [staged.num_blocks]
+        ahead = self.lookahead if lookahead is None else lookahead
         comm = self.cache.get(peer, initiator=True)
-        done, start = None, 0
+        done, start, gathered = None, 0, 0
         with comm.lock:
             for k, end in enumerate(ends):
-                stager.gather_chunk(staged, end, programs=None if k == 0 else self.gather_programs)
-                if on_step is not None:
-                    on_step("gather", end)
+                while gathered < min(len(ends), k + 1 + ahead):
+                    stager.gather_chunk(staged, ends[gathered], programs=None if gathered == 0 else self.gather_programs)
+                    if on_step is not None:
+                        on_step("gather", ends[gathered])
+                    gathered += 1
                 if k == 0 and before_send is not None:
                     before_send()
                 done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)

@@ -47,7 +47,11 @@ capped grid (`--gather-programs`, the transport's `GATHER_PROGRAMS`), and NCCL's
 stream has high priority. The `~capN` rows cap those gathers at N programs instead
 (`cap0`: full width); `~lowprio` rows are the transport without either (NCCL at the
 default priority, full-width gathers): what they buy. `~aheadN` rows enqueue N gathers
-ahead of the sends (`NcclTransport.gather_and_send`'s lookahead).
+ahead of the sends (`NcclTransport.gather_and_send`'s lookahead); `~scapN` rows cap D's
+scatters (all but the last two chunks') at N programs; `~eager` rows post P's sends
+without waiting for Ready (a send posted first waits on the GPU for its receive; the
+broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
+helper thread, as a broker client's loop thread would, instead of on P's own.
 
 `ours_full@F/L/G[/B]` rows use other chunkings (first chunk F MiB, last chunk L MiB,
 growth G, back ramp growth B; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
@@ -73,8 +77,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -152,6 +158,9 @@ class Case:
     gather_programs: int | None = GATHER_PROGRAMS  # the grid cap of gathers that overlap the wire; None: full
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
     lookahead: int = 0  # P: gathers enqueued ahead of the sends (`NcclTransport.gather_and_send`)
+    scatter_programs: int | None = None  # D: grid cap of scatters that overlap receives
+    eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
+    async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
 
 
 class _Side:
@@ -170,6 +179,9 @@ class _Side:
         self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
         self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
+        self.offer_queue: queue.SimpleQueue = queue.SimpleQueue()  # async_offer: a sender thread's inbox
+        if role == "P":
+            threading.Thread(target=self._send_offers, daemon=True).start()
         nb = cfg["cache_blocks"]
         g = torch.Generator(device=self.device).manual_seed(dev)
         self.kv = [
@@ -182,6 +194,11 @@ class _Side:
         self.stager = Stager(self.paged, self.pool)
         self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self.comm_mem_mib: dict[str, float] = {}
+
+    def _send_offers(self) -> None:
+        while True:
+            tid, nbytes = self.offer_queue.get()
+            self.hs.offer(tid, nbytes)
 
     def use(self, backend: str | None) -> None:
         b = backend or self.cfg["backends"][0]
@@ -279,6 +296,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
             side.use(case.backend)
             side.transport.gather_programs = case.gather_programs
             side.transport.lookahead = case.lookahead
+            side.transport.scatter_programs = case.scatter_programs
             _nccl_priority(side, case.high_priority)
             clock = _Clock(side, tracing)
             tid = f"{case.label}-{it}"
@@ -364,11 +382,17 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     elif kind == "per_layer":
         _per_layer_p(side, ids)
     elif kind in ("full", "expect"):
-        side.hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
+        if case.async_offer:
+            side.offer_queue.put((tid, nbytes))
+        else:
+            side.hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
         clock.mark("offer_sent")
         staged = side.stager.begin(ids)
-        wait = (lambda: side.hs.wait_ready(tid)) if kind == "full" else None
+        wait = (lambda: side.hs.wait_ready(tid)) if kind == "full" and not case.eager else None
         done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock)
+        if kind == "full" and case.eager:
+            side.hs.wait_ready(tid)  # the sends already wait on the GPU for D's receives
+            clock.mark("ready_seen")
     elif kind == "staged":
         assert staged is not None
         side.hs.offer(tid, nbytes)
@@ -664,12 +688,16 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change: dict[str, Any] = {"high_priority": False, "gather_programs": None}
         elif variant.startswith("ahead"):
             change = {"lookahead": int(variant.removeprefix("ahead"))}
+        elif variant.startswith("scap"):
+            change = {"scatter_programs": int(variant.removeprefix("scap")) or None}
+        elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
+            change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
         else:
             n = int(variant.removeprefix("cap"))
             change = {"gather_programs": n or None}
             if change["gather_programs"] == cap:
                 continue
-        for name in ("ours_full", "ours_data") if variant == "lowprio" else ("ours_full",):
+        for name in ("ours_full", "ours_data") if variant == "lowprio" or variant.startswith("scap") else ("ours_full",):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
         for other in cfg["diag_orders"]:

@@ -119,7 +119,8 @@ class NcclTransport:
     `gather_programs` caps the grid of every gather after a transfer's first chunk's:
     those run while earlier chunks are on the wire, and a full-width gather takes the
     SMs and memory bandwidth NCCL's send needs (`PagedKv.gather`). None: full width.
-    Scatters on the receiver stay full width: a capped one falls behind the wire.
+    `scatter_programs` caps the receiver's scatters the same way, except the last two
+    chunks' (None: full width).
 
     Set `trace` to a list to collect ``(label, timing event)`` pairs at each chunk's
     end (``send_done@B``, ``recv_done@B``, ``scatter_done@B``, B the chunk's end
@@ -130,6 +131,7 @@ class NcclTransport:
 
     def __init__(
         self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS, lookahead: int = 0,
+        scatter_programs: int | None = None,
         unsafe_skip_event_wait: bool = False,
     ) -> None:
         self.cache = cache
@@ -138,6 +140,7 @@ class NcclTransport:
         self.scatter_stream = torch.cuda.Stream(self.device)
         self.gather_programs = gather_programs
         self.lookahead = lookahead
+        self.scatter_programs = scatter_programs
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
         self.trace: list[tuple[str, torch.cuda.Event]] | None = None
 
@@ -288,12 +291,14 @@ class NcclTransport:
         with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
             # Whatever the caller enqueued on these blocks so far must finish before we write them.
             self.scatter_stream.wait_event(current[0])
-            for work, (b0, b1) in zip(works, chunks):
+            for k, (work, (b0, b1)) in enumerate(zip(works, chunks)):
                 if work is not None:
                     work.wait()
                 self._mark(self.scatter_stream, f"recv_done@{b1}")
                 if paged.use_triton:  # no slicing: a chunk is a row range of the whole transfer
-                    paged.copy_range(block_ids, words, b0, b1, to_staging=False)
+                    # The last two chunks' scatters run at full width: little is left to receive.
+                    cap = self.scatter_programs if k < len(chunks) - 2 else None
+                    paged.copy_range(block_ids, words, b0, b1, to_staging=False, programs=cap)
                 else:
                     paged.scatter(block_ids[b0:b1], words[b0:b1])
                 self._mark(self.scatter_stream, f"scatter_done@{b1}")

@@ -45,10 +45,10 @@ backend, the faster ceiling.
 P's gathers after the first chunk's, which overlap earlier chunks' sends, run on a
 capped grid (`--gather-programs`, the transport's `GATHER_PROGRAMS`), and NCCL's
 stream has high priority. The `~capN` rows cap those gathers at N programs instead
-(`cap0`: full width); `~lowprio` rows are the transport without either (NCCL at the
-default priority, full-width gathers): what they buy. `~aheadN` rows enqueue N gathers
-ahead of the sends (`NcclTransport.gather_and_send`'s lookahead); `~scapN` rows cap D's
-scatters (all but the last two chunks') at N programs; `~eager` rows post P's sends
+(`cap0`: full width); `~lowprio` rows are the transport without any of it (NCCL at the
+default priority, full-width gathers and scatters): what it buys. `~aheadN` rows enqueue N gathers
+ahead of the sends (`NcclTransport.gather_and_send`'s lookahead); D's scatters (all but
+the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N instead; `~eager` rows post P's sends
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
 broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
 helper thread, as a broker client's loop thread would, instead of on P's own.
@@ -68,7 +68,7 @@ a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
-       [--gather-programs N] [--variants cap0,cap32,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
+       [--gather-programs N] [--variants cap0,cap32,scap0,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
        [--json PATH]
 """
 
@@ -94,7 +94,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds  # noqa: E402
 from workers.pool import BufferPool  # noqa: E402
-from workers.transports.nccl import GATHER_PROGRAMS  # noqa: E402
+from workers.transports.nccl import GATHER_PROGRAMS, SCATTER_PROGRAMS  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 DEADLINE_S = 30.0
@@ -158,7 +158,7 @@ class Case:
     gather_programs: int | None = GATHER_PROGRAMS  # the grid cap of gathers that overlap the wire; None: full
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
     lookahead: int = 0  # P: gathers enqueued ahead of the sends (`NcclTransport.gather_and_send`)
-    scatter_programs: int | None = None  # D: grid cap of scatters that overlap receives
+    scatter_programs: int | None = SCATTER_PROGRAMS  # D: grid cap of scatters that overlap receives
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
 
@@ -685,7 +685,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
     for variant in cfg["variants"]:  # capN: gathers overlapping the wire get N programs (0: all);
         # lowprio: NCCL's stream at the default priority and full-width gathers (no contention control)
         if variant == "lowprio":
-            change: dict[str, Any] = {"high_priority": False, "gather_programs": None}
+            change: dict[str, Any] = {"high_priority": False, "gather_programs": None, "scatter_programs": None}
         elif variant.startswith("ahead"):
             change = {"lookahead": int(variant.removeprefix("ahead"))}
         elif variant.startswith("scap"):
@@ -693,10 +693,9 @@ def _cases(cfg: dict) -> dict[str, Case]:
         elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
         else:
-            n = int(variant.removeprefix("cap"))
-            change = {"gather_programs": n or None}
-            if change["gather_programs"] == cap:
-                continue
+            change = {"gather_programs": int(variant.removeprefix("cap")) or None}
+        if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
+            continue  # the default already
         for name in ("ours_full", "ours_data") if variant == "lowprio" or variant.startswith("scap") else ("ours_full",):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
@@ -836,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
-    ap.add_argument("--variants", default="cap0,cap32,lowprio",
+    ap.add_argument("--variants", default="cap0,cap32,scap0,lowprio",
                     help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), aheadN (N gathers "
                          "enqueued ahead of the sends), lowprio")
     ap.add_argument("--json", default="")

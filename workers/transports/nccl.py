@@ -106,6 +106,9 @@ log = structlog.get_logger()
 # Programs (CTAs) of a gather that overlaps the wire: enough to copy well ahead of
 # NVLink's ~0.35 TB/s, few enough to leave most SMs and HBM to NCCL.
 GATHER_PROGRAMS = 64
+# And of a scatter on the receiver that overlaps later chunks' receives: at full width
+# (about 3.8 TB/s of HBM traffic) it slows NCCL's receive of the next chunk.
+SCATTER_PROGRAMS = 64
 
 
 class NcclTransport:
@@ -120,7 +123,7 @@ class NcclTransport:
     those run while earlier chunks are on the wire, and a full-width gather takes the
     SMs and memory bandwidth NCCL's send needs (`PagedKv.gather`). None: full width.
     `scatter_programs` caps the receiver's scatters the same way, except the last two
-    chunks' (None: full width).
+    chunks' (small, and little is left to receive behind them). None: full width.
 
     Set `trace` to a list to collect ``(label, timing event)`` pairs at each chunk's
     end (``send_done@B``, ``recv_done@B``, ``scatter_done@B``, B the chunk's end
@@ -131,7 +134,7 @@ class NcclTransport:
 
     def __init__(
         self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS, lookahead: int = 0,
-        scatter_programs: int | None = None,
+        scatter_programs: int | None = SCATTER_PROGRAMS,
         unsafe_skip_event_wait: bool = False,
     ) -> None:
         self.cache = cache

@@ -44,23 +44,30 @@ The rest holds for both (the torch details are marked as such).
 * Ordering. A send of staged KV is posted to run after its chunk's staging event
   (the NCCL stream waits on it; torch: the transport's stream does, and the group's
   NCCL stream waits on that stream), so the send cannot read staging before the
-  gather that fills it. NCCL pairs
-  a peer's sends and receives by posting order alone, so one transfer's chunks are
-  posted under the communicator's lock, and a receiver posts its transfers in the order
-  the sender sends them (the order of its Ready messages).
+  gather that fills it. NCCL pairs a peer's sends and receives by posting order alone,
+  so one transfer's chunks are posted under the communicator's lock, and a receiver
+  posts its transfers in the order the sender sends them (the order of its Ready
+  messages).
 * Pipelining. A transfer goes in block chunks (`workers.gpu_staging.pipeline_bounds`):
-  chunk k's send waits only for the gather that covers chunk k, and the receiver
-  scatters chunk k on its own stream as soon as chunk k's receive completes, while
-  chunk k+1 is still on the wire. Posting one NCCL op through torch costs the host
-  0.1-0.25 ms (measured on an H200 pair, torch 2.11), so a receiver sends Ready *before* it posts
-  its receives: the two sides then post at the same time, and a send posted first
-  simply waits on its GPU for the matching receive. (Posting a receive before Ready
-  would also deadlock on a communicator's first use, whose creation needs the sender,
-  which starts only once it has Ready.)
+  chunk k's send waits only for the gather that covers chunk k (P interleaves them,
+  `gather_and_send`), and the receiver scatters chunk k on its own stream as soon as
+  chunk k's receive completes, while chunk k+1 is still on the wire. Posting an op
+  costs the host 0.06-0.25 ms (measured on an H200 pair), so a receiver sends Ready
+  *before* it posts its receives: the two sides then post at the same time, and a
+  send posted first simply waits on its GPU for the matching receive. (Posting a
+  receive before Ready would also deadlock on a communicator's first use, whose
+  creation needs the sender, which starts only once it has Ready.)
+* Contention. The copies that run while bytes are on the wire (P's gathers after the
+  first chunk's, D's scatters before the last two chunks') would, at full width, take
+  the SMs and nearly all of HBM's bandwidth and slow the NCCL kernel they overlap by
+  about 10%; they run on capped grids (`GATHER_PROGRAMS`, `SCATTER_PROGRAMS`) that still
+  copy three to four times faster than the wire, and NCCL's stream has high priority,
+  so its blocks are placed first. Measured in docs/RESULTS.md.
 * Deadlines. Ops return a `Completion` (a CUDA event after the NCCL work) whose
   `wait(deadline)` spins briefly, then polls in pauses of at most 100 us (coarser
-  polling would add its pause to every transfer's latency); past the deadline it aborts the communicator (a stuck NCCL
-  kernel then returns), drops it from the cache and raises `SendTimeout`/`RecvTimeout`.
+  polling would add its pause to every transfer's latency); past the deadline it
+  aborts the communicator (a stuck NCCL kernel then returns), drops it from the cache
+  and raises `SendTimeout`/`RecvTimeout`.
   The next use rebuilds it. The group's watchdog timeout (torch) is set far above any
   transfer deadline, so the watchdog (whose default reaction kills the process) never
   fires first.

@@ -116,8 +116,8 @@ class _Launcher:
     per-call argument binding and cache-key building (about half of a launch's host
     time, and a gather launch is on P's critical path).
 
-    Each variant (direction, and the pointer alignments Triton specializes on; the
-    int arguments are `do_not_specialize`) is launched through Triton once, which
+    Each variant (direction, the pointer alignments and int widths Triton specializes
+    on; the int values are `do_not_specialize`) is launched through Triton once, which
     compiles it and returns the compiled kernel kept here; later launches call that
     kernel's launcher directly. `check()` runs once, when the cache is registered: a
     one-block gather both ways, compared. If this Triton's launcher takes other
@@ -128,11 +128,14 @@ class _Launcher:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled: dict[tuple[bool, bool, bool], Any] = {}
+        self.compiled: dict[tuple[bool, bool, bool, bool], Any] = {}
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
-        key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0)
+        # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
+        # of the two tensors that vary, and whether the int arguments need 64 bits.
+        key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0,
+               max(args[3], args[5]) >= 1 << 31)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream

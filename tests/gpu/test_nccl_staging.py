@@ -198,7 +198,13 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
         pool = BufferPool(paged.staged_block_nbytes * 16, device=device)
         res: dict[str, Any] = {}
         if role == "P":
-            stager = Stager(paged, pool)
+            if cfg.get("spill"):  # a GPU pool too small for the request: it stages in pinned memory
+                small = BufferPool(paged.staged_block_nbytes, device=device)
+                pinned = BufferPool(paged.staged_block_nbytes * 16, pin_memory=True)
+                stager = Stager(paged, small, pinned)
+            else:
+                stager = Stager(paged, pool)
+            spilled = 0
             ids = paged.block_ids(REQ_P)
             a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
             c = torch.empty_like(a)
@@ -218,6 +224,7 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                     done = transport.gather_and_send("D", stager, staged, bounds=bounds, before_send=ready)
                 else:
                     staged = stager.stage(ids, bounds=bounds)
+                spilled += not staged.on_gpu
                 for layer in range(LAYERS):  # the next step reuses the blocks at once
                     kv[layer].index_fill_(1, ids, -7.0)
                 if done is None:
@@ -228,6 +235,7 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                 staged.tensor.fill_(0x55)  # another request reuses this staging memory
                 staged.release()
                 torch.cuda.current_stream().synchronize()
+            res = {"iters": cfg["iters"], "spilled": spilled}
         else:
             ids = paged.block_ids(REQ_D)
             nbytes = len(REQ_D) * paged.staged_block_nbytes
@@ -286,6 +294,21 @@ def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
     res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
     _report(f"safe_chunked_ready[{backend}]", res)
     assert res["mismatches"] == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spilled_staging_survives_block_reuse(backend: str) -> None:
+    """P's GPU staging pool holds one block, so every request spills to pinned memory
+    (gathered through a GPU scratch buffer, sent through a bounce buffer), in P's
+    pipeline with the Ready handshake: 200 repeated prompts, zero mismatches."""
+    cfg = {"iters": 200, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True, "spill": True,
+           "backend": backend}
+    res = _run_pair(_race_worker, cfg, timeout_s=90.0)
+    _report(f"safe_spilled[{backend}]", {**res["D"], "spilled": res["P"]["spilled"]})
+    assert res["P"]["spilled"] == cfg["iters"]
+    assert res["D"]["mismatches"] == 0
 
 
 @pytest.mark.gpu

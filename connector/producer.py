@@ -2,8 +2,9 @@
 
 1. `bind`: for each request whose prompt completes in this step, lease a staging
    buffer of ``blocks x layers x block_nbytes``, block-major, so D can skip a head of
-   blocks it already holds with a byte offset. If the pool is full, wait (under
-   load_timeout_s) for the broker's Releases: that is the backpressure on prefill.
+   blocks it already holds with a byte offset. If the pool is full, wait for the
+   broker's Releases (load_timeout_s at most per step, whatever its number of saves):
+   that is the backpressure on prefill.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
    returning. On the CPU the copy is complete on return, so vLLM may free and reuse
    the blocks right after the step and the staged copy still holds what the cache held
@@ -79,12 +80,15 @@ class ProducerSide:
     # -- main thread -----------------------------------------------------------------------
 
     def bind(self, meta: KvBrokerMetadata) -> None:
+        # One wait for staging room per step, shared by its saves: a step with many saves
+        # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
+        deadline = time.monotonic() + self.w.config.load_timeout_s
         for tid, spec in meta.saves.items():
-            staged = self._lease(tid, spec)
+            staged = self._lease(tid, spec, deadline)
             if staged is not None:
                 self._step.append((tid, staged))
 
-    def _lease(self, tid: str, spec: SaveSpec) -> _Staged | None:
+    def _lease(self, tid: str, spec: SaveSpec, deadline: float) -> _Staged | None:
         w = self.w
         assert w.pool is not None and w.client is not None
         num_layers = len(w.layers)
@@ -97,8 +101,11 @@ class ProducerSide:
         try:
             lease = w.pool.acquire_nowait(nbytes)
         except PoolError:
-            try:  # wait for Releases (backpressure), on the client's loop, under a deadline
-                lease = w.client.call(self._acquire, nbytes)
+            try:  # wait for Releases (backpressure), on the client's loop, under the step's deadline
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("this step's wait for staging room is used up") from None
+                lease = w.client.call(self._acquire, nbytes, left)
             except (PoolError, TimeoutError) as exc:
                 w.log.error(
                     "transfer.stage_failed",
@@ -140,9 +147,9 @@ class ProducerSide:
         self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
         self._unstage(tid, "aborted", reason)
 
-    async def _acquire(self, nbytes: int) -> Lease:
+    async def _acquire(self, nbytes: int, timeout_s: float) -> Lease:
         assert self.w.pool is not None
-        with anyio.fail_after(self.w.config.load_timeout_s):
+        with anyio.fail_after(timeout_s):
             return await self.w.pool.acquire(nbytes)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:

@@ -261,6 +261,30 @@ def test_abort_from_decode_frees_producer_staging(broker: BrokerProcess) -> None
         d.close()
 
 
+def test_full_staging_pool_stalls_a_step_once_not_once_per_save(broker: BrokerProcess) -> None:
+    """Backpressure on prefill is bounded per step: with the staging pool full (nothing
+    is ever released: no decode peer), a step of three saves waits load_timeout_s in
+    all, then drops them, instead of waiting that long for each one."""
+    pc = make_caches(seed=16)
+    block = len(LAYERS) * 2 * 32 * 128 * 2  # one block, every layer: heads x block x 2*head x bf16
+    p = make_worker(broker.endpoint, "p", "p0", pc, staging_bytes=4 * block, load_timeout_s=1.0)
+    try:
+        stage(p, pc, "t-full", [1, 2, 3, 4])  # fills the pool; no D ever takes it
+        assert p.pool is not None and p.pool.statistics().free == 0
+        saves = {f"t-w{i}": SaveSpec(req_id=f"req-w{i}", block_ids=[10 + i], num_tokens=27) for i in range(3)}
+        t0 = time.monotonic()
+        p.bind(KvBrokerMetadata(saves=saves))
+        took = time.monotonic() - t0
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        p.clear()
+        assert 0.9 < took < 2.0, f"the step waited {took:.2f} s for 3 saves with a 1 s deadline"
+        assert p.statistics()["staged_now"] == 1  # only the first transfer holds staging
+    finally:
+        p.close()
+
+
 def test_transfer_id_reused_for_another_prompt_is_aborted(broker: BrokerProcess) -> None:
     """A proxy retry (same prompt) keeps the staged copy; another prompt must never get it."""
     pc, dc = make_caches(seed=12), make_caches(seed=13)

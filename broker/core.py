@@ -340,6 +340,10 @@ class Broker:
             peer.transfers.add(key)
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)
+        if t.state is S.EXPECTED:
+            if t.expected_by != peer.peer_id:
+                raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already expected by {t.expected_by}")
+            return  # the same Expect again (re-sent after a reconnect): nothing moves
         if t.decode == peer.peer_id:
             # Routed here by a hint before this Expect arrived: nothing moves.
             t.expected_by = peer.peer_id

@@ -34,7 +34,9 @@ S = TransferState
 # TRANSITIONS[state][message type] -> the role allowed to send it there.
 # A (state, message) pair missing here is a protocol violation.
 TRANSITIONS: dict[TransferState, dict[type, str]] = {
-    S.EXPECTED: {Offer: "prefill", Abort: "decode"},
+    # Expect again from the decode peer that expects it: a client re-sending after a
+    # reconnect (accepted, changes nothing).
+    S.EXPECTED: {Offer: "prefill", Expect: "decode", Abort: "decode"},
     S.UNROUTED: {Expect: "decode", Abort: "prefill"},
     S.WAITING_CREDIT: {Expect: "decode", Abort: "any"},
     # Expect may trail a hinted route: accepted from the decode peer it was granted to.

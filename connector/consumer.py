@@ -32,7 +32,7 @@ import anyio
 import torch
 
 from protocols.errors import TransferFailed
-from protocols.messages import Abort, Expect, Prepare
+from protocols.messages import Abort, Prepare
 from workers.layout import scatter_layer_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
@@ -74,7 +74,6 @@ class ConsumerSide:
         self._parked: dict[str, anyio.Event] = {}  # loop thread only
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._errors: set[int] = set()
-        self._registrations = 1
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
 
     def start_transport(self) -> dict[str, str]:
@@ -156,7 +155,8 @@ class ConsumerSide:
         return finished
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
-        """Take the loads that ended (expiring late ones first); re-Expect after a broker restart."""
+        """Take the loads that ended (expiring late ones first). A restarted broker gets
+        our pending Expects again from the client, which tracks them until their Prepare."""
         w = self.w
         now = time.monotonic()
         with w.lock:
@@ -181,13 +181,6 @@ class ConsumerSide:
                 del self._loads[load.transfer_id]
             done += self._rejected
             self._rejected = []
-            waiting = [load for load in self._loads.values() if load.state == "waiting"]
-        assert w.client is not None
-        registrations = w.client.client.registrations
-        if registrations != self._registrations:
-            self._registrations = registrations  # a restarted broker forgot our Expects
-            if waiting:
-                self.w.spawn(self._announce, waiting)
         return done
 
     def _give_up_stuck(self, load: _Load) -> None:
@@ -284,9 +277,12 @@ class ConsumerSide:
             if parked is not None:
                 parked.set()  # its Prepare came first: no Expect needed
                 continue
-            # Sent untracked: an Expect that crosses our own Prepare is refused by the
-            # broker, and that refusal must not abort the transfer.
-            await self.w.send_bounded("expect", tid, client.send, Expect(transfer_id=tid))
+            # Tracked by the client, so a broker restart gets it again (with the route it
+            # carries) until our Prepare comes. One that crosses our own Prepare is
+            # accepted by the broker; one for a transfer granted to another decode peer
+            # is refused, and that refusal fails this load at once instead of at its
+            # deadline.
+            await self.w.send_bounded("expect", tid, client.expect, tid)
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
 
     async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:

@@ -72,6 +72,18 @@ def test_full_handshake(c: FakeCluster) -> None:
     assert [n.event for n in c.notes][-1] == "transfer.done"
 
 
+def test_expect_again_is_accepted_and_a_second_expecter_refused(c: FakeCluster) -> None:
+    """A client re-sends its pending Expects after a reconnect: the same Expect again
+    changes nothing; another decode peer expecting the same transfer is refused."""
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=1000)
+    d1.expect("t1")
+    d1.expect("t1")
+    assert c.state("t1") is S.EXPECTED and d1.take() == []
+    refused(c, d2.identity, Expect(transfer_id="t1"), ProtocolViolation.code, contains="already expected by d1:0")
+    p.offer("t1", 50)  # d2 has more room, but d1 holds the request
+    assert d1.take_one(Prepare).source == "p:0" and d2.take() == []
+
+
 def test_expect_before_offer_routes_to_the_expecting_peer(c: FakeCluster) -> None:
     p, d1, d2 = c.prefill(), c.decode("d1", pool=1000), c.decode("d2", pool=100)
     d2.expect("t1")

@@ -333,6 +333,35 @@ def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerPr
         d.close()
 
 
+def test_pending_expect_routes_after_broker_restart(broker: BrokerProcess) -> None:
+    """D's Expect carries the route when P names no decode peer. The broker restarts
+    while D waits: D's client sends the Expect again on registering, so the KV still goes
+    to the decode peer holding the request, not the emptier one least-loaded routing
+    would pick."""
+    pc, d0c, d1c = make_caches(seed=20), make_caches(seed=21), make_caches(seed=22)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d0 = make_worker(broker.endpoint, "d", "d0", d0c, load_timeout_s=10.0)
+    d1 = make_worker(broker.endpoint, "d", "d1", d1c, pool_bytes=1 << 23)  # more free room: preferred
+    try:
+        def expected() -> bool:
+            return any(t["transfer_id"] == "t-9" and t["state"] == "expected" for t in broker.status()["transfers"])
+
+        load(d0, "t-9", [60, 61], cached=0)
+        wait_until(expected, 10, "d0's Expect to reach the broker")
+        broker.kill()
+        broker.start()  # same address, no state
+        wait_until(expected, 20, "d0's Expect to reach the restarted broker")
+        stage(p, pc, "t-9", [3, 4])  # no decode hint: only the Expect routes it
+        _, errors, _ = run_steps(d0, {"req-t-9"}, 15)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(d0c[n][[60, 61]], pc[n][[3, 4]])
+    finally:
+        p.close()
+        d0.close()
+        d1.close()
+
+
 # -- regressions: nothing escapes into vLLM's step, nothing leaks ------------------------
 
 

@@ -37,6 +37,10 @@ def main() -> None:
     "--curve-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
     help="Z85 CURVE secret key from `kvbroker keygen`: traffic is encrypted and peers need the public key.",
 )
+@click.option(
+    "--curve-clients", type=click.Path(exists=True, file_okay=False), default=None,
+    help="Folder of peers' public keys (*.key, from `kvbroker keygen --name`): only those peers get in.",
+)
 @click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound endpoint here once serving (for --bind ...:0).")
 def serve(**opts: Any) -> None:
     """Run the broker daemon (binds to loopback unless told otherwise)."""
@@ -58,12 +62,18 @@ def serve(**opts: Any) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     secret = Path(opts["curve_secret_file"]).read_bytes().strip() if opts["curve_secret_file"] else None
+    clients = None
+    if opts["curve_clients"]:
+        if secret is None:
+            raise click.UsageError("--curve-clients needs --curve-secret-file: client keys are checked only under CURVE.")
+        clients = _client_keys(Path(opts["curve_clients"]))
     run(
         DaemonConfig(
             bind=opts["bind"],
             metrics_port=opts["metrics_port"],
             metrics_host=opts["metrics_host"],
             curve_secret_key=secret,
+            curve_client_keys=clients,
             port_file=opts["port_file"],
             core=core,
         ),
@@ -71,17 +81,37 @@ def serve(**opts: Any) -> None:
     )
 
 
+def _client_keys(folder: Path) -> frozenset[bytes]:
+    """The Z85 public keys in a folder's *.key files; a bad or missing one is a usage error."""
+    keys = set()
+    for path in sorted(folder.glob("*.key")):
+        key = path.read_bytes().strip()
+        if len(key) != 40:
+            raise click.UsageError(f"{path} does not hold a 40-character Z85 public key; make it with `kvbroker keygen --name`.")
+        keys.add(key)
+    if not keys:
+        raise click.UsageError(f"{folder} has no *.key files: no peer could connect; copy the peers' public keys there.")
+    return frozenset(keys)
+
+
 @main.command()
 @click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--timeout", type=float, default=3.0, show_default=True)
 @click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
-def status(broker: str, as_json: bool, timeout: float, curve_server_key: str | None) -> None:
+@click.option(
+    "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="This client's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
+)
+def status(
+    broker: str, as_json: bool, timeout: float, curve_server_key: str | None, curve_client_secret_file: str | None
+) -> None:
     """Show peers, pools and transfers in flight."""
     from .status import fetch_status, render_status
 
+    client_secret = Path(curve_client_secret_file).read_bytes() if curve_client_secret_file else None
     try:
-        snap = anyio.run(fetch_status, broker, timeout, curve_server_key)
+        snap = anyio.run(fetch_status, broker, timeout, curve_server_key, client_secret)
     except TimeoutError:
         raise click.ClickException(
             f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
@@ -94,21 +124,34 @@ def status(broker: str, as_json: bool, timeout: float, curve_server_key: str | N
 
 @main.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True)
-def keygen(out_dir: str) -> None:
-    """Make a CURVE key pair for the broker: broker.key_secret (keep it) and broker.key (give it to peers)."""
+@click.option("--name", default="broker", show_default=True, help="Key file names: NAME.key_secret and NAME.key.")
+def keygen(out_dir: str, name: str) -> None:
+    """Make a CURVE key pair: NAME.key_secret (keep it) and NAME.key (the public key).
+
+    For the broker (the default name), `serve --curve-secret-file broker.key_secret`, and
+    peers name broker.key's key as curve_server_key. For a peer (`--name p0`), the peer
+    names p0.key_secret as curve_client_secret_file, and p0.key goes into the broker's
+    --curve-clients folder.
+    """
     import os
 
     import zmq
 
+    if not name or "/" in name or name.startswith("."):
+        raise click.UsageError(f"--name {name!r} must be a plain file name, such as the peer's instance id.")
     public, secret = zmq.curve_keypair()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    secret_path = out / "broker.key_secret"
+    secret_path = out / f"{name}.key_secret"
     fd = os.open(secret_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(secret + b"\n")
-    (out / "broker.key").write_bytes(public + b"\n")
-    click.echo(f"secret: {secret_path} (serve --curve-secret-file)\npublic: {public.decode()} (curve_server_key on peers)")
+    (out / f"{name}.key").write_bytes(public + b"\n")
+    if name == "broker":
+        click.echo(f"secret: {secret_path} (serve --curve-secret-file)\npublic: {public.decode()} (curve_server_key on peers)")
+    else:
+        click.echo(f"secret: {secret_path} (curve_client_secret_file on that peer)\n"
+                   f"public: {out / (name + '.key')} (into the broker's --curve-clients folder)")
 
 
 @main.command()

@@ -37,9 +37,39 @@ class DaemonConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     curve_secret_key: bytes | None = None
+    # Z85 public keys of the peers allowed in (with curve_secret_key); None: any peer
+    # that knows the broker's public key.
+    curve_client_keys: frozenset[bytes] | None = None
     # Written with the bound endpoint once serving, so a launcher can use port 0.
     port_file: str | None = None
     core: BrokerConfig = field(default_factory=BrokerConfig)
+
+
+class _ListedKeys:
+    """ZAP credentials: a CURVE client gets in only with a listed public key."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        log.warning(
+            "peer.refused_key",
+            client_key=key.decode(errors="replace"),
+            reason="its CURVE public key is not listed; add its .key file to the --curve-clients folder",
+        )
+        return False
+
+
+def _admit_only(ctx: zmq.Context, keys: frozenset[bytes]) -> Any:
+    """Run a ZAP handler on `ctx` (a thread of pyzmq's) that admits only `keys`."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_ListedKeys(keys))
+    return auth
 
 
 class BrokerDaemon:
@@ -55,11 +85,15 @@ class BrokerDaemon:
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. `task_status.started` reports the bound endpoint (port 0 too)."""
         ctx = zmq.Context()
+        # Started before the bind, so no connection is ever admitted unchecked.
+        auth = _admit_only(ctx, self.config.curve_client_keys) if self.config.curve_client_keys is not None else None
         try:
             sock, self.endpoint = router(
                 ctx, self.config.bind, max_frame=self.config.max_frame, curve_secret=self.config.curve_secret_key
             )
         except zmq.ZMQError as exc:
+            if auth is not None:
+                auth.stop()
             ctx.term()
             raise SystemExit(f"cannot bind {self.config.bind}: {exc}; pick a free address with --bind") from None
         structlog.contextvars.bind_contextvars(role="broker", instance=self.endpoint)
@@ -83,6 +117,8 @@ class BrokerDaemon:
                 tg.cancel_scope.cancel()
                 if metrics is not None:
                     metrics.shutdown()
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
     async def _receive_loop(self, chan: ZmqChannel) -> None:

@@ -13,11 +13,13 @@ from protocols.messages import Status, StatusRequest
 STATUS_MAX_FRAME = 64 << 20
 
 
-async def fetch_status(broker: str, timeout: float = 3.0, curve_server_key: str | None = None) -> Status:
+async def fetch_status(
+    broker: str, timeout: float = 3.0, curve_server_key: str | None = None, curve_client_secret: bytes | None = None
+) -> Status:
     """One StatusRequest round trip; raises TimeoutError if the broker is silent."""
     codec = Codec(STATUS_MAX_FRAME)
     ctx = zmq.Context()
-    curve = curve_client_keys(curve_server_key)
+    curve = curve_client_keys(curve_server_key, curve_client_secret)
     try:
         async with ZmqChannel(dealer(ctx, broker, curve=curve, max_frame=STATUS_MAX_FRAME)) as chan:
             with anyio.fail_after(timeout):

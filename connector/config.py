@@ -67,6 +67,8 @@ class ConnectorConfig:
     register_timeout_s: float = 10.0
     tcp_host: str = "127.0.0.1"
     curve_server_key: str | None = None
+    # This peer's CURVE secret key file, for a broker that admits listed keys only.
+    curve_client_secret_file: str | None = None
     fault_injection: str | None = None
     fault_injection_prefix: str = ""
 
@@ -91,9 +93,30 @@ _KEYS = (
     "tcp_host",
     "instance_id",
     "curve_server_key",
+    "curve_client_secret_file",
     "fault_injection",
     "fault_injection_prefix",
 )
+
+
+def read_secret_key(path: str) -> bytes:
+    """The Z85 secret key in a `kvbroker keygen --name` file."""
+    with open(path, "rb") as f:
+        return f.read().strip()
+
+
+def _check_secret_file(path: object, server_key: str | None) -> None:
+    key = f"{_PREFIX}.curve_client_secret_file"
+    if server_key is None:
+        raise ConfigError(f"{key} needs curve_server_key as well: a client key is used only under CURVE.")
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{key} must be the path of this peer's NAME.key_secret from `kvbroker keygen --name`.")
+    try:
+        secret = read_secret_key(path)
+    except OSError as exc:
+        raise ConfigError(f"{key} {path!r} cannot be read ({exc.strerror}); point it at the peer's NAME.key_secret.") from None
+    if len(secret) != 40:
+        raise ConfigError(f"{key} {path!r} does not hold a 40-character Z85 secret key; make one with `kvbroker keygen --name`.")
 
 
 def _cuda_available() -> bool:
@@ -169,6 +192,9 @@ def parse_config(
             f"{_PREFIX}.curve_server_key must be the broker's 40-character Z85 public key "
             "(the broker.key file of `kvbroker keygen`)."
         )
+    client_secret = extra.get("curve_client_secret_file")
+    if client_secret is not None:
+        _check_secret_file(client_secret, curve_key)
     fault = extra.get("fault_injection")
     if fault is not None and fault not in FAULTS:
         raise ConfigError(
@@ -188,6 +214,7 @@ def parse_config(
         register_timeout_s=_positive_seconds(extra, "register_timeout_s", _DEFAULTS.register_timeout_s),
         tcp_host=tcp_host.strip("[]"),
         curve_server_key=curve_key,
+        curve_client_secret_file=client_secret,
         fault_injection=fault,
         fault_injection_prefix=prefix,
     )

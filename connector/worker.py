@@ -44,7 +44,7 @@ from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from workers.layout import CacheSpec, LayerLayout, detect_layout
 from workers.pool import BufferPool
 
-from .config import ConfigError, ConnectorConfig, EngineInfo
+from .config import ConfigError, ConnectorConfig, EngineInfo, read_secret_key
 from .consumer import ConsumerSide
 from .producer import ProducerSide
 from .scheduler import KvBrokerMetadata
@@ -158,7 +158,10 @@ class ConnectorWorker:
             ClientConfig(
                 broker=self.config.broker,
                 register_timeout_s=self.config.register_timeout_s,
-                curve=curve_client_keys(self.config.curve_server_key),
+                curve=curve_client_keys(
+                    self.config.curve_server_key,
+                    read_secret_key(self.config.curve_client_secret_file) if self.config.curve_client_secret_file else None,
+                ),
             ),
             registration,
             handler=self,

@@ -357,19 +357,34 @@ def _configure(sock: zmq.Socket, max_frame: int | None, hwm: int, linger_ms: int
     sock.setsockopt(zmq.MAXMSGSIZE, -1 if max_frame is None else max_frame)
 
 
-def curve_client_keys(server_public: str | bytes | None) -> tuple[bytes, bytes, bytes] | None:
+def curve_client_keys(
+    server_public: str | bytes | None, client_secret: str | bytes | None = None
+) -> tuple[bytes, bytes, bytes] | None:
     """`dealer(curve=...)` keys for a client of a CURVE router with this Z85 public key.
 
-    A fresh client key pair per call: the router proves who it is and the traffic is
-    encrypted; which clients may connect is not checked. None when no key is given.
+    With `client_secret` (a Z85 secret key from `kvbroker keygen --name`) the client
+    proves who it is, for a broker that admits only listed keys (`serve
+    --curve-clients`); without, a fresh key pair per call: the router proves who it is
+    and the traffic is encrypted. None when no server key is given.
+
+    Raises:
+        ValueError: a key that is not 40 Z85 characters.
     """
     if not server_public:
         return None
-    key = server_public.encode() if isinstance(server_public, str) else server_public
-    if len(key) != 40:
-        raise ValueError(f"a CURVE public key is 40 Z85 characters, got {len(key)}; copy it from `kvbroker keygen`")
+    key = _z85_key(server_public, "public")
+    if client_secret:
+        secret = _z85_key(client_secret, "secret")
+        return zmq.curve_public(secret), secret, key
     public, secret = zmq.curve_keypair()
     return public, secret, key
+
+
+def _z85_key(key: str | bytes, kind: str) -> bytes:
+    raw = key.strip().encode() if isinstance(key, str) else key.strip()
+    if len(raw) != 40:
+        raise ValueError(f"a CURVE {kind} key is 40 Z85 characters, got {len(raw)}; copy it from `kvbroker keygen`")
+    return raw
 
 
 def dealer(

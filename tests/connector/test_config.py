@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,3 +147,17 @@ def test_curve_server_key() -> None:
     key = "B<6MgI-#$9bCh#+rPq}I-1ny[]t]{aC1.sJ=q-[G"
     assert parse_config({"broker": BROKER, "curve_server_key": key}, kv_role="kv_producer", engine_id="e").curve_server_key == key
     assert "kv_connector_extra_config.curve_server_key" in refused({"broker": BROKER, "curve_server_key": "short"})
+
+
+def test_curve_client_secret_file(tmp_path: Path) -> None:
+    server = "B<6MgI-#$9bCh#+rPq}I-1ny[]t]{aC1.sJ=q-[G"
+    good, bad = tmp_path / "p0.key_secret", tmp_path / "bad.key_secret"
+    good.write_text("D:)Q[IlAW!ahhC2ac:9*A}h:p?([4%wOTJ%JR%cs\n")
+    bad.write_text("not a key\n")
+    cfg = parse({"broker": BROKER, "curve_server_key": server, "curve_client_secret_file": str(good)})
+    assert cfg.curve_client_secret_file == str(good)
+    key = "kv_connector_extra_config.curve_client_secret_file"
+    assert key in refused({"broker": BROKER, "curve_client_secret_file": str(good)})  # no server key
+    missing = refused({"broker": BROKER, "curve_server_key": server, "curve_client_secret_file": str(tmp_path / "no")})
+    assert key in missing and "cannot be read" in missing
+    assert "40-character" in refused({"broker": BROKER, "curve_server_key": server, "curve_client_secret_file": str(bad)})

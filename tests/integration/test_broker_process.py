@@ -260,6 +260,60 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
         assert broker.stop() == 0
 
 
+def _keygen(out: Path, *name: str) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "keygen", "--out", str(out), *(("--name", name[0]) if name else ())],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert made.returncode == 0, made.stderr
+
+
+@pytest.mark.anyio
+async def test_curve_clients_admits_listed_keys_only(tmp_path: Path, anyio_backend: str) -> None:
+    """With --curve-clients only peers whose public key is listed get in; another peer,
+    though it knows the broker's key, is refused at the handshake, and the broker says why."""
+    keys, listed = tmp_path / "keys", tmp_path / "clients"
+    _keygen(keys)
+    _keygen(keys, "p0")
+    _keygen(keys, "stranger")
+    listed.mkdir()
+    (listed / "p0.key").write_bytes((keys / "p0.key").read_bytes())
+    server = (keys / "broker.key").read_text().strip()
+    broker = BrokerProcess(
+        tmp_path, "--curve-secret-file", str(keys / "broker.key_secret"), "--curve-clients", str(listed)
+    )
+    broker.start()
+    try:
+        reg = Register(role="prefill", instance_id="p0", compat_hash="h")
+        p0 = BrokerClient(
+            ClientConfig(broker=broker.endpoint, curve=curve_client_keys(server, (keys / "p0.key_secret").read_bytes())),
+            reg,
+        )
+        stranger_keys = curve_client_keys(server, (keys / "stranger.key_secret").read_bytes())
+        stranger = BrokerClient(ClientConfig(broker=broker.endpoint, curve=stranger_keys, register_timeout_s=1),
+                                Register(role="prefill", instance_id="s0", compat_hash="h"))
+        async with anyio.create_task_group() as tg:
+            assert (await tg.start(p0.run)).peer_id == "p0:0"
+            with pytest.raises(BrokerUnavailable, match="did not answer"):
+                await stranger.run()
+            tg.cancel_scope.cancel()
+        refused = [json.loads(line) for line in broker.log_path.read_text().splitlines() if "peer.refused_key" in line]
+        assert refused and refused[0]["client_key"] == (keys / "stranger.key").read_text().strip()
+        out = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "status", "--broker", broker.endpoint, "--json",
+             "--curve-server-key", server, "--curve-client-secret-file", str(keys / "p0.key_secret")],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+    finally:
+        assert broker.stop() == 0
+    no_secret = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0", "--curve-clients", str(listed)],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert no_secret.returncode == 2 and "--curve-clients needs --curve-secret-file" in no_secret.stderr
+
+
 @pytest.mark.anyio
 async def test_curve_broker_serves_keyed_clients_only(tmp_path: Path, anyio_backend: str) -> None:
     keygen = subprocess.run(

@@ -505,16 +505,12 @@ class Stager:
             raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
         if staged.on_gpu and self.paged.use_triton:  # the hot path: no slicing, one launch
             self.paged.copy_range(staged.ids, staged.flat_words, start, end_block, to_staging=True, programs=programs)
-            staged.ready.append((end_block, _record(self.paged.device)))
-            if end_block == staged.num_blocks:
-                staged._layers_done = self.paged.num_layers
-            return
-        ids, words = staged.ids[start:end_block], staged.words[start:end_block]
-        if staged.on_gpu or self.paged.device.type != "cuda":
-            self.paged.gather(ids, words, programs=programs)
+        elif staged.on_gpu or self.paged.device.type != "cuda":
+            self.paged.gather(staged.ids[start:end_block], staged.words[start:end_block], programs=programs)
         else:  # spilled: via a scratch tensor freed in stream order on this same stream
+            words = staged.words[start:end_block]
             scratch = torch.empty_like(words, device=self.paged.device)
-            self.paged.gather(ids, scratch, programs=programs)
+            self.paged.gather(staged.ids[start:end_block], scratch, programs=programs)
             words.copy_(scratch, non_blocking=True)
         staged.ready.append((end_block, _record(self.paged.device)))
         if end_block == staged.num_blocks:

@@ -179,9 +179,7 @@ class _Side:
         self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
         self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
-        self.offer_queue: queue.SimpleQueue = queue.SimpleQueue()  # async_offer: a sender thread's inbox
-        if role == "P":
-            threading.Thread(target=self._send_offers, daemon=True).start()
+        self._offers: queue.SimpleQueue | None = None  # async_offer: the sender thread's inbox
         nb = cfg["cache_blocks"]
         g = torch.Generator(device=self.device).manual_seed(dev)
         self.kv = [
@@ -195,9 +193,17 @@ class _Side:
         self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self.comm_mem_mib: dict[str, float] = {}
 
-    def _send_offers(self) -> None:
+    def offer_async(self, tid: str, nbytes: int) -> None:
+        """Hand the Offer to a sender thread (started on first use), as P's broker
+        client would send it from its own loop thread."""
+        if self._offers is None:
+            self._offers = queue.SimpleQueue()
+            threading.Thread(target=self._send_offers, args=(self._offers,), daemon=True).start()
+        self._offers.put((tid, nbytes))
+
+    def _send_offers(self, inbox: queue.SimpleQueue) -> None:
         while True:
-            tid, nbytes = self.offer_queue.get()
+            tid, nbytes = inbox.get()
             self.hs.offer(tid, nbytes)
 
     def use(self, backend: str | None) -> None:
@@ -383,7 +389,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         _per_layer_p(side, ids)
     elif kind in ("full", "expect"):
         if case.async_offer:
-            side.offer_queue.put((tid, nbytes))
+            side.offer_async(tid, nbytes)
         else:
             side.hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
         clock.mark("offer_sent")

@@ -144,7 +144,7 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
 
 # torch's ProcessGroupNCCL debugging and monitoring, which this transport does not use:
 # its own deadlines and `Completion.wait` catch stuck ops, and it never reads the
-# flight recorder. The flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE) records every op,
+# flight recorder. The flight recorder (TORCH_FR_BUFFER_SIZE) records every op,
 # with a captured stack, on the posting thread, i.e. on a transfer's critical path; the
 # dumps on timeout need it; the heartbeat monitor is one more thread per group, whose
 # reaction is to kill the process. Set with `os.environ.setdefault` before the first
@@ -155,13 +155,23 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
 # communicators, are left alone. Measured on an H200 pair (torch 2.11, NCCL 2.28): the
 # posting cost stayed within run-to-run noise (0.1-0.25 ms an op either way), so this
 # is hygiene, not the fix for host time.
+def _flight_recorder_names() -> tuple[str, str]:
+    """The flight recorder's buffer-size and stack variables: torch 2.10 and later read
+    TORCH_FR_* and warn that the TORCH_NCCL_TRACE_* names they replace are deprecated."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 10):
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_CPP_STACK"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_TRACE_CPP_STACK"
+
+
+_FR_BUFFER, _FR_STACK = _flight_recorder_names()
 TORCH_NCCL_QUIET = {
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    _FR_BUFFER: "0",
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
     "TORCH_NCCL_DESYNC_DEBUG": "0",
     "TORCH_NCCL_ENABLE_TIMING": "0",
-    "TORCH_NCCL_TRACE_CPP_STACK": "0",
+    _FR_STACK: "0",
     "TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN": "0",
 }
 

@@ -1,0 +1,72 @@
+"""Building NCCL communicators, the parts that run without a GPU: backend choice,
+rendezvous payloads, and the torch debugging switches the transport turns off."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from protocols.errors import RendezvousError
+from workers.transports import nccl_lib
+from workers.transports.nccl_setup import TORCH_NCCL_QUIET, parse_payload, quiet_torch_nccl, resolve_backend
+
+
+def test_payloads_of_both_backends_parse() -> None:
+    uid = bytes(range(128))
+    direct = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n1"}).encode())
+    assert direct == {"backend": "direct", "id": uid, "nonce": "n1"}
+    torch_store = parse_payload(json.dumps({"v": 1, "host": "10.0.0.2", "port": 29500, "nonce": "n2"}).encode())
+    assert torch_store == {"backend": "torch", "host": "10.0.0.2", "port": 29500, "nonce": "n2"}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        json.dumps({"v": 2, "backend": "direct", "id": "00" * 16, "nonce": "n"}).encode(),  # a short id
+        json.dumps({"v": 2, "backend": "direct", "id": "zz" * 128, "nonce": "n"}).encode(),  # not hex
+        json.dumps({"v": 1, "host": "h", "port": "29500", "nonce": "n"}).encode(),  # a port as text
+        json.dumps({"v": 1, "host": "h", "port": 1}).encode(),  # no nonce
+        json.dumps({"v": 3, "nonce": "n"}).encode(),
+    ],
+)
+def test_bad_payloads_are_refused_with_what_was_sent(payload: bytes) -> None:
+    with pytest.raises(RendezvousError, match="unusable NCCL rendezvous payload") as info:
+        parse_payload(payload)
+    assert repr(payload[:20])[2:-1] in str(info.value)
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBROKER_NCCL_BACKEND", raising=False)
+    with pytest.raises(ValueError, match=r"unknown NCCL backend 'mpi'; use one of \('direct', 'torch'\)"):
+        resolve_backend("mpi")
+    assert resolve_backend("torch") == "torch"
+    monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "torch")
+    assert resolve_backend() == "torch"
+    monkeypatch.delenv("KVBROKER_NCCL_BACKEND")
+    if nccl_lib.load() is None:  # no NCCL library on this host (a CPU machine)
+        assert resolve_backend() == "torch"
+        with pytest.raises(ValueError, match="the direct NCCL backend needs the NCCL library"):
+            resolve_backend("direct")
+    else:
+        assert resolve_backend() == "direct"
+
+
+def test_torch_debugging_is_switched_off_unless_the_operator_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in (*TORCH_NCCL_QUIET, "KVBROKER_NCCL_TORCH_DEBUG"):
+        monkeypatch.delenv(key, raising=False)
+    operator_key = next(iter(TORCH_NCCL_QUIET))
+    monkeypatch.setenv(operator_key, "4000")  # an operator's value wins
+    applied = quiet_torch_nccl()
+    assert applied[operator_key] == "4000"
+    assert all(applied[k] == v for k, v in TORCH_NCCL_QUIET.items() if k != operator_key)
+
+
+def test_debug_switch_leaves_torch_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in TORCH_NCCL_QUIET:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("KVBROKER_NCCL_TORCH_DEBUG", "1")
+    assert quiet_torch_nccl() == {}
+    assert not any(key in os.environ for key in TORCH_NCCL_QUIET)

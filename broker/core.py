@@ -324,6 +324,7 @@ class Broker:
             t = self._new(now, key, S.UNROUTED)
         t.prefill = peer.peer_id
         t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
+        t.prompt = msg.prompt
         peer.transfers.add(key)
         self.counters["offered"] += 1
         out.append(Note("transfer.offered", {"transfer_id": msg.transfer_id, "nbytes": msg.nbytes, "peer": peer.peer_id}))
@@ -473,7 +474,10 @@ class Broker:
             out.append(
                 Send(
                     d.identity,
-                    Prepare(transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill, attempt=t.attempt),
+                    Prepare(
+                        transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill,
+                        attempt=t.attempt, prompt=t.prompt,
+                    ),
                 )
             )
 

@@ -84,6 +84,7 @@ class Transfer:
     decode: str | None = None
     expected_by: str | None = None
     decode_hint: str = ""
+    prompt: str = ""
     nbytes: int = 0
     layout: Layout = field(default_factory=Layout)
     compat_hash: str = ""

@@ -357,6 +357,13 @@ class ConsumerSide:
         w = self.w
         assert w.pool is not None and self.receiver is not None and w.client is not None
         tid, spec, lay = msg.transfer_id, load.spec, msg.layout
+        if msg.prompt and spec.tokens and msg.prompt != spec.tokens:
+            # The same transfer_id was given to P and D with different prompts (a proxy
+            # bug): that KV would decode into a wrong answer without any error.
+            return (
+                f"the producer's KV is for another prompt (digest {msg.prompt} against this request's "
+                f"{spec.tokens}); the proxy must send P and D the same prompt under one transfer_id"
+            )
         n, k, layers = len(spec.block_ids), spec.num_cached_blocks, len(w.layers)
         if lay.num_layers != layers or lay.block_nbytes != w.block_nbytes or lay.num_blocks != n:
             return (

@@ -204,7 +204,8 @@ class ProducerSide:
         client = w.client.client
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
         nbytes = staged.lease.nbytes
-        if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, staged.spec.decode):
+        spec = staged.spec
+        if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
         w.log.info(

@@ -65,6 +65,8 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: list[int]
     num_cached_blocks: int
     num_tokens: int
+    # Digest of the prompt's token ids, checked against the producer's in Prepare.
+    tokens: str = ""
 
 
 class KvBrokerMetadata(msgspec.Struct, kw_only=True):
@@ -185,6 +187,7 @@ class ConnectorScheduler:
             block_ids=list(block_ids[:needed]),
             num_cached_blocks=local // self.block_size,
             num_tokens=num_tokens,
+            tokens=tokens_digest(request),
         )
         self._log.info(
             "transfer.claimed",

@@ -29,6 +29,7 @@ Role = Literal["prefill", "decode"]
 Id = Annotated[str, Meta(min_length=1, max_length=128)]
 OptId = Annotated[str, Meta(max_length=128)]
 Text = Annotated[str, Meta(max_length=2048)]
+Digest = Annotated[str, Meta(max_length=128)]
 Bytes = Annotated[int, Meta(ge=0, le=1 << 50)]
 Count = Annotated[int, Meta(ge=0, le=1 << 31)]
 Endpoints = Annotated[dict[Annotated[str, Meta(max_length=32)], Text], Meta(max_length=16)]
@@ -95,6 +96,9 @@ class Offer(_Msg, kw_only=True, tag="offer"):
     layout: Layout = Layout()
     # Instance id of the decode instance the request went to, when the proxy chose one.
     decode: OptId = ""
+    # A digest of the prompt the KV was computed for ("" unknown); relayed in Prepare,
+    # so D refuses KV computed for another prompt under the same transfer_id.
+    prompt: Digest = ""
 
 
 class Prepare(_Msg, kw_only=True, tag="prepare"):
@@ -103,6 +107,7 @@ class Prepare(_Msg, kw_only=True, tag="prepare"):
     layout: Layout = Layout()
     source: Id
     attempt: Count = 0
+    prompt: Digest = ""
 
 
 class Ready(_Msg, kw_only=True, tag="ready"):

@@ -283,8 +283,10 @@ class BrokerClient:
             await self._connected.wait()
         await self._chan.send([self.codec.encode(msg)])
 
-    async def offer(self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "") -> None:
-        msg = Offer(transfer_id=transfer_id, nbytes=nbytes, layout=layout or Layout(), decode=decode)
+    async def offer(
+        self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "", prompt: str = ""
+    ) -> None:
+        msg = Offer(transfer_id=transfer_id, nbytes=nbytes, layout=layout or Layout(), decode=decode, prompt=prompt)
         self._offers[transfer_id] = msg
         await self.send(msg)
 
@@ -323,8 +325,10 @@ class SyncBrokerClient:
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.portal.call(fn, *args)
 
-    def offer(self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "") -> None:
-        self.portal.call(self.client.offer, transfer_id, nbytes, layout, decode)
+    def offer(
+        self, transfer_id: str, nbytes: int, layout: Layout | None = None, decode: str = "", prompt: str = ""
+    ) -> None:
+        self.portal.call(self.client.offer, transfer_id, nbytes, layout, decode, prompt)
 
     def expect(self, transfer_id: str) -> None:
         self.portal.call(self.client.expect, transfer_id)

@@ -72,6 +72,16 @@ def test_full_handshake(c: FakeCluster) -> None:
     assert [n.event for n in c.notes][-1] == "transfer.done"
 
 
+def test_prepare_carries_the_offers_prompt_digest_on_every_delivery(c: FakeCluster) -> None:
+    p, d1 = c.prefill(), c.decode("d1", pool=100)
+    p.send(Offer(transfer_id="t1", nbytes=10, prompt="9f2c"))
+    assert d1.take_one(Prepare).prompt == "9f2c"
+    d2 = c.decode("d2", pool=100)
+    d1.goodbye()  # re-delivered to d2 from P's staged copy: the digest goes with it
+    prepare = d2.take_one(Prepare)
+    assert (prepare.prompt, prepare.attempt) == ("9f2c", 1)
+
+
 def test_expect_again_is_accepted_and_a_second_expecter_refused(c: FakeCluster) -> None:
     """A client re-sends its pending Expects after a reconnect: the same Expect again
     changes nothing; another decode peer expecting the same transfer is refused."""

@@ -81,7 +81,9 @@ def test_consumer_claims_prompt_past_local_hit_async() -> None:
     assert s.get_num_new_matched_tokens(r, 64) == (36, True)  # asked again after a failed allocation
     s.update_state_after_alloc(r, FakeBlocks([7, 8, 9, 10]), 36)
     meta = s.build_connector_meta(FakeSchedulerOutput())
-    assert meta.loads == {"t-1": LoadSpec(req_id="r1", block_ids=[7, 8, 9, 10], num_cached_blocks=2, num_tokens=100)}
+    assert meta.loads == {
+        "t-1": LoadSpec(req_id="r1", block_ids=[7, 8, 9, 10], num_cached_blocks=2, num_tokens=100, tokens=tokens_digest(r))
+    }
     assert meta.saves == {}
     # Drained: the next step carries nothing.
     assert s.build_connector_meta(FakeSchedulerOutput()).loads == {}

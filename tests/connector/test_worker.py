@@ -8,6 +8,7 @@ a D side that talk only through the broker and TCP.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,12 +89,13 @@ def stage(
     p.clear()
 
 
-def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int) -> None:
+def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int, tokens: str = "") -> None:
     d.bind(
         KvBrokerMetadata(
             loads={
                 tid: LoadSpec(
-                    req_id=f"req-{tid}", block_ids=blocks, num_cached_blocks=cached, num_tokens=len(blocks) * 32 - 5
+                    req_id=f"req-{tid}", block_ids=blocks, num_cached_blocks=cached, num_tokens=len(blocks) * 32 - 5,
+                    tokens=tokens,
                 )
             }
         )
@@ -256,6 +258,37 @@ def test_abort_from_decode_frees_producer_staging(broker: BrokerProcess) -> None
         assert p.statistics()["aborted"] == 1
         assert p.pool is not None and p.pool.statistics().reserved == 0
         assert d.pool is not None and d.pool.statistics().reserved == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_kv_of_another_prompt_is_refused_by_the_decode_side(broker: BrokerProcess) -> None:
+    """P and D got different prompts under one transfer_id (a proxy bug): D compares the
+    prompt digest P sent with its own, fails the load instead of decoding from that KV,
+    and P's staged copy is freed. The same digest, or an unknown one, loads."""
+    pc, dc = make_caches(seed=17), make_caches(seed=18)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-x", [20, 21], cached=0, tokens="bbbb")
+        stage(p, pc, "t-x", [1, 2], decode="d0", tokens="aaaa")
+        _, errors, _ = run_steps(d, {"req-t-x"}, 10)
+        assert errors == {20, 21}
+        for n in LAYERS:
+            assert torch.equal(dc[n], before[n])
+        wait_until(lambda: not p.statistics()["staged_now"], 5, "P to free the refused transfer's staging")
+        aborted = [json.loads(line) for line in broker.log_path.read_text().splitlines() if "transfer.aborted" in line]
+        assert any("is for another prompt" in a.get("reason", "") for a in aborted), aborted
+        load(d, "t-y", [22, 23], cached=0, tokens="cccc")
+        stage(p, pc, "t-y", [3, 4], decode="d0", tokens="cccc")
+        load(d, "t-z", [24, 25], cached=0)  # no digest on D's side: nothing to compare
+        stage(p, pc, "t-z", [5, 6], decode="d0", tokens="dddd")
+        _, errors, _ = run_steps(d, {"req-t-y", "req-t-z"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[22, 23, 24, 25]], pc[n][[3, 4, 5, 6]])
     finally:
         p.close()
         d.close()

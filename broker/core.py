@@ -149,7 +149,8 @@ class Broker:
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
         self.counters: dict[str, int] = {
-            k: 0 for k in ("offered", "completed", "aborted", "retried", "evicted", "bytes", "errors", "bad_frames")
+            k: 0
+            for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames")
         }
 
     # -- entry points -------------------------------------------------------------
@@ -316,6 +317,11 @@ class Broker:
     def _offer(self, now: float, peer: Peer, msg: Offer, out: list[Effect]) -> None:
         key = (msg.transfer_id, peer.reg.rank)
         t = self.transfers.get(key)
+        if t is not None and t.prefill == peer.peer_id and (t.nbytes, t.layout, t.decode_hint, t.prompt) == (
+            msg.nbytes, msg.layout, msg.decode, msg.prompt
+        ):
+            self.counters["repeated"] += 1
+            return  # the same Offer again (a client re-sending after a reconnect): nothing moves
         if t is not None:
             check_transition(t.state, Offer, peer.role, msg.transfer_id)
         else:
@@ -344,6 +350,7 @@ class Broker:
         if t.state is S.EXPECTED:
             if t.expected_by != peer.peer_id:
                 raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already expected by {t.expected_by}")
+            self.counters["repeated"] += 1
             return  # the same Expect again (re-sent after a reconnect): nothing moves
         if t.decode == peer.peer_id:
             # Routed here by a hint before this Expect arrived: nothing moves.

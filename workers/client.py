@@ -275,12 +275,19 @@ class BrokerClient:
 
     # -- requests -----------------------------------------------------------------
 
-    async def send(self, msg: Message) -> None:
-        """Send one message, waiting (under the caller's deadline) while reconnecting."""
+    async def send(self, msg: Message, *, tracked: bool = False) -> None:
+        """Send one message, waiting (under the caller's deadline) while reconnecting.
+
+        `tracked`: `msg` is one of the Offers or Expects re-sent on registering again; if
+        that happened while this waited, it went out then and is not sent twice.
+        """
+        generation = self.registrations
         while self._chan is None:
             if self._connected is None:
                 raise BrokerUnavailable("the broker client is not running; start it with run() first")
             await self._connected.wait()
+        if tracked and generation and self.registrations != generation:
+            return  # only registering *again* re-sends (`_resend`), not the first time
         await self._chan.send([self.codec.encode(msg)])
 
     async def offer(
@@ -288,11 +295,11 @@ class BrokerClient:
     ) -> None:
         msg = Offer(transfer_id=transfer_id, nbytes=nbytes, layout=layout or Layout(), decode=decode, prompt=prompt)
         self._offers[transfer_id] = msg
-        await self.send(msg)
+        await self.send(msg, tracked=True)
 
     async def expect(self, transfer_id: str) -> None:
         self._expects.add(transfer_id)
-        await self.send(Expect(transfer_id=transfer_id))
+        await self.send(Expect(transfer_id=transfer_id), tracked=True)
 
     async def ready(self, transfer_id: str, nbytes: int, offset: int = 0) -> None:
         await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes))

@@ -82,6 +82,22 @@ def test_prepare_carries_the_offers_prompt_digest_on_every_delivery(c: FakeClust
     assert (prepare.prompt, prepare.attempt) == ("9f2c", 1)
 
 
+def test_the_same_offer_again_changes_nothing_another_is_refused(c: FakeCluster) -> None:
+    """A client re-sends its tracked Offers after a reconnect, and may do so to a broker
+    that never lost them: the same Offer again changes nothing, in any state."""
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 50)
+    d.take_one(Prepare)
+    p.offer("t1", 50)
+    assert c.state("t1") is S.PREPARING and p.take() == [] and d.take() == []
+    d.ready("t1")
+    p.take_one(Go)
+    p.offer("t1", 50)
+    assert c.state("t1") is S.SENDING and p.take() == [] and c.pool(d)[1] == 50
+    assert c.status().counters["repeated"] == 2 and c.status().counters["offered"] == 1
+    refused(c, p.identity, Offer(transfer_id="t1", nbytes=60), ProtocolViolation.code, contains="Offer")
+
+
 def test_expect_again_is_accepted_and_a_second_expecter_refused(c: FakeCluster) -> None:
     """A client re-sends its pending Expects after a reconnect: the same Expect again
     changes nothing; another decode peer expecting the same transfer is refused."""
@@ -617,8 +633,8 @@ def in_state(state: TransferState) -> tuple[FakeCluster, FakePeer, FakePeer]:
 
 
 def message(kind: type, tid: str) -> Message:
-    if kind is Offer:
-        return Offer(transfer_id=tid, nbytes=10)
+    if kind is Offer:  # not the Offer `in_state` made: the same one again is a no-op
+        return Offer(transfer_id=tid, nbytes=11)
     if kind is Ready:
         return Ready(transfer_id=tid, nbytes=10)
     return kind(transfer_id=tid)

@@ -91,3 +91,36 @@ async def test_a_refused_reregistration_is_retried(tmp_path: Path, anyio_backend
     finally:
         ctx.destroy(linger=0)
         broker.stop()
+
+
+async def test_an_offer_made_while_the_broker_is_down_goes_out_once(tmp_path: Path, anyio_backend: str) -> None:
+    """The Offer waits for the restarted broker; registering again re-sends it with the
+    other tracked ones, and the waiting send then does not send it a second time."""
+    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
+    broker.start()
+    p = BrokerClient(
+        ClientConfig(broker=broker.endpoint, reconnect_max_s=0.2), Register(role="prefill", instance_id="p", compat_hash="A")
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(p.run)
+            broker.kill()
+            with anyio.fail_after(10):
+                while p.connected:  # the broker's silence ends the session after its 1 s lease
+                    await anyio.sleep(0.02)
+            sent = anyio.Event()
+
+            async def offer() -> None:
+                await p.offer("t-down", 64)
+                sent.set()
+
+            tg.start_soon(offer)
+            broker.start()
+            with anyio.fail_after(20):
+                await sent.wait()
+            assert p.registrations == 2
+            counters = broker.status()["counters"]
+            assert (counters["offered"], counters["repeated"], counters["errors"]) == (1, 0, 0), counters
+            tg.cancel_scope.cancel()
+    finally:
+        broker.stop()

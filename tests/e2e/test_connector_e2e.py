@@ -127,6 +127,22 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         print(f"\n[connector-e2e] module wall time {time.monotonic() - T0:.1f} s (logs in {root})")
 
 
+def timeline(cluster: dict[str, Any], tids: set[str]) -> str:
+    """Every JSON log line of the module's engines and broker about `tids`, in time order:
+    what a failed assertion about a transfer's fate prints, to show where it went."""
+    rows = []
+    for path in sorted(Path(cluster["root"]).glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and any(t in line for t in tids):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                rows.append((rec.get("timestamp", ""), path.stem, rec.get("transfer_id"), rec.get("event"),
+                             rec.get("reason") or rec.get("error") or ""))
+    return "\n".join(" ".join(map(str, row)) for row in sorted(rows))
+
+
 def log_events(cluster: dict[str, Any], name: str, event: str) -> list[dict[str, Any]]:
     """The connector's JSON log lines of one engine with this event name."""
     out = []
@@ -263,7 +279,7 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     fail = cluster["d-fail"].result(fail_id, timeout=LOAD_TIMEOUT_S + 30)
     fail_s = time.monotonic() - t0
     # Resolved by the broker's 2 s peer lease, well before D's own 20 s load deadline.
-    assert rec_s < 10 and fail_s < 10, (rec_s, fail_s)
+    assert rec_s < 10 and fail_s < 10, (rec_s, fail_s, timeline(cluster, {"victim-rec", "victim-fail"}))
     assert rec["outputs"] == ref["outputs"][:1]  # "recompute": computed locally, same tokens
     assert rec["finish_reasons"] == ["length"]
     assert fail["finish_reasons"] != ["length"] and len(fail["outputs"][0]) < MAX_TOKENS, fail  # "fail": an error

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from engine_runner import EngineProcess
 
-from tests.support import BrokerProcess
+from tests.support import BrokerProcess, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -266,6 +266,14 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
         {"transfer_id": "victim-fail", "decode_instance_id": "d-fail"},
     ]
     victim.generate(prompts, 1, kv_transfer_params=params)  # staged and offered
+    # The Offers are handed to ZMQ when generate returns, not yet on the wire: kill P only
+    # once the broker holds both, or the test is of an Offer that never left (D then
+    # waits its whole load deadline, as it must for a transfer nobody offered).
+    broker: BrokerProcess = cluster["broker"]
+    wait_until(
+        lambda: {"victim-rec", "victim-fail"} <= {t["transfer_id"] for t in broker.status()["transfers"]},
+        20, "the broker to hold the victim's Offers",
+    )
     victim.kill()  # SIGKILL: no goodbye, heartbeats stop
     t0 = time.monotonic()
     rec_id = cluster["d-main"].submit(

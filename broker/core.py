@@ -180,6 +180,7 @@ class Broker:
         out: list[Effect] = []
         for peer in [p for p in self.peers.values() if p.lease_until <= now]:
             self._evict(now, peer, "no heartbeat within its lease", out)
+            self._orphan_expects(peer, "no heartbeat within its lease", out)
         for t in list(self.transfers.values()):
             if t.key not in self.transfers:
                 continue
@@ -276,6 +277,18 @@ class Broker:
                 self._decode_lost(now, t, peer, why, out)
         peer.transfers.clear()
 
+    def _orphan_expects(self, peer: Peer, why: str, out: list[Effect]) -> None:
+        """A lost prefill peer will offer nothing more: end the Expects that named it.
+
+        Not on re-registration (`_evict` alone): a prefill instance that only reconnected
+        re-sends its Offers, and those complete the Expects.
+        """
+        if peer.role != "prefill":
+            return
+        for t in [t for t in self.transfers.values() if t.state is S.EXPECTED and t.expected_from]:
+            if f"{t.expected_from}:{t.rank}" == peer.peer_id:
+                self._abort(t, f"prefill peer {peer.peer_id} was lost ({why}) before it offered", out)
+
     def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
         if t.state is S.EXPECTED or t.prefill is None:
             self._drop(t, out)
@@ -300,6 +313,7 @@ class Broker:
             out.append(Send(peer.identity, Heartbeat(seq=msg.seq)))
         elif isinstance(msg, Goodbye):
             self._evict(now, peer, "it said goodbye", out)
+            self._orphan_expects(peer, "it said goodbye", out)
         elif isinstance(msg, Relay):
             target = self.peers.get(msg.to)
             if target is None:
@@ -343,7 +357,7 @@ class Broker:
         t = self.transfers.get(key)
         if t is None:
             t = self._new(now, key, S.EXPECTED)
-            t.expected_by = peer.peer_id
+            t.expected_by, t.expected_from = peer.peer_id, msg.prefill
             peer.transfers.add(key)
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)

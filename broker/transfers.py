@@ -83,6 +83,7 @@ class Transfer:
     prefill: str | None = None
     decode: str | None = None
     expected_by: str | None = None
+    expected_from: str = ""  # the prefill instance the expecting peer named, if any
     decode_hint: str = ""
     prompt: str = ""
     nbytes: int = 0

@@ -282,7 +282,7 @@ class ConsumerSide:
             # accepted by the broker; one for a transfer granted to another decode peer
             # is refused, and that refusal fails this load at once instead of at its
             # deadline.
-            await self.w.send_bounded("expect", tid, client.expect, tid)
+            await self.w.send_bounded("expect", tid, client.expect, tid, load.spec.prefill)
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
 
     async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:

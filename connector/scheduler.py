@@ -67,6 +67,8 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     # Digest of the prompt's token ids, checked against the producer's in Prepare.
     tokens: str = ""
+    # The prefill instance the proxy sent the request to, when it said so.
+    prefill: str = ""
 
 
 class KvBrokerMetadata(msgspec.Struct, kw_only=True):
@@ -104,6 +106,12 @@ def transfer_id_of(request: Any) -> str | None:
             phase="claim",
         )
     return None
+
+
+def _instance_param(params: dict[str, Any], key: str) -> str:
+    """An instance id the proxy put in kv_transfer_params ("" when absent or unusable)."""
+    value = params.get(key, "")
+    return value if isinstance(value, str) and len(value) <= MAX_TRANSFER_ID else ""
 
 
 class _Producing(msgspec.Struct, kw_only=True):
@@ -166,12 +174,10 @@ class ConnectorScheduler:
         rid = request.request_id
         if self.is_producer:
             if rid not in self._producing:
-                params = request.kv_transfer_params
-                decode = params.get("decode_instance_id", "")
                 self._producing[rid] = _Producing(
                     transfer_id=tid,
                     num_tokens=int(request.num_prompt_tokens),
-                    decode=decode if isinstance(decode, str) and len(decode) <= MAX_TRANSFER_ID else "",
+                    decode=_instance_param(request.kv_transfer_params, "decode_instance_id"),
                     tokens=tokens_digest(request),
                 )
             return
@@ -188,6 +194,7 @@ class ConnectorScheduler:
             num_cached_blocks=local // self.block_size,
             num_tokens=num_tokens,
             tokens=tokens_digest(request),
+            prefill=_instance_param(request.kv_transfer_params, "prefill_instance_id"),
         )
         self._log.info(
             "transfer.claimed",

@@ -88,6 +88,9 @@ class Goodbye(_Msg, kw_only=True, tag="goodbye"):
 
 class Expect(_Msg, kw_only=True, tag="expect"):
     transfer_id: Id
+    # Instance id of the prefill instance the request went to, when the proxy named it:
+    # if that peer is lost before it offers, the broker ends the wait at once.
+    prefill: OptId = ""
 
 
 class Offer(_Msg, kw_only=True, tag="offer"):

@@ -98,7 +98,7 @@ class BrokerClient:
         self._chan: ZmqChannel | None = None
         self._connected: anyio.Event | None = None
         self._offers: dict[str, Offer] = {}
-        self._expects: set[str] = set()
+        self._expects: dict[str, Expect] = {}  # until its Prepare, Abort or our abort
         self._log = log.bind(role=registration.role, instance=registration.instance_id, rank=registration.rank)
 
     @property
@@ -236,7 +236,7 @@ class BrokerClient:
     def _dispatch(self, msg: Message, tasks: anyio.abc.TaskGroup) -> None:
         h = self.handler
         if isinstance(msg, Prepare):
-            self._expects.discard(msg.transfer_id)
+            self._expects.pop(msg.transfer_id, None)
             tasks.start_soon(self._guarded, h.on_prepare, msg)
         elif isinstance(msg, Go):
             tasks.start_soon(self._guarded, h.on_go, msg)
@@ -245,7 +245,7 @@ class BrokerClient:
             tasks.start_soon(self._guarded, h.on_release, msg)
         elif isinstance(msg, Abort):
             self._offers.pop(msg.transfer_id, None)
-            self._expects.discard(msg.transfer_id)
+            self._expects.pop(msg.transfer_id, None)
             tasks.start_soon(self._guarded, h.on_abort, msg)
         elif isinstance(msg, Relay):
             tasks.start_soon(self._guarded, h.on_relay, msg)
@@ -253,7 +253,7 @@ class BrokerClient:
             self._log.warning("broker.error", code=msg.code, detail=msg.detail, transfer_id=msg.transfer_id or None)
             if msg.transfer_id and (msg.transfer_id in self._offers or msg.transfer_id in self._expects):
                 self._offers.pop(msg.transfer_id, None)
-                self._expects.discard(msg.transfer_id)
+                self._expects.pop(msg.transfer_id, None)
                 tasks.start_soon(self._guarded, h.on_abort, Abort(transfer_id=msg.transfer_id, reason=msg.detail))
         # Heartbeat echoes only refresh last_rx.
 
@@ -270,8 +270,8 @@ class BrokerClient:
     async def _resend(self) -> None:
         for offer in list(self._offers.values()):
             await self.send(offer)
-        for tid in list(self._expects):
-            await self.send(Expect(transfer_id=tid))
+        for expect in list(self._expects.values()):
+            await self.send(expect)
 
     # -- requests -----------------------------------------------------------------
 
@@ -297,9 +297,10 @@ class BrokerClient:
         self._offers[transfer_id] = msg
         await self.send(msg, tracked=True)
 
-    async def expect(self, transfer_id: str) -> None:
-        self._expects.add(transfer_id)
-        await self.send(Expect(transfer_id=transfer_id), tracked=True)
+    async def expect(self, transfer_id: str, prefill: str = "") -> None:
+        msg = Expect(transfer_id=transfer_id, prefill=prefill)
+        self._expects[transfer_id] = msg
+        await self.send(msg, tracked=True)
 
     async def ready(self, transfer_id: str, nbytes: int, offset: int = 0) -> None:
         await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes))
@@ -309,7 +310,7 @@ class BrokerClient:
 
     async def abort(self, transfer_id: str, reason: str) -> None:
         self._offers.pop(transfer_id, None)
-        self._expects.discard(transfer_id)
+        self._expects.pop(transfer_id, None)
         await self.send(Abort(transfer_id=transfer_id, reason=reason[:2000]))
 
     async def relay(self, to: str, key: str, payload: bytes) -> None:
@@ -337,8 +338,8 @@ class SyncBrokerClient:
     ) -> None:
         self.portal.call(self.client.offer, transfer_id, nbytes, layout, decode, prompt)
 
-    def expect(self, transfer_id: str) -> None:
-        self.portal.call(self.client.expect, transfer_id)
+    def expect(self, transfer_id: str, prefill: str = "") -> None:
+        self.portal.call(self.client.expect, transfer_id, prefill)
 
     def abort(self, transfer_id: str, reason: str) -> None:
         self.portal.call(self.client.abort, transfer_id, reason)

@@ -82,6 +82,25 @@ def test_prepare_carries_the_offers_prompt_digest_on_every_delivery(c: FakeClust
     assert (prepare.prompt, prepare.attempt) == ("9f2c", 1)
 
 
+def test_expects_naming_a_lost_prefill_peer_end_at_once(c: FakeCluster) -> None:
+    """An Expect that names its prefill instance ends when that peer is lost before it
+    offers (lease or goodbye), not at the decode side's deadline; a prefill peer that only
+    registers again (it reconnected, its Offers follow) ends nothing."""
+    c.prefill("p")
+    q, d = c.prefill("q"), c.decode(pool=100)
+    d.send(Expect(transfer_id="t1", prefill="p"))
+    d.send(Expect(transfer_id="t2", prefill="q"))
+    d.expect("t3")  # names nobody
+    c.register("p", "prefill", identity=b"p/0-again")  # p reconnected
+    assert c.state("t1") is S.EXPECTED and d.take() == []
+    c.advance(5.0, keep_alive=[q, d])  # p's lease ends
+    abort = d.take_one(Abort)
+    assert abort.transfer_id == "t1" and "prefill peer p:0 was lost" in abort.reason and "before it offered" in abort.reason
+    assert c.state("t1") is None and c.state("t2") is S.EXPECTED and c.state("t3") is S.EXPECTED
+    q.goodbye()
+    assert d.take_one(Abort).transfer_id == "t2" and c.state("t3") is S.EXPECTED
+
+
 def test_the_same_offer_again_changes_nothing_another_is_refused(c: FakeCluster) -> None:
     """A client re-sends its tracked Offers after a reconnect, and may do so to a broker
     that never lost them: the same Offer again changes nothing, in any state."""

@@ -89,6 +89,19 @@ def test_consumer_claims_prompt_past_local_hit_async() -> None:
     assert s.build_connector_meta(FakeSchedulerOutput()).loads == {}
 
 
+def test_consumer_load_names_the_prefill_instance_when_the_proxy_did() -> None:
+    s = scheduler("consumer")
+    for rid, params, want in (
+        ("r1", {"prefill_instance_id": "prefill-0"}, "prefill-0"),
+        ("r2", {}, ""),
+        ("r3", {"prefill_instance_id": 7}, ""),  # unusable: ignored, the request still loads
+    ):
+        r = req(rid, 40, tid=f"t-{rid}", **params)
+        assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+        s.update_state_after_alloc(r, FakeBlocks([1, 2]), 40)
+        assert s.build_connector_meta(FakeSchedulerOutput()).loads[f"t-{rid}"].prefill == want
+
+
 def test_consumer_claims_once_then_computes_locally() -> None:
     s = scheduler("consumer")
     r = req("r1", 70)

@@ -89,13 +89,13 @@ def stage(
     p.clear()
 
 
-def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int, tokens: str = "") -> None:
+def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int, tokens: str = "", prefill: str = "") -> None:
     d.bind(
         KvBrokerMetadata(
             loads={
                 tid: LoadSpec(
                     req_id=f"req-{tid}", block_ids=blocks, num_cached_blocks=cached, num_tokens=len(blocks) * 32 - 5,
-                    tokens=tokens,
+                    tokens=tokens, prefill=prefill,
                 )
             }
         )
@@ -258,6 +258,24 @@ def test_abort_from_decode_frees_producer_staging(broker: BrokerProcess) -> None
         assert p.statistics()["aborted"] == 1
         assert p.pool is not None and p.pool.statistics().reserved == 0
         assert d.pool is not None and d.pool.statistics().reserved == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_named_prefill_lost_before_offering_fails_the_load_at_once(broker: BrokerProcess) -> None:
+    """D's request names its prefill instance; that instance leaves before offering: the
+    load fails now (the policy applies), not at D's 30 s load deadline."""
+    pc, dc = make_caches(seed=23), make_caches(seed=24)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
+    try:
+        load(d, "t-orphan", [30, 31], cached=0, prefill="p0")
+        wait_until(lambda: any(t["transfer_id"] == "t-orphan" for t in broker.status()["transfers"]), 10,
+                   "d0's Expect to reach the broker")
+        p.close()  # says goodbye: p0 will offer nothing more
+        _, errors, took = run_steps(d, {"req-t-orphan"}, 10)
+        assert errors == {30, 31} and took < 10
     finally:
         p.close()
         d.close()

@@ -219,7 +219,11 @@ class NcclTransport:
         ends = list(bounds) if bounds else [staged.num_blocks]
         ahead = self.lookahead if lookahead is None else lookahead
         comm = self.cache.get(peer, initiator=True)
-        done, start, gathered = None, 0, 0
+        # Staged on the GPU, each chunk's send is one lean post on a byte range of the
+        # staging buffer; spilled, `send_staged` brings each chunk back through a bounce.
+        data = staged.tensor if staged.on_gpu else None
+        step = staged.paged.staged_block_nbytes
+        done, start, gathered, works = None, 0, 0, []
         with comm.lock:
             for k, end in enumerate(ends):
                 while gathered < min(len(ends), k + 1 + ahead):
@@ -229,10 +233,16 @@ class NcclTransport:
                     gathered += 1
                 if k == 0 and before_send is not None:
                     before_send()
-                done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
+                if data is None:
+                    done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
+                else:
+                    event = None if self.unsafe_skip_event_wait else staged.event_for(end)
+                    works.append(comm.post_range("send", data, start * step, (end - start) * step, self.stream, event))
                 if on_step is not None:
                     on_step("send", end)
                 start = end
+        if data is not None:
+            return self._finish(comm, works, self.stream, "send", transfer_id, ends=ends)
         assert done is not None
         return done
 
@@ -263,17 +273,17 @@ class NcclTransport:
                     event = None
                 else:
                     waited = event
-                chunk = data if b0 == 0 and b1 * step == data.numel() else data[b0 * step : b1 * step]
-                if not chunk.is_cuda:  # spilled: bring it back through a bounce buffer
-                    with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                        if event is not None:
-                            self.stream.wait_event(event)
-                        bounce = torch.empty(chunk.numel(), dtype=torch.uint8, device=self.device)
-                        bounce.copy_(chunk, non_blocking=True)
-                        event = _now(self.device)[0]  # the send waits for the copy
-                    chunk = bounce
-                    keep.append(bounce)
-                works.append(comm.post([("send", chunk)], self.stream, [event]))
+                if staged.on_gpu:
+                    works.append(comm.post_range("send", data, b0 * step, (b1 - b0) * step, self.stream, event))
+                    continue
+                with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # spilled: through a bounce
+                    if event is not None:
+                        self.stream.wait_event(event)
+                    bounce = torch.empty((b1 - b0) * step, dtype=torch.uint8, device=self.device)
+                    bounce.copy_(data[b0 * step : b1 * step], non_blocking=True)
+                    event = _now(self.device)[0]  # the send waits for the copy
+                keep.append(bounce)
+                works.append(comm.post([("send", bounce)], self.stream, [event]))
         return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
 
     def recv_staged(
@@ -291,13 +301,14 @@ class NcclTransport:
         comm = self.cache.get(peer, initiator=False)
         n = block_ids.numel()
         step = paged.staged_block_nbytes
-        words = paged.staging_view(buf, n)
         chunks = _ranges(n, bounds)
         current = _now(self.device)
         works = []
-        with comm.lock:
+        with comm.lock:  # the receives first: the sender may be waiting on the first one
             for k, (b0, b1) in enumerate(chunks):
-                works.append(comm.post([("recv", buf[b0 * step : b1 * step])], self.stream, current if k == 0 else ()))
+                works.append(comm.post_range("recv", buf, b0 * step, (b1 - b0) * step, self.stream,
+                                             current[0] if k == 0 else None))
+        words = paged.staging_view(buf, n)
         with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
             # Whatever the caller enqueued on these blocks so far must finish before we write them.
             self.scatter_stream.wait_event(current[0])

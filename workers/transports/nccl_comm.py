@@ -198,6 +198,16 @@ class NcclCommunicator:
             work = self.pg._end_coalescing()
         return work
 
+    def post_range(
+        self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
+        after: torch.cuda.Event | None = None,
+    ) -> Any:
+        """Post one op on bytes ``[start, start + nbytes)`` of `base` (a contiguous uint8
+        CUDA tensor), after the event `after`: `post` for a chunk of a transfer."""
+        if not 0 <= start and start + nbytes <= base.numel():
+            raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
+        return self.post([(op, base[start : start + nbytes])], stream, [after])
+
     def completion(
         self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
         keep: Sequence[Any] = (),
@@ -321,6 +331,30 @@ class DirectCommunicator(NcclCommunicator):
             done = torch.cuda.Event()
             done.record(ns)
         return _DirectWork(done, [tensor for _, tensor in ops])
+
+    def post_range(
+        self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
+        after: torch.cuda.Event | None = None,
+    ) -> Any:
+        # The leanest post, for the first chunk of a transfer (on its critical path): no
+        # slice of `base`, no group around the single op (NCCL groups one op by itself).
+        if self.closed:
+            raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
+        if not 0 <= start and start + nbytes <= base.numel():
+            raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
+        lib = self.lib
+        with self.lock:
+            if after is not None:
+                self.nccl_stream.wait_event(after)
+            try:
+                (lib.send if op == "send" else lib.recv)(base.data_ptr() + start, nbytes, self.peer_rank, self.handle,
+                                                         self._stream_ptr)
+            except BaseException:
+                self.fail("posting an op failed")
+                raise
+            done = torch.cuda.Event()
+            done.record(self.nccl_stream)
+        return _DirectWork(done, [base])
 
     def completion(
         self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",

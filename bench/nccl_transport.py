@@ -502,7 +502,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
-        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds)
+        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds)
     elif kind == "expect":  # the Expect: credit and pool room granted before P finishes
         lease = side.pool.acquire_nowait(nbytes)
         side.hs.ready(tid)
@@ -517,7 +517,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
             lease = side.pool.acquire_nowait(size)
             side.hs.ready(got)  # before posting: P's posting then overlaps ours
             clock.mark("ready_sent")
-        done = tr.recv_staged("P", lease.tensor, side.paged, ids, bounds=bounds, transfer_id=got)
+        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got)
         clock.mark("all_posted")
     if done is not None:
         _wait(done)
@@ -709,7 +709,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
                 t3 = time.perf_counter()
                 paged = side.paged
                 _copy_rows_kernel[(32 * LAYERS * paged.pre,)](  # Triton's own launch path, for comparison
-                    paged._layer_ptrs, ids, words, paged.num_blocks, 0, 32 * LAYERS * paged.pre,
+                    paged._layer_ptrs, ids, words, paged.num_blocks, 0, 32 * LAYERS * paged.pre, 0,
                     ROW=paged.row_words, NUM_LAYERS=LAYERS, PRE=paged.pre, BLOCK=paged._block, TO_STAGING=True,
                     num_warps=8)
                 t4 = time.perf_counter()

@@ -76,7 +76,7 @@ def _word_dtype(row_nbytes: int) -> torch.dtype:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_cache_blocks", "first_row", "end_row"])
+    @triton.jit(do_not_specialize=["num_cache_blocks", "first_row", "end_row", "stage_offset"])
     def _copy_rows_kernel(
         layer_ptrs,
         block_ids,
@@ -84,13 +84,15 @@ if triton is not None:
         num_cache_blocks,
         first_row,
         end_row,
+        stage_offset,
         ROW: tl.constexpr,
         NUM_LAYERS: tl.constexpr,
         PRE: tl.constexpr,
         BLOCK: tl.constexpr,
         TO_STAGING: tl.constexpr,
     ):
-        # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p.
+        # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p;
+        # the transfer's row 0 starts `stage_offset` words into `staging` (a whole pool).
         # Program k copies rows first_row + k, + G, + 2G, ... below end_row (G programs):
         # a grid capped below one program per row leaves the other SMs to NCCL's kernels.
         for r in tl.range(first_row + tl.program_id(0), end_row, tl.num_programs(0)):
@@ -101,7 +103,7 @@ if triton is not None:
             base = tl.load(layer_ptrs + layer).to(tl.pointer_type(staging.dtype.element_ty))
             blk = tl.load(block_ids + i).to(tl.int64)
             cache_row = base + (p * num_cache_blocks + blk) * ROW
-            stage_row = staging + row * ROW
+            stage_row = staging + stage_offset + row * ROW
             for start in tl.range(0, ROW, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < ROW
@@ -135,14 +137,14 @@ class _Launcher:
         # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
         # of the two tensors that vary, and whether the int arguments need 64 bits.
         key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0,
-               max(args[3], args[5]) >= 1 << 31)
+               max(args[3], args[5], args[6]) >= 1 << 31)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
             return
-        kernel = _copy_rows_kernel[grid](*args[:6], ROW=args[6], NUM_LAYERS=args[7], PRE=args[8], BLOCK=args[9],
-                                         TO_STAGING=args[10], num_warps=8)
+        kernel = _copy_rows_kernel[grid](*args[:7], ROW=args[7], NUM_LAYERS=args[8], PRE=args[9], BLOCK=args[10],
+                                         TO_STAGING=args[11], num_warps=8)
         self.compiled.setdefault(key, kernel)
 
     def check(self, args: tuple[Any, ...]) -> None:
@@ -214,7 +216,7 @@ class PagedKv:
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
             per_block = self.num_layers * self.pre
-            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, self.row_words,
+            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, 0, self.row_words,
                                 self.num_layers, self.pre, self._block, True))
 
     @property
@@ -277,18 +279,19 @@ class PagedKv:
 
     def copy_range(
         self, ids: torch.Tensor, staging: torch.Tensor, start: int, end: int, *, to_staging: bool,
-        programs: int | None = None,
+        programs: int | None = None, offset: int = 0,
     ) -> None:
         """Gather (or scatter) blocks ``[start, end)`` of a whole transfer, one Triton kernel.
 
-        `ids` are the transfer's block ids and `staging` its whole staging buffer in
-        words (any shape, contiguous, starting at block 0), so a chunk costs no tensor
-        slicing on the host: only the launch, which is on P's critical path.
+        `ids` are the transfer's block ids; `staging` holds its staged bytes in words
+        (any shape, contiguous), block 0 at word `offset` (a whole pool's word view and
+        a lease's offset, say). So a chunk costs no tensor slicing or view on the host:
+        only the launch, which is on P's critical path.
         """
         per_block = self.num_layers * self.pre
         first, rows = start * per_block, (end - start) * per_block
         grid = (rows if programs is None else max(1, min(rows, programs)),)
-        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows,
+        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows, offset,
                             self.row_words, self.num_layers, self.pre, self._block, to_staging))
 
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
@@ -448,6 +451,12 @@ class Stager:
         self.paged = paged
         self.gpu_pool = gpu_pool
         self.spill_pool = spill_pool
+        # The GPU pool as words, made once: a gather addresses a lease by its offset in it.
+        self._pool_words = (
+            gpu_pool.tensor.view(paged.word)
+            if gpu_pool is not None and gpu_pool.tensor.is_cuda and paged.use_triton
+            else None
+        )
 
     def begin(self, block_ids: Sequence[int] | torch.Tensor) -> StagedTransfer:
         """Reserve staging room for a request's blocks; nothing is copied yet.
@@ -503,7 +512,10 @@ class Stager:
         start = staged.ready[-1][0] if staged.ready else 0
         if not start < end_block <= staged.num_blocks:
             raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
-        if staged.on_gpu and self.paged.use_triton:  # the hot path: no slicing, one launch
+        if staged.on_gpu and self._pool_words is not None:  # the hot path: no slice or view, one launch
+            self.paged.copy_range(staged.ids, self._pool_words, start, end_block, to_staging=True, programs=programs,
+                                  offset=staged.lease.offset // self.paged.word.itemsize)
+        elif staged.on_gpu and self.paged.use_triton:
             self.paged.copy_range(staged.ids, staged.flat_words, start, end_block, to_staging=True, programs=programs)
         elif staged.on_gpu or self.paged.device.type != "cuda":
             self.paged.gather(staged.ids[start:end_block], staged.words[start:end_block], programs=programs)

@@ -108,15 +108,28 @@ class Lease:
     release is a bug the pool cannot detect, as with any allocator.
     """
 
-    __slots__ = ("_pool", "offset", "nbytes", "reserved", "tensor", "_released")
+    __slots__ = ("_pool", "offset", "nbytes", "reserved", "_tensor", "_released")
 
     def __init__(self, pool: BufferPool, offset: int, nbytes: int, reserved: int) -> None:
         self._pool = pool
         self.offset = offset
         self.nbytes = nbytes
         self.reserved = reserved
-        self.tensor = pool.tensor[offset : offset + nbytes]
+        self._tensor: torch.Tensor | None = None
         self._released = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        # Made on first use: a GPU transfer addresses its lease as `base` + `offset`
+        # and never needs the view (a slice costs host time on its critical path).
+        if self._tensor is None:
+            self._tensor = self._pool.tensor[self.offset : self.offset + self.nbytes]
+        return self._tensor
+
+    @property
+    def base(self) -> torch.Tensor:
+        """The whole pool's uint8 tensor; this lease is bytes ``[offset, offset + nbytes)`` of it."""
+        return self._pool.tensor
 
     @property
     def released(self) -> bool:

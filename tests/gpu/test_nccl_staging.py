@@ -196,6 +196,9 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
         paged = PagedKv(kv)
         prompt = _prompt_kv(device)
         pool = BufferPool(paged.staged_block_nbytes * 16, device=device)
+        # Held for the whole run, so every transfer's lease starts past the pool's first
+        # byte: gathers, sends and receives address a lease as pool + offset.
+        pad = pool.acquire_nowait(paged.staged_block_nbytes) if cfg.get("offset_leases") else None
         res: dict[str, Any] = {}
         if role == "P":
             if cfg.get("spill"):  # a GPU pool too small for the request: it stages in pinned memory
@@ -221,6 +224,7 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                         staged = stager.stage(ids, bounds=bounds)
                 elif cfg.get("pipelined"):  # gathers interleaved with sends, later ones capped
                     staged = stager.begin(ids)
+                    assert pad is None or staged.lease.offset > 0
                     done = transport.gather_and_send("D", stager, staged, bounds=bounds, before_send=ready)
                 else:
                     staged = stager.stage(ids, bounds=bounds)
@@ -244,9 +248,11 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                 for layer in range(LAYERS):
                     kv[layer].index_fill_(1, ids, 3.0)  # so a missing write cannot pass
                 lease = pool.acquire_nowait(nbytes)
+                assert pad is None or lease.offset > 0
                 if handshake:
                     rdv.publish("P", f"ready/{i}", b"1")
-                done = transport.recv_staged("P", lease.tensor, paged, ids, bounds=bounds)
+                # Either form of the buffer: a lease (the lean path) or its tensor.
+                done = transport.recv_staged("P", lease if pad is not None else lease.tensor, paged, ids, bounds=bounds)
                 done.wait(time.monotonic() + 30.0)
                 got = torch.stack([kv[layer][:, ids] for layer in range(LAYERS)])
                 if not torch.equal(got, prompt):
@@ -290,7 +296,7 @@ def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
     after the call, zero mismatches. The first iteration also builds the communicator
     after Ready."""
     cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
-           "gather_programs": 3, "backend": backend}
+           "gather_programs": 3, "backend": backend, "offset_leases": True}
     res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
     _report(f"safe_chunked_ready[{backend}]", res)
     assert res["mismatches"] == 0

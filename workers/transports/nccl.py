@@ -90,6 +90,7 @@ import torch
 
 from protocols.errors import RendezvousError
 from workers.gpu_staging import PagedKv, StagedTransfer, Stager, current_stream
+from workers.pool import Lease
 
 from .nccl_comm import (
     CacheStats,
@@ -221,7 +222,8 @@ class NcclTransport:
         comm = self.cache.get(peer, initiator=True)
         # Staged on the GPU, each chunk's send is one lean post on a byte range of the
         # staging buffer; spilled, `send_staged` brings each chunk back through a bounce.
-        data = staged.tensor if staged.on_gpu else None
+        data = staged.lease.base if staged.on_gpu else None  # the pool; the transfer starts at the lease's offset
+        at = staged.lease.offset
         step = staged.paged.staged_block_nbytes
         done, start, gathered, works = None, 0, 0, []
         with comm.lock:
@@ -237,7 +239,8 @@ class NcclTransport:
                     done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
                 else:
                     event = None if self.unsafe_skip_event_wait else staged.event_for(end)
-                    works.append(comm.post_range("send", data, start * step, (end - start) * step, self.stream, event))
+                    works.append(comm.post_range("send", data, at + start * step, (end - start) * step, self.stream,
+                                                 event))
                 if on_step is not None:
                     on_step("send", end)
                 start = end
@@ -274,7 +277,8 @@ class NcclTransport:
                 else:
                     waited = event
                 if staged.on_gpu:
-                    works.append(comm.post_range("send", data, b0 * step, (b1 - b0) * step, self.stream, event))
+                    works.append(comm.post_range("send", staged.lease.base, staged.lease.offset + b0 * step,
+                                                 (b1 - b0) * step, self.stream, event))
                     continue
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # spilled: through a bounce
                     if event is not None:
@@ -287,28 +291,31 @@ class NcclTransport:
         return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
 
     def recv_staged(
-        self, peer: str, buf: torch.Tensor, paged: PagedKv, block_ids: torch.Tensor, *,
+        self, peer: str, buf: torch.Tensor | Lease, paged: PagedKv, block_ids: torch.Tensor, *,
         bounds: Sequence[int] | None = None, transfer_id: str = "",
     ) -> Completion:
-        """Receive staged blocks into `buf` (a pool lease) and scatter them into `block_ids`.
+        """Receive staged blocks into `buf` (a pool lease, or its uint8 tensor) and
+        scatter them into `block_ids`.
 
-        Every chunk's receive is posted first (after the current stream's work, which
-        may still use `buf` or the blocks); then the scatter stream waits for each
-        receive in turn and scatters that chunk, so scattering chunk k overlaps
-        receiving chunk k+1. The completion covers the last scatter. Send Ready before
-        calling this (see the module doc): the sender's posting then overlaps ours.
+        Every chunk's receive is posted first, at once: `buf` must have no GPU work
+        left on it (a lease from a pool whose earlier transfers completed). Then the
+        scatter stream waits for the current stream's work (which may still use the
+        blocks) and for each receive in turn, and scatters that chunk, so scattering
+        chunk k overlaps receiving chunk k+1. The completion covers the last scatter.
+        Send Ready before calling this (see the module doc): the sender's posting then
+        overlaps ours.
         """
         comm = self.cache.get(peer, initiator=False)
         n = block_ids.numel()
         step = paged.staged_block_nbytes
         chunks = _ranges(n, bounds)
-        current = _now(self.device)
+        base, at = (buf.base, buf.offset) if isinstance(buf, Lease) else (buf, 0)
         works = []
         with comm.lock:  # the receives first: the sender may be waiting on the first one
-            for k, (b0, b1) in enumerate(chunks):
-                works.append(comm.post_range("recv", buf, b0 * step, (b1 - b0) * step, self.stream,
-                                             current[0] if k == 0 else None))
-        words = paged.staging_view(buf, n)
+            for b0, b1 in chunks:
+                works.append(comm.post_range("recv", base, at + b0 * step, (b1 - b0) * step, self.stream))
+        current = _now(self.device)
+        words = paged.staging_view(buf.tensor if isinstance(buf, Lease) else buf, n)
         with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
             # Whatever the caller enqueued on these blocks so far must finish before we write them.
             self.scatter_stream.wait_event(current[0])

@@ -173,6 +173,7 @@ class Case:
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
     lookahead: int = 0  # P: gathers enqueued ahead of the sends (`NcclTransport.gather_and_send`)
     scatter_programs: int | None = SCATTER_PROGRAMS  # D: grid cap of scatters that overlap receives
+    adaptive: bool = False  # P: each later gather's grid sized to the rate it needs (`adaptive_gathers`)
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
@@ -380,6 +381,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
             side.transport.gather_programs = case.gather_programs
             side.transport.lookahead = case.lookahead
             side.transport.scatter_programs = case.scatter_programs
+            side.transport.adaptive_gathers = case.adaptive
             _nccl_priority(side, case.high_priority)
             side.hs.spin = case.hot
             clock = _Clock(side, tracing)
@@ -752,7 +754,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
     cap = cfg["gather_programs"]
     cases = {
         "raw": Case("raw", "raw"),
-        "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap),
+        "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap, adaptive=cfg["adaptive"]),
         "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], gather_programs=cap),
         "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
         "ours_data": Case("data", "ours_data", chunk, gather_programs=cap),
@@ -774,6 +776,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change = {"lookahead": int(variant.removeprefix("ahead"))}
         elif variant.startswith("scap"):
             change = {"scatter_programs": int(variant.removeprefix("scap")) or None}
+        elif variant == "adapt":
+            change = {"adaptive": True}
         elif variant == "hot":
             for name in ("raw", "ours_full", "ours_expect", "ours_data"):
                 cases[f"{name}~hot"] = replace(cases[name], label=f"{name}~hot", hot=True)
@@ -925,6 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
+    ap.add_argument("--adaptive", action="store_true", help="ours_full sizes each later gather's grid to its chunk")
     ap.add_argument("--profile", action="store_true",
                     help="traces also stamp entry and exit of each call on the critical path (adds ~1 us a call)")
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
@@ -952,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
            "sweep": sweep, "backends": backends, "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
-           "host_costs": args.host_costs, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+           "host_costs": args.host_costs, "adaptive": args.adaptive, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p = {b: ctx.Queue() for b in backends}, {b: ctx.Queue() for b in backends}
     results = ctx.Queue()

@@ -117,6 +117,16 @@ GATHER_PROGRAMS = 64
 # And of a scatter on the receiver that overlaps later chunks' receives: at full width
 # (about 3.8 TB/s of HBM traffic) it slows NCCL's receive of the next chunk.
 SCATTER_PROGRAMS = 64
+# With `adaptive_gathers`, a later chunk's gather gets programs for the rate it needs to
+# be done when the chunk before it has left: (its size / the previous chunk's size) times
+# NVLink's rate, at about 25 GB/s a program, with half again to spare; at least 16.
+_PROGRAMS_PER_RATIO, _MIN_PROGRAMS = 22, 16
+
+
+def gather_programs_for(ratio: float, cap: int | None) -> int | None:
+    """Programs for a gather of a chunk `ratio` times the size of the chunk before it."""
+    want = max(_MIN_PROGRAMS, -(-int(ratio * _PROGRAMS_PER_RATIO * 100) // 100))
+    return want if cap is None else min(cap, want)
 
 
 class NcclTransport:
@@ -150,6 +160,7 @@ class NcclTransport:
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
         self.gather_programs = gather_programs
+        self.adaptive_gathers = False
         self.lookahead = lookahead
         self.scatter_programs = scatter_programs
         self.unsafe_skip_event_wait = unsafe_skip_event_wait
@@ -229,7 +240,11 @@ class NcclTransport:
         with comm.lock:
             for k, end in enumerate(ends):
                 while gathered < min(len(ends), k + 1 + ahead):
-                    stager.gather_chunk(staged, ends[gathered], programs=None if gathered == 0 else self.gather_programs)
+                    programs = None if gathered == 0 else self.gather_programs
+                    if gathered and self.adaptive_gathers:
+                        prev = ends[gathered - 1] - (ends[gathered - 2] if gathered > 1 else 0)
+                        programs = gather_programs_for((ends[gathered] - ends[gathered - 1]) / prev, programs)
+                    stager.gather_chunk(staged, ends[gathered], programs=programs)
                     if on_step is not None:
                         on_step("gather", ends[gathered])
                     gathered += 1

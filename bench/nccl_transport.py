@@ -42,11 +42,14 @@ over torch's ProcessGroupNCCL backend in the same run (`--backends`), and `raw~t
 is the bare send posted through torch. `x raw` is always against `raw` on the default
 backend, the faster ceiling.
 
-P's gathers after the first chunk's, which overlap earlier chunks' sends, run on a
-capped grid (`--gather-programs`, the transport's `GATHER_PROGRAMS`), and NCCL's
-stream has high priority. The `~capN` rows cap those gathers at N programs instead
-(`cap0`: full width); `~lowprio` rows are the transport without any of it (NCCL at the
-default priority, full-width gathers and scatters): what it buys. `~aheadN` rows enqueue N gathers
+P's gathers after the first chunk's, which overlap earlier chunks' sends, run on
+grids sized to the rate each needs (`adaptive_gathers`, at most `--gather-programs`,
+the transport's `GATHER_PROGRAMS`), and NCCL's stream has high priority. `~fixed` rows
+run every such gather at the cap, `~capN` rows at N programs (`cap0`: full width);
+`~lowprio` rows are the transport without any of it (NCCL at the default priority,
+full-width gathers and scatters): what it buys. `~hot` rows (and their own `raw~hot`
+ceiling) keep both processes spinning between and inside iterations instead of
+sleeping on the barrier and the pipe: a busy engine rather than an idle one woken up. `~aheadN` rows enqueue N gathers
 ahead of the sends (`NcclTransport.gather_and_send`'s lookahead); D's scatters (all but
 the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N instead; `~eager` rows post P's sends
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
@@ -64,7 +67,8 @@ the timed ones. For each prompt length the cases run in rounds, every case once 
 round, so the machine's drift over a run (seen at +-5%) falls on all of them alike.
 
 The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip over
-a multiprocessing pipe. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
+a multiprocessing pipe, each message a few bytes. `--profile` adds to the trace lines
+the entry (`>N`) and exit (`<N`) of each call on the critical path, on both sides. The broker's Offer/Prepare/Ready/Go path adds about 0.1 ms
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
@@ -173,7 +177,7 @@ class Case:
     high_priority: bool = True  # NCCL's stream above the copies' (direct backend)
     lookahead: int = 0  # P: gathers enqueued ahead of the sends (`NcclTransport.gather_and_send`)
     scatter_programs: int | None = SCATTER_PROGRAMS  # D: grid cap of scatters that overlap receives
-    adaptive: bool = False  # P: each later gather's grid sized to the rate it needs (`adaptive_gathers`)
+    adaptive: bool = True  # P: each later gather's grid sized to the rate it needs (`adaptive_gathers`)
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
@@ -754,7 +758,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
     cap = cfg["gather_programs"]
     cases = {
         "raw": Case("raw", "raw"),
-        "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap, adaptive=cfg["adaptive"]),
+        "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap),
         "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], gather_programs=cap),
         "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
         "ours_data": Case("data", "ours_data", chunk, gather_programs=cap),
@@ -771,21 +775,22 @@ def _cases(cfg: dict) -> dict[str, Case]:
     for variant in cfg["variants"]:  # capN: gathers overlapping the wire get N programs (0: all);
         # lowprio: NCCL's stream at the default priority and full-width gathers (no contention control)
         if variant == "lowprio":
-            change: dict[str, Any] = {"high_priority": False, "gather_programs": None, "scatter_programs": None}
+            change: dict[str, Any] = {"high_priority": False, "gather_programs": None, "scatter_programs": None,
+                                      "adaptive": False}
         elif variant.startswith("ahead"):
             change = {"lookahead": int(variant.removeprefix("ahead"))}
         elif variant.startswith("scap"):
             change = {"scatter_programs": int(variant.removeprefix("scap")) or None}
-        elif variant == "adapt":
-            change = {"adaptive": True}
+        elif variant == "fixed":
+            change = {"adaptive": False}
         elif variant == "hot":
             for name in ("raw", "ours_full", "ours_expect", "ours_data"):
                 cases[f"{name}~hot"] = replace(cases[name], label=f"{name}~hot", hot=True)
             continue
         elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
-        else:
-            change = {"gather_programs": int(variant.removeprefix("cap")) or None}
+        else:  # every later gather on the same grid
+            change = {"gather_programs": int(variant.removeprefix("cap")) or None, "adaptive": False}
         if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
             continue  # the default already
         for name in ("ours_full", "ours_data") if variant == "lowprio" or variant.startswith("scap") else ("ours_full",):
@@ -929,14 +934,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
-    ap.add_argument("--adaptive", action="store_true", help="ours_full sizes each later gather's grid to its chunk")
     ap.add_argument("--profile", action="store_true",
                     help="traces also stamp entry and exit of each call on the critical path (adds ~1 us a call)")
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
-    ap.add_argument("--variants", default="cap0,cap32,scap0,lowprio",
-                    help="ours_full/ours_data variants: capN (later gathers on N programs, 0: full), aheadN (N gathers "
-                         "enqueued ahead of the sends), lowprio")
+    ap.add_argument("--variants", default="fixed,cap0,scap0,lowprio,hot",
+                    help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
+                         "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, eager, asyncoffer, "
+                         "hot (both sides spin; with raw~hot)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -957,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
            "sweep": sweep, "backends": backends, "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
-           "host_costs": args.host_costs, "adaptive": args.adaptive, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+           "host_costs": args.host_costs, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p = {b: ctx.Queue() for b in backends}, {b: ctx.Queue() for b in backends}
     results = ctx.Queue()

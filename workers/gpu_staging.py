@@ -300,30 +300,31 @@ class PagedKv:
 
 
 def pipeline_bounds(
-    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 128 << 20, last_nbytes: int = 16 << 20,
+    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 64 << 20, last_nbytes: int = 16 << 20,
     growth: int = 4, back_growth: int | None = 3, cap_nbytes: int = 1 << 30,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
 
-    What each chunk costs, measured on an H200 pair: about 30 us of wire time per extra
-    NCCL op, and on the host 0.1-0.25 ms to post it (and about as much to launch its
-    gather or scatter). What chunks buy: the scatter of chunk k overlaps the receive
-    of chunk k+1, and the sender's host work for chunk k+1 overlaps the send of chunk k.
-    So the last chunk is small (`last_nbytes`: the scatter after the last byte is all
-    of the copying left on the clock); the first is large enough (`first_nbytes`)
-    that its send outlasts the sender's host work for the next chunk and its gather
-    hides behind the host posting its send; and going inward each chunk may be
-    `growth` times its outer neighbour (up to `cap_nbytes`), because a gather or
-    scatter runs about five times faster than NCCL moves the bytes (1.8 TB/s against
-    0.35 TB/s; a gather capped at 64 programs still 1.6 TB/s), so it still ends in
-    time. `back_growth` (None: `growth`) is the growth of the back ramp alone, whose
-    chunks wait on the receiver's scatters rather than the sender's gathers: a scatter
-    at full width slows the receive it overlaps, so the chunks before the last one
-    stay smaller. A transfer of at most `first_nbytes + last_nbytes` goes in one
-    piece. The defaults (128 MiB first, 16 MiB last, growth 4, back ramp 3) were the
-    best end-to-end schedule on an H200 pair at 2048 and 8192 tokens of
-    Llama-3-8B-like KV, against last chunks of 8 and 32 MiB, first chunks of 64-192
-    MiB, front growth 2-3 and back ramps of 2 and 4 (the runs in docs/RESULTS.md).
+    What each chunk costs, measured on an H200 pair: about 10-30 us of wire time per
+    extra NCCL op, and 30-60 us of host time to launch its gather and post its send.
+    What chunks buy: the scatter of chunk k overlaps the receive of chunk k+1, and the
+    sender's gather and post of chunk k+1 overlap the send of chunk k. So the last
+    chunk is small (`last_nbytes`: the scatter after the last byte is all of the
+    copying left on the clock); the first is small too, since its gather runs before
+    any byte moves, yet large enough (`first_nbytes`) that its send outlasts the
+    sender's host work for the next chunk; and going inward each chunk may be `growth`
+    times its outer neighbour (up to `cap_nbytes`), because a gather or scatter runs
+    about five times faster than NCCL moves the bytes (1.8 TB/s against 0.35 TB/s; a
+    gather capped at 64 programs still 1.6 TB/s), so it still ends in time.
+    `back_growth` (None: `growth`) is the growth of the back ramp alone, whose chunks
+    wait on the receiver's scatters rather than the sender's gathers: a scatter at full
+    width slows the receive it overlaps, so the chunks before the last one stay
+    smaller. A transfer of at most `first_nbytes + last_nbytes` goes in one piece. The
+    defaults (64 MiB first, 16 MiB last, growth 4, back ramp 3) were the best end-to-end
+    schedule on an H200 pair at 2048 and 8192 tokens of Llama-3-8B-like KV, against
+    first chunks of 32 and 128 MiB and front growth 2-3 (with 128 MiB first, once each
+    chunk's post cost 0.1-0.25 ms of host time), last chunks of 8 and 32 MiB and back
+    ramps of 2 and 4 (the runs in docs/RESULTS.md).
     """
     if num_blocks <= 0:
         return []

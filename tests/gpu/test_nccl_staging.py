@@ -66,10 +66,10 @@ def _prompt_kv(device: torch.device | str) -> torch.Tensor:
 def test_pipeline_bounds_cover_and_ramp() -> None:
     mib = 1 << 20
     assert pipeline_bounds(0, 2 * mib) == []
-    assert pipeline_bounds(48, 2 * mib) == [48]  # first + last chunk or less: one piece
+    assert pipeline_bounds(40, 2 * mib) == [40]  # first + last chunk or less: one piece
     # The defaults for Llama-3-8B-like KV (2 MiB a block): 2048 and 8192 tokens.
-    assert pipeline_bounds(128, 2 * mib) == [64, 96, 120, 128]
-    assert pipeline_bounds(512, 2 * mib) == [64, 320, 408, 480, 504, 512]
+    assert pipeline_bounds(128, 2 * mib) == [32, 96, 120, 128]
+    assert pipeline_bounds(512, 2 * mib) == [32, 192, 408, 480, 504, 512]
     for first, last, growth in ((128, 32, 4), (64, 32, 4), (256, 32, 4), (128, 16, 4), (32, 32, 2)):
         f, b = first // 2, last // 2
         for n in list(range(1, 300)) + [512, 1000, 4096]:
@@ -86,6 +86,20 @@ def test_pipeline_bounds_cover_and_ramp() -> None:
             # No dip: a middle chunk smaller than both neighbours would be an op for nothing.
             assert not any(sizes[k] < min(sizes[k - 1], sizes[k + 1]) and sizes[k] < min(f, b)
                            for k in range(1, len(sizes) - 1))
+
+
+def test_adaptive_gather_programs_follow_the_chunk_ratio() -> None:
+    from workers.transports.nccl import GATHER_PROGRAMS, gather_programs_for
+
+    # A chunk 4x its predecessor must be gathered ~4x faster than the wire: the cap.
+    assert gather_programs_for(4.0, GATHER_PROGRAMS) == GATHER_PROGRAMS
+    assert gather_programs_for(4.0, None) > GATHER_PROGRAMS
+    # Smaller or equal chunks need a fraction of it, never below the floor.
+    assert gather_programs_for(0.25, GATHER_PROGRAMS) == 16
+    assert 16 < gather_programs_for(1.0, GATHER_PROGRAMS) < GATHER_PROGRAMS
+    ratios = [0.1 * k for k in range(1, 60)]
+    got = [gather_programs_for(r, GATHER_PROGRAMS) for r in ratios]
+    assert got == sorted(got) and all(16 <= g <= GATHER_PROGRAMS for g in got)
 
 
 def test_pipeline_bounds_back_growth() -> None:

@@ -82,6 +82,7 @@ The rest holds for both (the torch details are marked as such).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -123,9 +124,10 @@ SCATTER_PROGRAMS = 64
 _PROGRAMS_PER_RATIO, _MIN_PROGRAMS = 22, 16
 
 
-def gather_programs_for(ratio: float, cap: int | None) -> int | None:
-    """Programs for a gather of a chunk `ratio` times the size of the chunk before it."""
-    want = max(_MIN_PROGRAMS, -(-int(ratio * _PROGRAMS_PER_RATIO * 100) // 100))
+def gather_programs_for(ratio: float, cap: int | None) -> int:
+    """Programs for a gather of a chunk `ratio` times the size of the chunk before it,
+    at most `cap` (None: no cap)."""
+    want = max(_MIN_PROGRAMS, math.ceil(ratio * _PROGRAMS_PER_RATIO))
     return want if cap is None else min(cap, want)
 
 
@@ -140,6 +142,9 @@ class NcclTransport:
     `gather_programs` caps the grid of every gather after a transfer's first chunk's:
     those run while earlier chunks are on the wire, and a full-width gather takes the
     SMs and memory bandwidth NCCL's send needs (`PagedKv.gather`). None: full width.
+    With `adaptive_gathers` (the default) each of those gathers gets only the programs
+    its chunk needs (`gather_programs_for`, at most `gather_programs`): a gather that
+    merely keeps ahead of the wire leaves NCCL more of HBM than one at the cap.
     `scatter_programs` caps the receiver's scatters the same way, except the last two
     chunks' (small, and little is left to receive behind them). None: full width.
 
@@ -152,7 +157,7 @@ class NcclTransport:
 
     def __init__(
         self, cache: CommunicatorCache, *, gather_programs: int | None = GATHER_PROGRAMS, lookahead: int = 0,
-        scatter_programs: int | None = SCATTER_PROGRAMS,
+        scatter_programs: int | None = SCATTER_PROGRAMS, adaptive_gathers: bool = True,
         unsafe_skip_event_wait: bool = False,
     ) -> None:
         self.cache = cache
@@ -160,7 +165,7 @@ class NcclTransport:
         self.stream = torch.cuda.Stream(self.device)
         self.scatter_stream = torch.cuda.Stream(self.device)
         self.gather_programs = gather_programs
-        self.adaptive_gathers = False
+        self.adaptive_gathers = adaptive_gathers
         self.lookahead = lookahead
         self.scatter_programs = scatter_programs
         self.unsafe_skip_event_wait = unsafe_skip_event_wait

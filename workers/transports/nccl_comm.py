@@ -84,7 +84,8 @@ class QueueRendezvous:
         return self._unread.pop(key)
 
     def poll(self, peer: str, key: str) -> bytes | None:
-        self._drain(None)
+        if not self._in.empty():  # one pipe poll, not the queue's lock: this runs before every receive
+            self._drain(None)
         return self._unread.pop(key, None)
 
 

@@ -12,6 +12,7 @@ Set KVB_TEST_OUT to a directory to get each scenario's numbers as JSON there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -403,3 +404,140 @@ def test_timeout_aborts_then_rebuilds_and_evicts(backend: str) -> None:
     assert d["rebuilt_ok"] and d["evicted_ok"]
     assert d["stats"]["aborted"] == 1
     assert out["P"]["stats"]["evicted"] == 1 and out["P"]["stats"]["size"] == 1
+
+
+# -- through a real broker ---------------------------------------------------------------
+
+
+class _Inbox:
+    """A broker client's handler: rendezvous data goes to the rendezvous, every other
+    message to a queue the worker's own thread reads with a deadline."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.msgs: Any = queue.SimpleQueue()
+        self.rendezvous: Any = None
+
+    async def on_prepare(self, msg: Any) -> None:
+        self.msgs.put(msg)
+
+    async def on_go(self, msg: Any) -> None:
+        self.msgs.put(msg)
+
+    async def on_release(self, msg: Any) -> None:
+        self.msgs.put(msg)
+
+    async def on_abort(self, msg: Any) -> None:
+        self.msgs.put(msg)
+
+    async def on_relay(self, msg: Any) -> None:
+        await self.rendezvous.on_relay(msg)
+
+    def next(self, kind: type, transfer_id: str, timeout_s: float = 30.0) -> Any:
+        msg = self.msgs.get(timeout=timeout_s)
+        assert isinstance(msg, kind) and msg.transfer_id == transfer_id, f"wanted {kind.__name__} {transfer_id}, got {msg}"
+        return msg
+
+
+def _brokered_worker(role: str, dev: int, _out: Any, _in: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """Every transfer brokered end to end: Expect, Offer, Prepare, Ready, Go, Done, Release
+    through a real broker process, which also relays the communicator's rendezvous."""
+    try:
+        from protocols.messages import Go, Prepare, Register, Release
+        from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
+        from workers.rendezvous import BrokerRendezvous
+        from workers.transports.nccl import CommunicatorCache, NcclTransport
+
+        torch.cuda.set_device(dev)
+        device = torch.device("cuda", dev)
+        kv = _cache(device, seed=dev)
+        paged = PagedKv(kv)
+        prompt = _prompt_kv(device)
+        pool = BufferPool(paged.staged_block_nbytes * 16, device=device)
+        nbytes = len(REQ_P) * paged.staged_block_nbytes
+        bounds = cfg["bounds"]
+        inbox = _Inbox()
+        decode = role == "D"
+        reg = Register(role="decode" if decode else "prefill", instance_id="d" if decode else "p",
+                       pool_capacity=pool.capacity if decode else 0, compat_hash="gpu-test")
+        sync = SyncBrokerClient(BrokerClient(ClientConfig(broker=cfg["endpoint"]), reg, inbox))
+        try:
+            inbox.rendezvous = BrokerRendezvous(sync, timeout_s=60.0)
+            cache = CommunicatorCache(sync.registered.peer_id, device, inbox.rendezvous, capacity=2,
+                                      backend=cfg["backend"])
+            transport = NcclTransport(cache)
+            res: dict[str, Any] = {"peer": sync.registered.peer_id}
+            times: list[float] = []
+            if not decode:
+                stager, ids = Stager(paged, pool), paged.block_ids(REQ_P)
+                for i in range(cfg["iters"]):
+                    tid = f"t{i}"
+                    for layer in range(LAYERS):  # this step writes the prompt's KV into its blocks
+                        kv[layer].index_copy_(1, ids, prompt[layer])
+                    t0 = time.perf_counter()
+                    staged = stager.stage(ids, bounds=bounds)  # save: gathers on the compute stream
+                    for layer in range(LAYERS):  # the next step reuses the blocks at once
+                        kv[layer].index_fill_(1, ids, -7.0)
+                    sync.offer(tid, nbytes, decode="d")
+                    go = inbox.next(Go, tid)
+                    done = transport.send_staged(go.decode, staged, bounds=bounds, transfer_id=tid)
+                    done.wait(time.monotonic() + 30.0)
+                    inbox.next(Release, tid)  # D has checked and reported Done
+                    times.append(time.perf_counter() - t0)
+                    staged.release()
+                res["released"] = len(times)
+            else:
+                ids = paged.block_ids(REQ_D)
+                mismatches = 0
+                for i in range(cfg["iters"]):
+                    tid = f"t{i}"
+                    for layer in range(LAYERS):
+                        kv[layer].index_fill_(1, ids, 3.0)  # so a missing write cannot pass
+                    sync.expect(tid, prefill="p")
+                    prep = inbox.next(Prepare, tid)
+                    lease = pool.acquire_nowait(prep.nbytes)
+                    sync.call(sync.client.ready, tid, prep.nbytes)
+                    done = transport.recv_staged(prep.source, lease, paged, ids, bounds=bounds, transfer_id=tid)
+                    done.wait(time.monotonic() + 30.0)
+                    got = torch.stack([kv[layer][:, ids] for layer in range(LAYERS)])
+                    mismatches += not torch.equal(got, prompt)
+                    lease.release()
+                    sync.call(sync.client.done, tid, prep.nbytes)
+                res["mismatches"] = mismatches
+            res["stats"] = dataclasses.asdict(cache.statistics())
+            if times:
+                res["median_ms"] = round(sorted(times)[len(times) // 2] * 1e3, 3)
+            cache.close()
+        finally:
+            sync.close()
+        results.put((role, res))
+    except BaseException:
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_brokered_transfers_and_rendezvous(backend: str, tmp_path: Any) -> None:
+    """Through a real `kvbroker serve` process: the communicator is built from rendezvous
+    data the broker relays, and 100 repeated prompts each go Expect -> Offer -> Prepare ->
+    Ready -> Go -> send/receive over NCCL -> Done -> Release, P's blocks overwritten right
+    after each save: zero mismatches, every staging buffer released."""
+    from tests.support import BrokerProcess
+
+    broker = BrokerProcess(tmp_path)
+    broker.start()
+    try:
+        cfg = {"iters": 100, "bounds": [1, 3, 8], "backend": backend, "endpoint": broker.endpoint}
+        out = _run_pair(_brokered_worker, cfg, timeout_s=120.0)
+    finally:
+        assert broker.stop() == 0
+    _report(f"brokered[{backend}]", {"P": out["P"], "D": out["D"]})
+    assert out["P"]["peer"] == "p:0" and out["D"]["peer"] == "d:0"
+    assert out["D"]["mismatches"] == 0
+    assert out["P"]["released"] == 100
+    # One communicator each side, built once from the relayed rendezvous data.
+    assert out["P"]["stats"]["created"] == 1 and out["D"]["stats"]["created"] == 1
+    log = (tmp_path / "broker-1.log").read_text()
+    assert log.count('"transfer.done"') == 100, log[-2000:]

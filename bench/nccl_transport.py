@@ -82,8 +82,11 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -154,6 +157,70 @@ class PipeHandshake:
         self.conn.send_bytes(b"D")
 
 
+class _Inbox:
+    """A broker client's handler: every message into a queue the worker's thread reads."""
+
+    def __init__(self) -> None:
+        self.msgs: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def on_prepare(self, msg: Any) -> None:
+        self.msgs.put(msg)
+
+    on_go = on_release = on_abort = on_relay = on_prepare
+
+    def next(self, kind: type, transfer_id: str | None = None) -> Any:
+        msg = self.msgs.get(timeout=DEADLINE_S)
+        assert isinstance(msg, kind) and transfer_id in (None, msg.transfer_id), f"wanted {kind.__name__}, got {msg}"
+        return msg
+
+
+class BrokerHandshake:
+    """The broker's own path, through a real `kvbroker serve` process: P's Offer, the
+    broker's Prepare to D, D's Ready, the broker's Go to P. Each side talks through a
+    `SyncBrokerClient` (an event loop on a thread of its own), as the connector does.
+    After the clock: D's Done, and the broker's Release to P."""
+
+    def __init__(self, role: str, endpoint: str, pool_capacity: int) -> None:
+        from protocols.messages import Register
+        from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
+
+        self.inbox = _Inbox()
+        decode = role == "D"
+        reg = Register(role="decode" if decode else "prefill", instance_id="d" if decode else "p",
+                       pool_capacity=pool_capacity if decode else 0, compat_hash="bench")
+        self.sync = SyncBrokerClient(BrokerClient(ClientConfig(broker=endpoint), reg, self.inbox))
+        self._sizes: dict[str, int] = {}
+
+    def offer(self, transfer_id: str, nbytes: int) -> None:
+        self.sync.offer(transfer_id, nbytes, decode="d")
+
+    def wait_ready(self, transfer_id: str) -> None:
+        from protocols.messages import Go
+
+        self.inbox.next(Go, transfer_id)
+
+    def accept(self) -> tuple[str, int]:
+        from protocols.messages import Prepare
+
+        msg = self.inbox.next(Prepare)
+        self._sizes[msg.transfer_id] = msg.nbytes
+        return msg.transfer_id, msg.nbytes
+
+    def ready(self, transfer_id: str) -> None:
+        self.sync.call(self.sync.client.ready, transfer_id, self._sizes[transfer_id])
+
+    def expect(self, transfer_id: str) -> None:
+        self.sync.expect(transfer_id, prefill="p")
+
+    def done(self, transfer_id: str) -> None:
+        self.sync.call(self.sync.client.done, transfer_id, self._sizes.pop(transfer_id))
+
+    def released(self, transfer_id: str) -> None:
+        from protocols.messages import Release
+
+        self.inbox.next(Release, transfer_id)
+
+
 def _deadline() -> float:
     return time.monotonic() + DEADLINE_S
 
@@ -201,6 +268,7 @@ class _Side:
         self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
         self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
+        self.bhs: BrokerHandshake | None = None  # made in `connect` when cfg names a broker
         self._offers: queue.SimpleQueue | None = None  # async_offer: the sender thread's inbox
         nb = cfg["cache_blocks"]
         g = torch.Generator(device=self.device).manual_seed(dev)
@@ -248,6 +316,8 @@ class _Side:
         self.cache, self.transport = self.caches[b], self.transports[b]
 
     def connect(self) -> None:
+        if self.cfg.get("endpoint"):
+            self.bhs = BrokerHandshake(self.role, self.cfg["endpoint"], self.pool.capacity)
         for b in self.cfg["backends"]:
             self.use(b)
             comm = self.cache.get(self.peer, initiator=self.role == "P")
@@ -471,14 +541,16 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         done = tr.send_tensors("D", [side.raw[:nbytes]])
     elif kind == "per_layer":
         _per_layer_p(side, ids)
-    elif kind in ("full", "expect"):
+    elif kind in ("full", "expect", "broker"):
+        hs = side.bhs if kind == "broker" else side.hs
+        assert hs is not None
         if case.async_offer:
             side.offer_async(tid, nbytes)
         else:
-            side.hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
+            hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
         clock.mark("offer_sent")
         staged = side.stager.begin(ids)
-        wait = (lambda: side.hs.wait_ready(tid)) if kind == "full" and not case.eager else None
+        wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker") and not case.eager else None
         done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock)
         if kind == "full" and case.eager:
             side.hs.wait_ready(tid)  # the sends already wait on the GPU for D's receives
@@ -496,6 +568,8 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     if done is not None:
         _wait(done)
         clock.mark("sends_done")
+    if kind == "broker":
+        side.bhs.released(tid)  # after D's Done: outside the clock, like the release itself
     if staged is not None:
         staged.release()
     assert side.hs.recv() == b"D"  # D finished; keeps iterations apart
@@ -512,16 +586,19 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     elif kind == "expect":  # the Expect: credit and pool room granted before P finishes
         lease = side.pool.acquire_nowait(nbytes)
         side.hs.ready(tid)
+    elif kind == "broker":  # D holds the request before P finishes, as in vLLM
+        side.bhs.expect(tid)
     side.meet(case.hot)
     clock.mark("barrier_left")
     if kind == "per_layer":
         _per_layer_d(side, ids)
     elif done is None:
-        got, size = side.hs.accept()
+        hs = side.bhs if kind == "broker" else side.hs
+        got, size = hs.accept()
         clock.mark("offer_seen")
         if lease is None:
             lease = side.pool.acquire_nowait(size)
-            side.hs.ready(got)  # before posting: P's posting then overlaps ours
+            hs.ready(got)  # before posting: P's posting then overlaps ours
             clock.mark("ready_sent")
         done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got)
         clock.mark("all_posted")
@@ -530,6 +607,8 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     clock.stamps["t1"] = time.perf_counter()
     if lease is not None:
         lease.release()
+    if kind == "broker":
+        side.bhs.done(tid)
     side.hs.done()
 
 
@@ -737,7 +816,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
 # -- driver ------------------------------------------------------------------------------
 
 MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
-TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data"]
+TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker"]
 TARGETS = {  # (case, tokens, against): at least this
     ("ours_full", 2048, "vs_raw"): 0.90,
     ("ours_full", 8192, "vs_raw"): 0.95,
@@ -763,6 +842,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
         "ours_data": Case("data", "ours_data", chunk, gather_programs=cap),
         "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], gather_programs=cap),
+        **({"ours_broker": Case("broker", "ours_broker", chunk, cfg["order"], gather_programs=cap)}
+           if cfg.get("endpoint") else {}),
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
@@ -871,6 +952,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                                  "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
         for cache in side.caches.values():
             cache.close()
+        if side.bhs is not None:
+            side.bhs.sync.close()
         results.put((role, {"rows": rows, "traces": traces, **extra}))
     except BaseException:
         results.put((role, {"error": traceback.format_exc()}))
@@ -894,7 +977,8 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
                      f"{r['vs_raw']:>8.3f}{r['vs_per_layer']:>12.2f}")
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
-        for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full~hot", "ours_data~hot"):
+        for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_full~hot",
+                     "ours_data~hot"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
@@ -942,6 +1026,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, eager, asyncoffer, "
                          "hot (both sides spin; with raw~hot)")
+    ap.add_argument("--broker", action="store_true",
+                    help="also time ours_broker: the handshake through a real `kvbroker serve` process")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -963,6 +1049,40 @@ def main(argv: list[str] | None = None) -> int:
            "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+    broker = _start_broker() if args.broker else None
+    try:
+        if broker is not None:
+            cfg["endpoint"] = broker[1]
+        return _run(cfg, args)
+    finally:
+        if broker is not None:
+            broker[0].terminate()
+            broker[0].wait(timeout=10)
+
+
+def _start_broker() -> tuple[subprocess.Popen, str]:
+    """`kvbroker serve` on a free loopback port, logging warnings only; (process, endpoint)."""
+    folder = tempfile.mkdtemp(prefix="kvbroker-bench-")
+    port_file = os.path.join(folder, "endpoint")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0",
+                             "--port-file", port_file, "--log-level", "warning", "--log-format", "json"],
+                            cwd=root, env=env)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the broker did not start; run `python -m broker.cli serve` to see why")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        endpoint = f.read().strip()
+    shutil.rmtree(folder, ignore_errors=True)
+    return proc, endpoint
+
+
+def _run(cfg: dict, args: argparse.Namespace) -> int:
+    backends = cfg["backends"]
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p = {b: ctx.Queue() for b in backends}, {b: ctx.Queue() for b in backends}
     results = ctx.Queue()

@@ -32,6 +32,10 @@ different polling delay.
 * ours_data    ours_staged without the handshake (D's receives posted before the
                clock): the data path alone.
 * ours_full_1  ours_full in one chunk (no pipelining): what the pipelining buys.
+* ours_broker  (with --broker) ours_full with the pipe handshake replaced by the broker's
+               own Offer -> Prepare -> Ready -> Go, through a real `kvbroker serve`
+               process started for the run, each side a `SyncBrokerClient`; D's Expect
+               is sent before the clock, Done and Release come after it.
 * per_layer    vLLM's P2pNcclConnector pattern: for each layer, extract its blocks,
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
@@ -72,8 +76,8 @@ the entry (`>N`) and exit (`<N`) of each call on the critical path, on both side
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
-       [--gather-programs N] [--variants cap0,cap32,scap0,lowprio] [--sweep F/L/G,...] [--diag] [--host-costs]
-       [--json PATH]
+       [--gather-programs N] [--variants fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
+       [--host-costs] [--profile] [--broker] [--json PATH]
 """
 
 from __future__ import annotations

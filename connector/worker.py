@@ -217,7 +217,8 @@ class ConnectorWorker:
             self.producer.save_kv_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        """Producer: return once this step's transfers are staged and offered."""
+        """Producer: return once this step's transfers are staged; their Offers leave from
+        the client's loop thread, so the step never waits on the broker."""
         if self.producer is not None:
             self.producer.wait_for_save()
 

@@ -373,7 +373,7 @@ def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerPr
         assert time.monotonic() - t0 < 0.5  # the Expect waits on the client's loop, not in the step
         t0 = time.monotonic()
         stage(p, pc, "t-7", [1, 2], decode="d0")
-        assert time.monotonic() - t0 < 3  # wait_for_save gives up waiting for the broker after 2 s
+        assert time.monotonic() - t0 < 0.5  # the Offer, too, waits on the client's loop, not in the step
         broker.start()  # same address; both clients register again, P re-offers, D re-expects
         _, errors, _ = run_steps(d, {"req-t-7"}, 20)
         assert errors == set()

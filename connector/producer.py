@@ -4,7 +4,10 @@
    buffer of ``blocks x layers x block_nbytes``, block-major, so D can skip a head of
    blocks it already holds with a byte offset. If the pool is full, wait for the
    broker's Releases (load_timeout_s at most per step, whatever its number of saves):
-   that is the backpressure on prefill.
+   that is the backpressure on prefill. The Offer leaves now, before the forward pass,
+   from the client's loop thread (a step never waits on the broker): the broker's round
+   trip to D and back (about a millisecond) overlaps the forward pass instead of
+   following it.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
    returning. On the CPU the copy is complete on return, so vLLM may free and reuse
    the blocks right after the step and the staged copy still holds what the cache held
@@ -12,12 +15,12 @@
    another thread). On a GPU the same gather is ordered on the compute stream, and a
    send would have to wait on an event recorded after it; the connector refuses GPU
    caches until an nccl path does exactly that.
-3. `wait_for_save`: returns once every layer is staged, and hands the Offers to the
-   client's loop thread without waiting for them to leave (a step never waits on the
-   broker); a step that missed a layer is dropped rather than sent half-written.
-4. On Go: send the requested byte range straight to D's TCP endpoint (returns once D
-   acknowledged all of it). On Release (D has it) or Abort: free the lease, after any
-   send still reading it. A staged copy the broker never settles is freed after
+3. `wait_for_save`: marks the step's copies complete; a step that missed a layer is
+   dropped rather than sent half-written, and its transfer aborted at the broker.
+4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
+   at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
+   (returns once D acknowledged all of it). On Release (D has it) or Abort: free the
+   lease, after any send still reading it. A staged copy the broker never settles is freed after
    `staging_ttl_s`.
 """
 
@@ -55,6 +58,8 @@ class _Staged:
     layers_done: set[int] = field(default_factory=set)
     sends: int = 0
     dead: bool = False
+    complete: bool = False  # every layer copied (wait_for_save); a Go before that waits
+    waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
 
 
 class ProducerSide:
@@ -84,10 +89,18 @@ class ProducerSide:
         # One wait for staging room per step, shared by its saves: a step with many saves
         # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
         deadline = time.monotonic() + self.w.config.load_timeout_s
+        offers: list[tuple[str, _Staged]] = []
         for tid, spec in meta.saves.items():
             staged = self._lease(tid, spec, deadline)
             if staged is not None:
+                with self.w.lock:
+                    self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
+                offers.append((tid, staged))
+        if offers:
+            # Offered now, not after the forward pass: D's Prepare and Ready and the Go come
+            # back while the layers are being copied. Not awaited: a step never waits on it.
+            self.w.spawn(self._offer_all, offers)
 
     def _lease(self, tid: str, spec: SaveSpec, deadline: float) -> _Staged | None:
         w = self.w
@@ -165,26 +178,21 @@ class ProducerSide:
     def wait_for_save(self) -> None:
         w = self.w
         step, self._step = self._step, []
-        ready: list[tuple[str, _Staged]] = []
         for tid, staged in step:
             if len(staged.layers_done) != len(w.layers):
-                staged.lease.release()
-                w.log.error(
-                    "transfer.stage_failed",
-                    transfer_id=tid,
-                    phase="stage",
-                    reason=f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step",
-                )
+                reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
+                w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
+                # Offered at bind: the broker ends it, so D's load fails now, not at its deadline.
+                assert w.client is not None
+                w.spawn(w.send_bounded, "abort", tid, w.client.client.abort, tid, reason)
+                self._unstage(tid, "aborted", reason)
                 continue
-            with w.lock:
-                self._staged[tid] = staged
             w.count("staged")
-            ready.append((tid, staged))
-        if ready:
-            # Not awaited: handing the offers to the client's loop and waiting for it cost
-            # the step about 0.5 ms (two thread wake-ups), and up to SEND_TIMEOUT_S while
-            # the broker was away. If the loop has stopped, the copies wait for their TTL.
-            w.spawn(self._offer_all, ready)
+            with w.lock:
+                staged.complete = True
+                waiter = staged.waiter
+            if waiter is not None:  # a Go already waits for this copy
+                w.spawn(self._wake, waiter)
         self._expire()
 
     async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
@@ -233,7 +241,9 @@ class ProducerSide:
             # Tell the broker (the client forgets its re-send record): D's credit comes back.
             self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
 
-    def _unstage(self, tid: str, phase: str, reason: str = "") -> None:
+    def _unstage(self, tid: str, phase: str, reason: str = "", *, on_loop: bool = False) -> None:
+        """Forget a staged copy; free its lease now, or when its last send ends. `on_loop`:
+        called on the client's loop thread (else the main thread)."""
         w = self.w
         with w.lock:
             staged = self._staged.pop(tid, None)
@@ -241,6 +251,12 @@ class ProducerSide:
                 return
             staged.dead = True
             free_now = staged.sends == 0
+            waiter = staged.waiter
+        if waiter is not None:  # a Go waiting for the copy gives up
+            if on_loop:
+                waiter.set()
+            else:
+                w.spawn(self._wake, waiter)
         if free_now:
             staged.lease.release()
         w.count("released" if phase == "released" else "aborted")
@@ -249,12 +265,19 @@ class ProducerSide:
 
     # -- the client's loop thread ------------------------------------------------------------
 
+    @staticmethod
+    async def _wake(waiter: anyio.Event) -> None:
+        waiter.set()
+
     async def on_go(self, msg: Go) -> None:
         w, tid = self.w, msg.transfer_id
+        waiter = None
         with w.lock:
             staged = self._staged.get(tid)
             if staged is not None:
                 staged.sends += 1
+                if not staged.complete:  # the Go came during the forward pass
+                    waiter = staged.waiter = staged.waiter or anyio.Event()
         if staged is None:
             w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
             return
@@ -263,6 +286,11 @@ class ProducerSide:
         t0 = time.monotonic()
         let_go = True  # False: a cancelled send's thread may still read the staging
         try:
+            if waiter is not None:
+                with anyio.move_on_after(w.config.load_timeout_s):
+                    await waiter.wait()
+                if not staged.complete or staged.dead:
+                    raise TransferFailed(tid, "its copy was dropped or not complete within load_timeout_s")
             if endpoint is None:
                 raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
             data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
@@ -280,7 +308,7 @@ class ProducerSide:
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
             assert w.client is not None
             await self.w.send_bounded("abort", tid, w.client.client.abort, tid, reason)
-            self._unstage(tid, "aborted", reason)  # the broker ends it: no Release/Abort comes back
+            self._unstage(tid, "aborted", reason, on_loop=True)  # the broker ends it: no Release/Abort comes back
         else:
             w.count("sent")
             w.count("bytes", msg.nbytes)
@@ -304,7 +332,7 @@ class ProducerSide:
                 staged.lease.release()
 
     async def on_release(self, msg: Release) -> None:
-        self._unstage(msg.transfer_id, "released")
+        self._unstage(msg.transfer_id, "released", on_loop=True)
 
     async def on_abort(self, msg: Abort) -> None:
-        self._unstage(msg.transfer_id, "aborted", msg.reason)
+        self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)

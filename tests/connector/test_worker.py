@@ -118,6 +118,59 @@ def run_steps(d: ConnectorWorker, want: set[str], timeout: float) -> tuple[set[s
     return finished, errors, time.monotonic() - t0
 
 
+def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) -> None:
+    """P offers at bind, so the broker's Go can come while P's forward pass still runs:
+    the send waits until wait_for_save has every layer, then moves exactly those bytes."""
+    pc, dc = make_caches(seed=31), make_caches(seed=32)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        src, dst = [3, 4, 5], [20, 21, 22]
+        load(d, "t-early", dst, cached=0)
+        spec = SaveSpec(req_id="req-t-early", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
+        p.bind(KvBrokerMetadata(saves={"t-early": spec}))  # the step starts; its Offer leaves now
+        wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
+                   "the broker's Go, before the forward pass ends")
+        assert p.statistics()["sent"] == 0  # nothing may leave before the copy is complete
+        saved = {n: t[src].clone() for n, t in pc.items()}
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        p.clear()
+        for t in pc.values():  # the blocks are reused right after the step
+            t[src] = 0
+        _, errors, _ = run_steps(d, {"req-t-early"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][dst], saved[n])
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 10, "the Release")
+        assert p.statistics()["sent"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_step_that_misses_a_layer_ends_its_transfer_at_once(broker: BrokerProcess) -> None:
+    """Offered at bind, a copy that then misses a layer is not sent half-written: P aborts
+    it at the broker, and D's load fails at once rather than at its 30 s deadline."""
+    pc, dc = make_caches(seed=33), make_caches(seed=34)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
+    try:
+        load(d, "t-half", [30, 31], cached=0)
+        spec = SaveSpec(req_id="req-t-half", block_ids=[1, 2], num_tokens=2 * 32 - 5, decode="d0")
+        p.bind(KvBrokerMetadata(saves={"t-half": spec}))
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])  # the step ends after one layer
+        p.wait_for_save()
+        p.clear()
+        _, errors, took = run_steps(d, {"req-t-half"}, 20)
+        assert errors == {30, 31} and took < 5
+        assert p.statistics()["staged_now"] == 0 and p.statistics()["sent"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def test_transfer_skips_prefix_hit_and_never_writes_it(broker: BrokerProcess) -> None:
     pc, dc = make_caches(seed=1), make_caches(seed=2)
     p = make_worker(broker.endpoint, "p", "p0", pc)

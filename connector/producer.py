@@ -207,7 +207,8 @@ class ProducerSide:
 
     async def _offer(self, tid: str, staged: _Staged) -> None:
         w = self.w
-        assert w.client is not None
+        if w.client is None:  # the worker closed before this task ran
+            return
         client = w.client.client
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
         nbytes = staged.lease.nbytes

@@ -564,7 +564,8 @@ def test_expired_staging_is_aborted_at_the_broker(broker: BrokerProcess) -> None
     try:
         assert p.producer is not None and p.client is not None
         stage(p, pc, "t-old", [1])
-        assert "t-old" in p.client.client._offers  # re-sent after a reconnect until settled
+        # The Offer leaves from the client's loop; it is re-sent after a reconnect until settled.
+        wait_until(lambda: "t-old" in p.client.client._offers, 5, "the Offer to be recorded")  # type: ignore[union-attr]
         p.producer._staged["t-old"].created -= 10 * p.config.staging_ttl_s  # it outlived its TTL
         p.wait_for_save()  # the next step expires it
         assert p.statistics()["staged_now"] == 0

@@ -102,6 +102,7 @@ from .nccl_comm import (
     NcclCommunicator,
     QueueRendezvous,
     Rendezvous,
+    check_byte_buffer,
 )
 from .nccl_setup import BACKENDS, resolve_backend
 
@@ -329,7 +330,13 @@ class NcclTransport:
         n = block_ids.numel()
         step = paged.staged_block_nbytes
         chunks = _ranges(n, bounds)
-        base, at = (buf.base, buf.offset) if isinstance(buf, Lease) else (buf, 0)
+        if isinstance(buf, Lease):  # a pool's tensor is uint8 and contiguous by construction
+            base, at = buf.base, buf.offset
+            if not base.is_cuda:
+                raise ValueError("NCCL receives into a GPU pool; this lease is from a pool in host memory.")
+        else:
+            check_byte_buffer(buf)
+            base, at = buf, 0
         works = []
         with comm.lock:  # the receives first: the sender may be waiting on the first one
             for b0, b1 in chunks:

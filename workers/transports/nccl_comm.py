@@ -204,9 +204,9 @@ class NcclCommunicator:
         after: torch.cuda.Event | None = None,
     ) -> Any:
         """Post one op on bytes ``[start, start + nbytes)`` of `base` (a contiguous uint8
-        CUDA tensor), after the event `after`: `post` for a chunk of a transfer."""
-        if not 0 <= start and start + nbytes <= base.numel():
-            raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
+        CUDA tensor, see `check_byte_buffer`), after the event `after`: `post` for a chunk
+        of a transfer."""
+        _check_range(base, start, nbytes)
         return self.post([(op, base[start : start + nbytes])], stream, [after])
 
     def completion(
@@ -271,6 +271,19 @@ class _DirectWork:
     def wait(self) -> None:
         """Make the current stream wait for the group (no host block)."""
         torch.cuda.current_stream().wait_event(self.event)
+
+
+def check_byte_buffer(buf: torch.Tensor) -> None:
+    """Raise unless `buf` can be addressed by byte ranges (`post_range`): contiguous uint8 on a GPU."""
+    if buf.dtype is not torch.uint8 or not buf.is_cuda or not buf.is_contiguous():
+        raise ValueError(f"NCCL byte ranges need a contiguous uint8 CUDA buffer; got {buf.dtype} on {buf.device}.")
+
+
+def _check_range(base: torch.Tensor, start: int, nbytes: int) -> None:
+    # Only the bounds, on the critical path; what `base` is was checked where it came
+    # from (a pool's own tensor, or `check_byte_buffer`).
+    if not (0 <= start and 0 < nbytes and start + nbytes <= base.numel()):
+        raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -341,8 +354,7 @@ class DirectCommunicator(NcclCommunicator):
         # slice of `base`, no group around the single op (NCCL groups one op by itself).
         if self.closed:
             raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
-        if not 0 <= start and start + nbytes <= base.numel():
-            raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
+        _check_range(base, start, nbytes)
         lib = self.lib
         with self.lock:
             if after is not None:

@@ -32,6 +32,10 @@ different polling delay.
 * ours_data    ours_staged without the handshake (D's receives posted before the
                clock): the data path alone.
 * ours_full_1  ours_full in one chunk (no pipelining): what the pipelining buys.
+* ours_landing ours_full, but D keeps a receive for the first chunk posted ahead of the
+               transfer (a standing receive into its pool, posted before the clock): P
+               sends the first chunk as soon as it is gathered and waits for Ready only
+               before the second; D takes the Offer, sends Ready and posts the rest.
 * ours_broker  (with --broker) ours_full with the pipe handshake replaced by the broker's
                own Offer -> Prepare -> Ready -> Go, through a real `kvbroker serve`
                process started for the run, each side a `SyncBrokerClient`; D's Expect
@@ -477,7 +481,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
 
 def _gather_and_send(
     side: _Side, staged: StagedTransfer, bounds: list[int] | None, tid: str, order: str,
-    wait: Callable[[], None] | None, clock: _Clock,
+    wait: Callable[[], None] | None, clock: _Clock, ready_at: int = 0,
 ) -> Any:
     """P's pipeline: gathers on the compute stream, each send after its gather's event.
 
@@ -527,7 +531,7 @@ def _gather_and_send(
             clock.mark("ready_seen")
 
     return tr.gather_and_send("D", side.stager, staged, bounds=bounds, before_send=ready, transfer_id=tid,
-                              on_step=step)
+                              on_step=step, ready_at=ready_at)
 
 
 def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
@@ -545,7 +549,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         done = tr.send_tensors("D", [side.raw[:nbytes]])
     elif kind == "per_layer":
         _per_layer_p(side, ids)
-    elif kind in ("full", "expect", "broker"):
+    elif kind in ("full", "expect", "broker", "landing"):
         hs = side.bhs if kind == "broker" else side.hs
         assert hs is not None
         if case.async_offer:
@@ -554,8 +558,10 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
             hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
         clock.mark("offer_sent")
         staged = side.stager.begin(ids)
-        wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker") and not case.eager else None
-        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock)
+        wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker", "landing") and not case.eager else None
+        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"))
+        if kind == "landing" and len(bounds or [0]) == 1:
+            hs.wait_ready(tid)  # one chunk: it went without Ready, which is read now
         if kind == "full" and case.eager:
             side.hs.wait_ready(tid)  # the sends already wait on the GPU for D's receives
             clock.mark("ready_seen")
@@ -582,6 +588,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
 def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
     tr, kind = side.transport, case.kind
     done = lease = None
+    posted: list[Any] = []
     if kind == "raw":
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
@@ -592,6 +599,11 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         side.hs.ready(tid)
     elif kind == "broker":  # D holds the request before P finishes, as in vLLM
         side.bhs.expect(tid)
+    elif kind == "landing":  # the standing receive for the next transfer's first chunk
+        lease = side.pool.acquire_nowait(nbytes)
+        first = (bounds or [ids.numel()])[0] * side.paged.staged_block_nbytes
+        comm = side.cache.get("P", initiator=False)
+        posted = [comm.post_range("recv", lease.base, lease.offset, first, tr.stream)]
     side.meet(case.hot)
     clock.mark("barrier_left")
     if kind == "per_layer":
@@ -600,11 +612,11 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         hs = side.bhs if kind == "broker" else side.hs
         got, size = hs.accept()
         clock.mark("offer_seen")
-        if lease is None:
-            lease = side.pool.acquire_nowait(size)
+        if lease is None or kind == "landing":
+            lease = lease or side.pool.acquire_nowait(size)
             hs.ready(got)  # before posting: P's posting then overlaps ours
             clock.mark("ready_sent")
-        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got)
+        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got, posted=posted)
         clock.mark("all_posted")
     if done is not None:
         _wait(done)
@@ -820,7 +832,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
 # -- driver ------------------------------------------------------------------------------
 
 MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
-TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker"]
+TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing"]
 TARGETS = {  # (case, tokens, against): at least this
     ("ours_full", 2048, "vs_raw"): 0.90,
     ("ours_full", 8192, "vs_raw"): 0.95,
@@ -848,6 +860,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], gather_programs=cap),
         **({"ours_broker": Case("broker", "ours_broker", chunk, cfg["order"], gather_programs=cap)}
            if cfg.get("endpoint") else {}),
+        "ours_landing": Case("landing", "ours_landing", chunk, cfg["order"], gather_programs=cap),
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
@@ -981,8 +994,8 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
                      f"{r['vs_raw']:>8.3f}{r['vs_per_layer']:>12.2f}")
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
-        for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_full~hot",
-                     "ours_data~hot"):
+        for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
+                     "ours_full~hot", "ours_data~hot"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]

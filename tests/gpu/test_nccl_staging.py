@@ -240,7 +240,8 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                 elif cfg.get("pipelined"):  # gathers interleaved with sends, later ones capped
                     staged = stager.begin(ids)
                     assert pad is None or staged.lease.offset > 0
-                    done = transport.gather_and_send("D", stager, staged, bounds=bounds, before_send=ready)
+                    done = transport.gather_and_send("D", stager, staged, bounds=bounds, before_send=ready,
+                                                     ready_at=cfg.get("ready_at", 0))
                 else:
                     staged = stager.stage(ids, bounds=bounds)
                 spilled += not staged.on_gpu
@@ -264,10 +265,16 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                     kv[layer].index_fill_(1, ids, 3.0)  # so a missing write cannot pass
                 lease = pool.acquire_nowait(nbytes)
                 assert pad is None or lease.offset > 0
+                posted = []
+                if cfg.get("landing"):  # the first chunk's receive, posted before D's Ready
+                    comm = transport.cache.get("P", initiator=False)
+                    first = bounds[0] * paged.staged_block_nbytes
+                    posted = [comm.post_range("recv", lease.base, lease.offset, first, transport.stream)]
                 if handshake:
                     rdv.publish("P", f"ready/{i}", b"1")
                 # Either form of the buffer: a lease (the lean path) or its tensor.
-                done = transport.recv_staged("P", lease if pad is not None else lease.tensor, paged, ids, bounds=bounds)
+                done = transport.recv_staged("P", lease if pad is not None else lease.tensor, paged, ids, bounds=bounds,
+                                             posted=posted)
                 done.wait(time.monotonic() + 30.0)
                 got = torch.stack([kv[layer][:, ids] for layer in range(LAYERS)])
                 if not torch.equal(got, prompt):
@@ -314,6 +321,21 @@ def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
            "gather_programs": 3, "backend": backend, "offset_leases": True}
     res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
     _report(f"safe_chunked_ready[{backend}]", res)
+    assert res["mismatches"] == 0
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_chunk_into_a_receive_posted_ahead(backend: str) -> None:
+    """D posts the first chunk's receive before it sends Ready (`recv_staged`'s
+    `posted`), and P sends that chunk as soon as it is gathered, waiting for Ready only
+    before the second (`ready_at=1`): 300 repeated prompts, blocks overwritten right
+    after the call, zero mismatches."""
+    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
+           "gather_programs": 3, "backend": backend, "offset_leases": True, "landing": True, "ready_at": 1}
+    res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
+    _report(f"safe_posted_ahead[{backend}]", res)
     assert res["mismatches"] == 0
 
 

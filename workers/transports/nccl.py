@@ -217,7 +217,7 @@ class NcclTransport:
     def gather_and_send(
         self, peer: str, stager: Stager, staged: StagedTransfer, *, bounds: Sequence[int] | None = None,
         before_send: Callable[[], None] | None = None, transfer_id: str = "",
-        on_step: Callable[[str, int], None] | None = None, lookahead: int | None = None,
+        on_step: Callable[[str, int], None] | None = None, lookahead: int | None = None, ready_at: int = 0,
     ) -> Completion:
         """P's pipeline for a transfer from `Stager.begin`: gather chunk 0 on the current
         stream, call `before_send` (wait for D's Ready: its round trip overlaps that
@@ -225,7 +225,9 @@ class NcclTransport:
         capped: it runs while the previous one is on the wire) and post its send.
         `lookahead` (default `self.lookahead`) gathers are enqueued ahead of the sends:
         with 1, chunk k+1's gather starts before chunk k's send is posted, so it is done
-        by the time chunk k has left.
+        by the time chunk k has left. `ready_at` is the chunk before whose send
+        `before_send` is called: 1 sends the first chunk at once, into a receive D
+        posted ahead of the transfer (`recv_staged`'s `posted`).
 
         Each send waits on its own chunk's gather event, so P's blocks may be reused as
         soon as this returns. The communicator's lock is held throughout, so no other
@@ -254,7 +256,7 @@ class NcclTransport:
                     if on_step is not None:
                         on_step("gather", ends[gathered])
                     gathered += 1
-                if k == 0 and before_send is not None:
+                if k == ready_at and before_send is not None:
                     before_send()
                 if data is None:
                     done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
@@ -313,10 +315,11 @@ class NcclTransport:
 
     def recv_staged(
         self, peer: str, buf: torch.Tensor | Lease, paged: PagedKv, block_ids: torch.Tensor, *,
-        bounds: Sequence[int] | None = None, transfer_id: str = "",
+        bounds: Sequence[int] | None = None, transfer_id: str = "", posted: Sequence[Any] = (),
     ) -> Completion:
         """Receive staged blocks into `buf` (a pool lease, or its uint8 tensor) and
-        scatter them into `block_ids`.
+        scatter them into `block_ids`. `posted`: receives of the first chunks already
+        posted into `buf` (a receive posted ahead, before the sender's Offer arrived).
 
         Every chunk's receive is posted first, at once: `buf` must have no GPU work
         left on it (a lease from a pool whose earlier transfers completed). Then the
@@ -337,9 +340,9 @@ class NcclTransport:
         else:
             check_byte_buffer(buf)
             base, at = buf, 0
-        works = []
+        works = list(posted)
         with comm.lock:  # the receives first: the sender may be waiting on the first one
-            for b0, b1 in chunks:
+            for b0, b1 in chunks[len(works):]:
                 works.append(comm.post_range("recv", base, at + b0 * step, (b1 - b0) * step, self.stream))
         current = _now(self.device)
         words = paged.staging_view(buf.tensor if isinstance(buf, Lease) else buf, n)

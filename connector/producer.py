@@ -20,8 +20,8 @@
 4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
    at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
    (returns once D acknowledged all of it). On Release (D has it) or Abort: free the
-   lease, after any send still reading it. A staged copy the broker never settles is freed after
-   `staging_ttl_s`.
+   lease, after any send still reading it. A staged copy the broker never settles is
+   freed after `staging_ttl_s`.
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ class NcclTransport:
         with 1, chunk k+1's gather starts before chunk k's send is posted, so it is done
         by the time chunk k has left. `ready_at` is the chunk before whose send
         `before_send` is called: 1 sends the first chunk at once, into a receive D
-        posted ahead of the transfer (`recv_staged`'s `posted`).
+        posted ahead of the transfer (`recv_staged`'s `posted`); with fewer chunks than
+        that, `before_send` is not called at all.
 
         Each send waits on its own chunk's gather event, so P's blocks may be reused as
         soon as this returns. The communicator's lock is held throughout, so no other

@@ -32,6 +32,12 @@ different polling delay.
 * ours_data    ours_staged without the handshake (D's receives posted before the
                clock): the data path alone.
 * ours_full_1  ours_full in one chunk (no pipelining): what the pipelining buys.
+* ours_overlap (with --broker) the connector's flow: P's Offer leaves through the real
+               broker without waiting, then P's compute stream runs a forward pass
+               (`--forward-ms` of GPU time), then the gathers and sends; D's Expect was
+               sent before the clock. Its time is counted from the end of that forward
+               pass (the clock's total less the forward's measured GPU time), against
+               `raw_overlap`: raw's send posted after the same forward pass.
 * ours_landing ours_full, but D keeps a receive for the first chunk posted ahead of the
                transfer (a standing receive into its pool, posted before the clock): P
                sends the first chunk as soon as it is gathered and waits for Ready only
@@ -202,6 +208,10 @@ class BrokerHandshake:
     def offer(self, transfer_id: str, nbytes: int) -> None:
         self.sync.offer(transfer_id, nbytes, decode="d")
 
+    def offer_nowait(self, transfer_id: str, nbytes: int) -> None:
+        """As the connector offers: handed to the client's loop, not waited for."""
+        self.sync.portal.start_task_soon(self.sync.client.offer, transfer_id, nbytes, None, "d")
+
     def wait_ready(self, transfer_id: str) -> None:
         from protocols.messages import Go
 
@@ -290,6 +300,7 @@ class _Side:
         self.stager = Stager(self.paged, self.pool)
         self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self.comm_mem_mib: dict[str, float] = {}
+        self.forward_cycles, self.forward_ms = 0, 0.0  # set by `_calibrate_forward`
 
     def meet(self, hot: bool) -> None:
         """Wait until both sides get here: asleep on the barrier (an idle process woken
@@ -326,6 +337,7 @@ class _Side:
     def connect(self) -> None:
         if self.cfg.get("endpoint"):
             self.bhs = BrokerHandshake(self.role, self.cfg["endpoint"], self.pool.capacity)
+        _calibrate_forward(self)
         for b in self.cfg["backends"]:
             self.use(b)
             comm = self.cache.get(self.peer, initiator=self.role == "P")
@@ -417,6 +429,28 @@ class _Clock:
                 self.stamps[label] = t0 + ev0.elapsed_time(ev) / 1e3
         tr.trace = None
         return self.stamps
+
+
+def _forward(side: _Side) -> None:
+    """P's forward pass: `--forward-ms` of GPU time on the compute stream (a spin kernel)."""
+    torch.cuda._sleep(side.forward_cycles)
+
+
+def _calibrate_forward(side: _Side) -> None:
+    """Cycles of `torch.cuda._sleep` for the configured forward pass, and the GPU time
+    it then takes (the median of 5, by events)."""
+    want = side.cfg.get("forward_ms", 3.0)
+    side.forward_cycles, side.forward_ms = int(want * 1e6), want  # ~1 GHz first guess
+    times = []
+    for _ in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _forward(side)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+        side.forward_cycles = int(side.forward_cycles * want / max(times[-1], 1e-3))
+    side.forward_ms = statistics.median(times[1:])
 
 
 def _nccl_priority(side: _Side, high: bool) -> None:
@@ -547,6 +581,15 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     done = None
     if kind == "raw":
         done = tr.send_tensors("D", [side.raw[:nbytes]])
+    elif kind == "raw_overlap":
+        _forward(side)
+        done = tr.send_tensors("D", [side.raw[:nbytes]])  # after the forward pass, in stream order
+    elif kind == "overlap":
+        assert side.bhs is not None
+        side.bhs.offer_nowait(tid, nbytes)
+        _forward(side)
+        staged = side.stager.begin(ids)
+        done = _gather_and_send(side, staged, bounds, tid, case.order, lambda: side.bhs.wait_ready(tid), clock)
     elif kind == "per_layer":
         _per_layer_p(side, ids)
     elif kind in ("full", "expect", "broker", "landing"):
@@ -578,7 +621,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     if done is not None:
         _wait(done)
         clock.mark("sends_done")
-    if kind == "broker":
+    if kind in ("broker", "overlap"):
         side.bhs.released(tid)  # after D's Done: outside the clock, like the release itself
     if staged is not None:
         staged.release()
@@ -589,7 +632,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     tr, kind = side.transport, case.kind
     done = lease = None
     posted: list[Any] = []
-    if kind == "raw":
+    if kind in ("raw", "raw_overlap"):
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
@@ -597,7 +640,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     elif kind == "expect":  # the Expect: credit and pool room granted before P finishes
         lease = side.pool.acquire_nowait(nbytes)
         side.hs.ready(tid)
-    elif kind == "broker":  # D holds the request before P finishes, as in vLLM
+    elif kind in ("broker", "overlap"):  # D holds the request before P finishes, as in vLLM
         side.bhs.expect(tid)
     elif kind == "landing":  # the standing receive for the next transfer's first chunk
         lease = side.pool.acquire_nowait(nbytes)
@@ -609,7 +652,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     if kind == "per_layer":
         _per_layer_d(side, ids)
     elif done is None:
-        hs = side.bhs if kind == "broker" else side.hs
+        hs = side.bhs if kind in ("broker", "overlap") else side.hs
         got, size = hs.accept()
         clock.mark("offer_seen")
         if lease is None or kind == "landing":
@@ -623,7 +666,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     clock.stamps["t1"] = time.perf_counter()
     if lease is not None:
         lease.release()
-    if kind == "broker":
+    if kind in ("broker", "overlap"):
         side.bhs.done(tid)
     side.hs.done()
 
@@ -832,7 +875,8 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
 # -- driver ------------------------------------------------------------------------------
 
 MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
-TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing"]
+TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
+          "ours_overlap", "raw_overlap"]
 TARGETS = {  # (case, tokens, against): at least this
     ("ours_full", 2048, "vs_raw"): 0.90,
     ("ours_full", 8192, "vs_raw"): 0.95,
@@ -858,7 +902,9 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
         "ours_data": Case("data", "ours_data", chunk, gather_programs=cap),
         "ours_full_1": Case("full", "ours_full_1", None, cfg["order"], gather_programs=cap),
-        **({"ours_broker": Case("broker", "ours_broker", chunk, cfg["order"], gather_programs=cap)}
+        **({"ours_broker": Case("broker", "ours_broker", chunk, cfg["order"], gather_programs=cap),
+            "raw_overlap": Case("raw_overlap", "raw_overlap"),
+            "ours_overlap": Case("overlap", "ours_overlap", chunk, cfg["order"], gather_programs=cap)}
            if cfg.get("endpoint") else {}),
         "ours_landing": Case("landing", "ours_landing", chunk, cfg["order"], gather_programs=cap),
         "per_layer": Case("per_layer", "per_layer"),
@@ -937,6 +983,7 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         from workers.transports import nccl_lib
         lib = nccl_lib.load()
         extra["nccl_lib"] = {"path": lib.path, "version": ".".join(map(str, lib.version))} if lib else None
+        extra["forward_ms_measured"] = round(side.forward_ms, 4)  # what the overlap rows subtract
         if cfg["host_costs"]:
             extra["host_costs"] = _host_costs(side)
         if cfg["profile"]:
@@ -962,6 +1009,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                         traces.append(_merge_trace(case, tokens, stamps, theirs, bounds))
                         continue
                     ms = [(d["t1"] - p["t0"]) * 1e3 for p, d in zip(stamps, theirs)]
+                    if case.kind in ("overlap", "raw_overlap"):  # from the end of the forward pass
+                        ms = [m - side.forward_ms for m in ms]
                     rows.append({"case": case.label, "tokens": tokens,
                                  "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
                                  "chunks": len(bounds) if bounds else 1,
@@ -985,7 +1034,8 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
             f"{'x raw':>8}{'x per-layer':>12}")
     lines.append(head)
     for r in rows:
-        base = "raw~hot" if r["case"].endswith("~hot") else "raw"  # a hot row against the hot ceiling
+        # A hot row against the hot ceiling; an overlap row against raw after the same forward pass.
+        base = {"ours_overlap": "raw_overlap"}.get(r["case"], "raw~hot" if r["case"].endswith("~hot") else "raw")
         raw, pl = by.get((base, r["tokens"])), by.get(("per_layer", r["tokens"]))
         r["vs_raw"] = round(raw["ms"] / r["ms"], 3) if raw else None
         r["vs_per_layer"] = round(pl["ms"] / r["ms"], 2) if pl else None
@@ -995,7 +1045,7 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
         for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
-                     "ours_full~hot", "ours_data~hot"):
+                     "ours_overlap", "ours_full~hot", "ours_data~hot"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
@@ -1044,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, eager, asyncoffer, "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
-                    help="also time ours_broker: the handshake through a real `kvbroker serve` process")
+                    help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
+    ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap: P's forward pass, ms of GPU time")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -1065,7 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
            "sweep": sweep, "backends": backends, "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
-           "host_costs": args.host_costs, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+           "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     broker = _start_broker() if args.broker else None
     try:
         if broker is not None:

@@ -120,23 +120,12 @@ class ProducerSide:
                 if left <= 0:
                     raise TimeoutError("this step's wait for staging room is used up") from None
                 lease = w.client.call(self._acquire, nbytes, left)
-            except (PoolError, TimeoutError) as exc:
-                w.log.error(
-                    "transfer.stage_failed",
-                    transfer_id=tid,
-                    phase="stage",
-                    nbytes=nbytes,
-                    reason=f"no staging room ({exc or 'timed out'}); raise staging_bytes (now {w.pool.capacity} B)",
-                )
-                return None
-            except Exception as exc:  # the client's loop is gone or failed: never raise into vLLM's step
-                w.log.error(
-                    "transfer.stage_failed",
-                    transfer_id=tid,
-                    phase="stage",
-                    nbytes=nbytes,
-                    reason=f"waiting for staging room failed: {exc!r}",
-                )
+            except Exception as exc:  # never raise into vLLM's step
+                if isinstance(exc, (PoolError, TimeoutError)):
+                    reason = f"no staging room ({exc or 'timed out'}); raise staging_bytes (now {w.pool.capacity} B)"
+                else:  # the client's loop is gone or failed
+                    reason = f"waiting for staging room failed: {exc!r}"
+                w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", nbytes=nbytes, reason=reason)
                 return None
         staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
         return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic())
@@ -156,10 +145,7 @@ class ProducerSide:
             return
         reason = "the transfer_id was reused for a different prompt while its KV was still staged"
         w.log.error("transfer.duplicate", transfer_id=tid, phase="stage", reason=reason)
-        assert w.client is not None
-        client = w.client.client
-        self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
-        self._unstage(tid, "aborted", reason)
+        self._drop(tid, "aborted", reason)
 
     async def _acquire(self, nbytes: int, timeout_s: float) -> Lease:
         assert self.w.pool is not None
@@ -182,10 +168,7 @@ class ProducerSide:
             if len(staged.layers_done) != len(w.layers):
                 reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
-                # Offered at bind: the broker ends it, so D's load fails now, not at its deadline.
-                assert w.client is not None
-                w.spawn(w.send_bounded, "abort", tid, w.client.client.abort, tid, reason)
-                self._unstage(tid, "aborted", reason)
+                self._drop(tid, "aborted", reason)  # offered at bind: D's load fails now, not at its deadline
                 continue
             w.count("staged")
             with w.lock:
@@ -232,15 +215,15 @@ class ProducerSide:
         ttl = self.w.config.staging_ttl_s
         with self.w.lock:
             old = [tid for tid, s in self._staged.items() if now - s.created > ttl]
-        if not old:
-            return
-        assert self.w.client is not None
-        client = self.w.client.client
         for tid in old:
-            reason = f"no Release or Abort within {ttl:g} s"
-            self._unstage(tid, "expired", reason)
-            # Tell the broker (the client forgets its re-send record): D's credit comes back.
-            self.w.spawn(self.w.send_bounded, "abort", tid, client.abort, tid, reason)
+            self._drop(tid, "expired", f"no Release or Abort within {ttl:g} s")
+
+    def _drop(self, tid: str, phase: str, reason: str) -> None:
+        """Forget a staged copy the broker still holds, and Abort it there (from the main
+        thread): D's credit comes back, and the client forgets its re-send record."""
+        self._unstage(tid, phase, reason)
+        assert self.w.client is not None
+        self.w.spawn(self.w.send_bounded, "abort", tid, self.w.client.client.abort, tid, reason)
 
     def _unstage(self, tid: str, phase: str, reason: str = "", *, on_loop: bool = False) -> None:
         """Forget a staged copy; free its lease now, or when its last send ends. `on_loop`:

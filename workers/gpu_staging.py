@@ -385,7 +385,6 @@ class StagedTransfer:
     ready: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
     _layers_done: int = 0
     _words: torch.Tensor | None = field(default=None, repr=False)
-    _flat: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -396,13 +395,6 @@ class StagedTransfer:
         """The staged bytes, uint8, exactly `nbytes` long."""
         t = self.lease.tensor
         return t if t.numel() == self.nbytes else t[: self.nbytes]
-
-    @property
-    def flat_words(self) -> torch.Tensor:
-        """The staged bytes as one flat run of words (what `PagedKv.copy_range` takes)."""
-        if self._flat is None:
-            self._flat = self.tensor.view(self.paged.word)
-        return self._flat
 
     @property
     def words(self) -> torch.Tensor:
@@ -516,8 +508,6 @@ class Stager:
         if staged.on_gpu and self._pool_words is not None:  # the hot path: no slice or view, one launch
             self.paged.copy_range(staged.ids, self._pool_words, start, end_block, to_staging=True, programs=programs,
                                   offset=staged.lease.offset // self.paged.word.itemsize)
-        elif staged.on_gpu and self.paged.use_triton:
-            self.paged.copy_range(staged.ids, staged.flat_words, start, end_block, to_staging=True, programs=programs)
         elif staged.on_gpu or self.paged.device.type != "cuda":
             self.paged.gather(staged.ids[start:end_block], staged.words[start:end_block], programs=programs)
         else:  # spilled: via a scratch tensor freed in stream order on this same stream

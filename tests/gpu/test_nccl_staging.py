@@ -308,6 +308,11 @@ def test_repeated_prompt_survives_block_reuse(backend: str) -> None:
     assert res["mismatches"] == 0
 
 
+# P's pipeline with the Ready handshake, three chunks, every lease past its pool's first byte.
+_CHUNKED_READY = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
+                  "gather_programs": 3, "offset_leases": True}
+
+
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -317,9 +322,7 @@ def test_chunked_pipeline_with_ready_handshake(backend: str) -> None:
     scattered as soon as chunk k arrives: 300 repeated prompts, blocks overwritten right
     after the call, zero mismatches. The first iteration also builds the communicator
     after Ready."""
-    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
-           "gather_programs": 3, "backend": backend, "offset_leases": True}
-    res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
+    res = _run_pair(_race_worker, {**_CHUNKED_READY, "backend": backend}, timeout_s=90.0)["D"]
     _report(f"safe_chunked_ready[{backend}]", res)
     assert res["mismatches"] == 0
 
@@ -332,8 +335,7 @@ def test_first_chunk_into_a_receive_posted_ahead(backend: str) -> None:
     `posted`), and P sends that chunk as soon as it is gathered, waiting for Ready only
     before the second (`ready_at=1`): 300 repeated prompts, blocks overwritten right
     after the call, zero mismatches."""
-    cfg = {"iters": 300, "matmuls": 2, "bounds": [1, 3, 8], "ready": True, "pipelined": True,
-           "gather_programs": 3, "backend": backend, "offset_leases": True, "landing": True, "ready_at": 1}
+    cfg = {**_CHUNKED_READY, "backend": backend, "landing": True, "ready_at": 1}
     res = _run_pair(_race_worker, cfg, timeout_s=90.0)["D"]
     _report(f"safe_posted_ahead[{backend}]", res)
     assert res["mismatches"] == 0

@@ -101,14 +101,17 @@ from .nccl_comm import (
     DirectCommunicator,
     NcclCommunicator,
     QueueRendezvous,
+    RegisteredBounce,
     Rendezvous,
     check_byte_buffer,
+    registrable_buffer,
 )
 from .nccl_setup import BACKENDS, resolve_backend
 
 __all__ = [
     "BACKENDS", "CacheStats", "CommunicatorCache", "CommunicatorLimit", "Completion", "DirectCommunicator",
-    "NcclCommunicator", "NcclTransport", "QueueRendezvous", "Rendezvous", "RendezvousError", "resolve_backend",
+    "NcclCommunicator", "NcclTransport", "QueueRendezvous", "RegisteredBounce", "Rendezvous", "RendezvousError",
+    "registrable_buffer", "resolve_backend",
 ]
 
 log = structlog.get_logger()
@@ -245,7 +248,7 @@ class NcclTransport:
         data = staged.lease.base if staged.on_gpu else None  # the pool; the transfer starts at the lease's offset
         at = staged.lease.offset
         step = staged.paged.staged_block_nbytes
-        done, start, gathered, works = None, 0, 0, []
+        done, start, gathered, works, earlier = None, 0, 0, [], []
         with comm.lock:
             for k, end in enumerate(ends):
                 while gathered < min(len(ends), k + 1 + ahead):
@@ -260,6 +263,8 @@ class NcclTransport:
                 if k == ready_at and before_send is not None:
                     before_send()
                 if data is None:
+                    if done is not None:
+                        earlier.append(done)
                     done = self.send_staged(peer, staged, first_block=start, last_block=end, transfer_id=transfer_id)
                 else:
                     event = None if self.unsafe_skip_event_wait else staged.event_for(end)
@@ -271,6 +276,7 @@ class NcclTransport:
         if data is not None:
             return self._finish(comm, works, self.stream, "send", transfer_id, ends=ends)
         assert done is not None
+        done.absorb(earlier)  # the bounces of every chunk go when the last send is seen done
         return done
 
     def send_staged(
@@ -307,10 +313,14 @@ class NcclTransport:
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # spilled: through a bounce
                     if event is not None:
                         self.stream.wait_event(event)
-                    bounce = torch.empty((b1 - b0) * step, dtype=torch.uint8, device=self.device)
+                    if getattr(comm, "registered", False):  # D's pool is registered, so this side must be too
+                        held = RegisteredBounce(comm, (b1 - b0) * step)
+                        bounce = held.tensor
+                    else:
+                        held = bounce = torch.empty((b1 - b0) * step, dtype=torch.uint8, device=self.device)
                     bounce.copy_(data[b0 * step : b1 * step], non_blocking=True)
                     event = _now(self.device)[0]  # the send waits for the copy
-                keep.append(bounce)
+                keep.append(held)
                 works.append(comm.post([("send", bounce)], self.stream, [event]))
         return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
 

@@ -53,12 +53,8 @@ different polling delay.
 Backends: every case runs over the transport's default communicator backend (the
 "direct" NCCL binding where the library loads); rows suffixed `~torch` run the same case
 over torch's ProcessGroupNCCL backend in the same run (`--backends`), and `raw~torch`
-is the bare send posted through torch. With `--register`, `~reg` rows run the direct
-backend with both sides' pools (and raw's buffers, for `raw~reg`) allocated through
-ncclMemAlloc and registered with the communicator, so NCCL moves the bytes straight
-between the two buffers instead of through its own FIFO. `x raw` is always against
-`raw` on the default backend, the ceiling the targets name; `x own raw` is against the
-raw row of the same backend (`raw~reg` for a `~reg` row).
+is the bare send posted through torch. `x raw` is always against `raw` on the default
+backend, the faster ceiling.
 
 P's gathers after the first chunk's, which overlap earlier chunks' sends, run on
 grids sized to the rate each needs (`adaptive_gathers`, at most `--gather-programs`,
@@ -90,7 +86,7 @@ the entry (`>N`) and exit (`<N`) of each call on the critical path, on both side
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
-       [--gather-programs N] [--variants fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag] [--register]
+       [--gather-programs N] [--variants fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
        [--host-costs] [--profile] [--broker] [--json PATH]
 """
 
@@ -284,6 +280,11 @@ class _Side:
         self.generation = 0
         self.peer = "D" if role == "P" else "P"
         self.device = torch.device("cuda", dev)
+        # One cache and transport per backend, each on its own rendezvous queues.
+        self.caches = {b: CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b]), capacity=2,
+                                            backend=b) for b in cfg["backends"]}
+        self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
+        self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
         self.bhs: BrokerHandshake | None = None  # made in `connect` when cfg names a broker
         self._offers: queue.SimpleQueue | None = None  # async_offer: the sender thread's inbox
@@ -295,22 +296,9 @@ class _Side:
         ]
         self.paged = PagedKv(self.kv)
         cap = max(cfg["max_blocks"] * self.paged.staged_block_nbytes, 1 << 20)
-        plain = self._kit(BufferPool(cap, device=self.device), torch.empty(cap, dtype=torch.uint8, device=self.device))
-        # One cache and transport per backend, each on its own rendezvous queues. "reg" is
-        # the direct backend with its pool and raw buffer registered with NCCL (zero-copy).
-        self.caches, self.transports, self.kits = {}, {}, {}
-        for b in cfg["backends"]:
-            kit, register = plain, ()
-            if b == "reg":
-                from workers.transports.nccl import registrable_buffer
-
-                kit = self._kit(BufferPool(cap, storage=registrable_buffer(cap, self.device)),
-                                registrable_buffer(cap, self.device))
-                register = (kit[0].tensor, kit[2])
-            self.caches[b] = CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b]), capacity=2,
-                                               backend="direct" if b == "reg" else b, register=register)
-            self.transports[b], self.kits[b] = NcclTransport(self.caches[b]), kit
-        self.use(cfg["backends"][0])
+        self.pool = BufferPool(cap, device=self.device)
+        self.stager = Stager(self.paged, self.pool)
+        self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self.comm_mem_mib: dict[str, float] = {}
         self.forward_cycles, self.forward_ms = 0, 0.0  # set by `_calibrate_forward`
 
@@ -342,13 +330,9 @@ class _Side:
             tid, nbytes = inbox.get()
             self.hs.offer(tid, nbytes)
 
-    def _kit(self, pool: BufferPool, raw: torch.Tensor) -> tuple[BufferPool, Stager, torch.Tensor]:
-        return pool, Stager(self.paged, pool), raw
-
     def use(self, backend: str | None) -> None:
         b = backend or self.cfg["backends"][0]
         self.cache, self.transport = self.caches[b], self.transports[b]
-        self.pool, self.stager, self.raw = self.kits[b]
 
     def connect(self) -> None:
         if self.cfg.get("endpoint"):
@@ -475,7 +459,7 @@ def _nccl_priority(side: _Side, high: bool) -> None:
     comm = side.cache.get(side.peer, initiator=side.role == "P")
     if not hasattr(comm, "nccl_stream"):
         return
-    streams = side.__dict__.setdefault("_nccl_streams", {}).setdefault(id(comm), {})
+    streams = side.__dict__.setdefault("_nccl_streams", {})
     if not streams:
         streams[True] = comm.nccl_stream
         streams[False] = torch.cuda.Stream(side.device, priority=0)
@@ -926,8 +910,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
-        for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data") + (("ours_landing",) if b == "reg"
-                                                                                          else ()):
+        for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
             cases[f"{name}~{b}"] = replace(cases[name], label=f"{name}~{b}", backend=b)
     for alt in cfg["sweep"]:
         if tuple(alt) != chunk[: len(alt)]:
@@ -1048,7 +1031,7 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     for r in rows:
         r["GBps"] = round(r["MiB"] * 2**20 / (r["ms"] * 1e-3) / 1e9, 1)
     head = (f"{'case':<22}{'tokens':>7}{'MiB':>7}{'chunks':>7}{'ms':>9}{'min':>8}{'p90':>8}{'GB/s':>8}"
-            f"{'x raw':>8}{'x own raw':>10}{'x per-layer':>12}")
+            f"{'x raw':>8}{'x per-layer':>12}")
     lines.append(head)
     for r in rows:
         # A hot row against the hot ceiling; an overlap row against raw after the same forward pass.
@@ -1056,31 +1039,23 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
         raw, pl = by.get((base, r["tokens"])), by.get(("per_layer", r["tokens"]))
         r["vs_raw"] = round(raw["ms"] / r["ms"], 3) if raw else None
         r["vs_per_layer"] = round(pl["ms"] / r["ms"], 2) if pl else None
-        # Against the ceiling of its own backend (`raw~reg` for a `~reg` row, ...).
-        suffix = r["case"].partition("~")[2]
-        own = by.get((f"raw~{suffix}" if suffix and not suffix.startswith(("hot", "fixed", "cap", "scap", "lowprio"))
-                      else base, r["tokens"]))
-        r["vs_own_raw"] = round(own["ms"] / r["ms"], 3) if own else None
         lines.append(f"{r['case']:<22}{r['tokens']:>7}{r['MiB']:>7.0f}{r['chunks']:>7}{r['ms']:>9.3f}"
                      f"{r['ms_min']:>8.3f}{r['ms_p90']:>8.3f}{r['GBps']:>8.1f}"
-                     f"{r['vs_raw']:>8.3f}{r['vs_own_raw'] or 0:>10.3f}{r['vs_per_layer']:>12.2f}")
+                     f"{r['vs_raw']:>8.3f}{r['vs_per_layer']:>12.2f}")
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
         for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
-                     "ours_overlap", "ours_full~hot", "ours_data~hot", "ours_full~reg", "ours_data~reg"):
+                     "ours_overlap", "ours_full~hot", "ours_data~hot"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
-                s[f"{case}_vs_own_raw"] = by[(case, tokens)]["vs_own_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
         summary.append(s)
     for (case, tokens, key), want in TARGETS.items():
-        for label in (case, f"{case}~hot", f"{case}~reg"):
+        for label in (case, f"{case}~hot"):
             got = by.get((label, tokens))
-            keys = [key] + (["vs_own_raw"] if label.endswith("~reg") and key == "vs_raw" else [])
-            for k in keys:
-                if got is not None and got[k] is not None:
-                    verdict = "met" if got[k] >= want else "MISSED"
-                    lines.append(f"target {label} {tokens} tokens {k} >= {want}: {got[k]} ({verdict})")
+            if got is not None and got[key] is not None:
+                verdict = "met" if got[key] >= want else "MISSED"
+                lines.append(f"target {label} {tokens} tokens {key} >= {want}: {got[key]} ({verdict})")
     return "\n".join(lines), summary
 
 
@@ -1107,8 +1082,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", default="", help="other first/last/growth[/back growth] for ours_full, e.g. 128/32/4,64/16/2/4")
     ap.add_argument("--backends", default="auto",
                     help="communicator backends, the first timed unsuffixed; auto: the default, then torch")
-    ap.add_argument("--register", action="store_true",
-                    help="also run the cases with pools and raw buffers registered with NCCL (backend reg: ~reg rows)")
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
     ap.add_argument("--diag-orders", default="pg,gf", help="the P orders --diag adds")
     ap.add_argument("--host-costs", action="store_true", help="also time NCCL posts and gather launches")
@@ -1135,9 +1108,7 @@ def main(argv: list[str] | None = None) -> int:
         first_backend = resolve_backend()
         backends = [first_backend] + (["torch"] if first_backend != "torch" else [])
     else:
-        backends = [b if b == "reg" else resolve_backend(b) for b in args.backends.split(",") if b]
-    if args.register and "reg" not in backends:
-        backends.append("reg")
+        backends = [resolve_backend(b) for b in args.backends.split(",") if b]
     sweep = [tuple(int(x) for x in s.split("/")) for s in args.sweep.split(",") if s]
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth,

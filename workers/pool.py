@@ -187,12 +187,9 @@ class BufferPool:
         alignment: every lease starts at a multiple of this (a power of two).
         device: where the tensor lives ("cpu", "cuda:0", ...).
         pin_memory: page-lock a CPU pool so device copies from it can be asynchronous.
-        storage: lease from this contiguous uint8 tensor of exactly `capacity` bytes
-            instead of allocating one (e.g. memory NCCL can register); `device` and
-            `pin_memory` are then ignored.
 
     Raises:
-        ValueError: a bad capacity, alignment or storage.
+        ValueError: a bad capacity or alignment.
     """
 
     def __init__(
@@ -202,7 +199,6 @@ class BufferPool:
         alignment: int = 256,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
-        storage: torch.Tensor | None = None,
     ) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"pool alignment must be a power of two, not {alignment}.")
@@ -213,12 +209,7 @@ class BufferPool:
             )
         self.capacity = capacity
         self.alignment = alignment
-        if storage is not None and (storage.dtype is not torch.uint8 or storage.dim() != 1
-                                    or not storage.is_contiguous() or storage.numel() != capacity):
-            raise ValueError(f"pool storage must be a contiguous 1-D uint8 tensor of {capacity} B; got "
-                             f"{storage.dtype} of shape {tuple(storage.shape)}.")
-        self.tensor = (storage if storage is not None
-                       else torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pin_memory))
+        self.tensor = torch.empty(capacity, dtype=torch.uint8, device=device, pin_memory=pin_memory)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), sorted by offset
         self._leases: dict[int, Lease] = {}  # offset -> live lease

@@ -38,13 +38,6 @@ def _direct_available() -> bool:
     return nccl_lib.load() is not None
 
 
-def _can_register() -> bool:
-    from workers.transports import nccl_lib
-
-    lib = nccl_lib.load()
-    return lib is not None and lib.can_register
-
-
 # Both communicator backends: "direct" (the ctypes NCCL binding) and "torch" (ProcessGroupNCCL).
 BACKENDS = [
     pytest.param("direct", marks=pytest.mark.skipif(not _direct_available(), reason="no loadable libnccl")),
@@ -197,15 +190,13 @@ def _run_pair(target: Any, cfg: dict[str, Any], timeout_s: float = 300.0) -> dic
     return out
 
 
-def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any],
-           register: tuple[torch.Tensor, ...] = ()) -> tuple[Any, ...]:
+def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) -> tuple[Any, ...]:
     from workers.transports.nccl import CommunicatorCache, NcclTransport, QueueRendezvous
 
     torch.cuda.set_device(dev)
     device = torch.device("cuda", dev)
     rdv = QueueRendezvous(outbox, inbox, timeout_s=60.0)
-    cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4), backend=cfg.get("backend"),
-                              register=register)
+    cache = CommunicatorCache(role, device, rdv, capacity=cfg.get("capacity", 4), backend=cfg.get("backend"))
     transport = NcclTransport(cache, gather_programs=cfg.get("gather_programs", 32),
                               unsafe_skip_event_wait=cfg.get("skip_event_wait", False))
     return device, rdv, cache, transport
@@ -213,32 +204,20 @@ def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any],
 
 def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     try:
-        device = torch.device("cuda", dev)
-        torch.cuda.set_device(device)
+        device, rdv, _, transport = _setup(role, dev, outbox, inbox, cfg)
+        bounds = cfg.get("bounds")  # chunked: chunk events on P, per-chunk receive and scatter on D
+        handshake = cfg.get("ready", False)  # D sends Ready, then posts; P sends only after Ready
         kv = _cache(device, seed=dev)
         paged = PagedKv(kv)
         prompt = _prompt_kv(device)
-        cap = paged.staged_block_nbytes * 16
-        # Registered: the pools' memory comes from ncclMemAlloc and every communicator
-        # registers it, so NCCL moves the bytes straight between the two pools.
-        if cfg.get("register"):
-            from workers.transports.nccl import registrable_buffer
-
-            pool = BufferPool(cap, storage=registrable_buffer(cap, device))
-            small = BufferPool(paged.staged_block_nbytes, storage=registrable_buffer(paged.staged_block_nbytes, device))
-        else:
-            pool = BufferPool(cap, device=device)
-            small = BufferPool(paged.staged_block_nbytes, device=device)
-        register = (pool.tensor, small.tensor) if cfg.get("register") else ()
-        _, rdv, _, transport = _setup(role, dev, outbox, inbox, cfg, register)
-        bounds = cfg.get("bounds")  # chunked: chunk events on P, per-chunk receive and scatter on D
-        handshake = cfg.get("ready", False)  # D sends Ready, then posts; P sends only after Ready
+        pool = BufferPool(paged.staged_block_nbytes * 16, device=device)
         # Held for the whole run, so every transfer's lease starts past the pool's first
         # byte: gathers, sends and receives address a lease as pool + offset.
         pad = pool.acquire_nowait(paged.staged_block_nbytes) if cfg.get("offset_leases") else None
         res: dict[str, Any] = {}
         if role == "P":
             if cfg.get("spill"):  # a GPU pool too small for the request: it stages in pinned memory
+                small = BufferPool(paged.staged_block_nbytes, device=device)
                 pinned = BufferPool(paged.staged_block_nbytes * 16, pin_memory=True)
                 stager = Stager(paged, small, pinned)
             else:
@@ -375,54 +354,6 @@ def test_spilled_staging_survives_block_reuse(backend: str) -> None:
     _report(f"safe_spilled[{backend}]", {**res["D"], "spilled": res["P"]["spilled"]})
     assert res["P"]["spilled"] == cfg["iters"]
     assert res["D"]["mismatches"] == 0
-
-
-@pytest.mark.gpu
-@two_gpus
-@pytest.mark.skipif(not _can_register(), reason="no NCCL that can register buffers (2.19 or later)")
-@pytest.mark.parametrize("spill", [False, True], ids=["pools", "spilled"])
-def test_registered_pools_survive_block_reuse(spill: bool) -> None:
-    """Both sides' pools registered with NCCL (zero-copy: P's send writes straight into
-    D's pool): P's pipeline with the Ready handshake, leases past the pool's first byte,
-    300 repeated prompts, zero mismatches. Spilled, every chunk leaves through a bounce
-    registered for it (NCCL needs both sides of an op registered) and deregistered after."""
-    cfg = {**_CHUNKED_READY, "backend": "direct", "register": True}
-    if spill:
-        cfg.update(iters=100, spill=True, offset_leases=False)
-    res = _run_pair(_race_worker, cfg, timeout_s=120.0)
-    _report(f"safe_registered[{'spilled' if spill else 'pools'}]", {**res["D"], "spilled": res["P"]["spilled"]})
-    assert res["P"]["spilled"] == (cfg["iters"] if spill else 0)
-    assert res["D"]["mismatches"] == 0
-
-
-def _mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
-    from protocols.errors import RendezvousError
-    from workers.transports.nccl import registrable_buffer
-
-    try:
-        device = torch.device("cuda", dev)
-        torch.cuda.set_device(device)
-        register = (registrable_buffer(1 << 20, device),) if role == "P" else ()  # only P registers
-        _, _, cache, _ = _setup(role, dev, outbox, inbox, {"backend": "direct"}, register)
-        cache.connect_timeout_s = 20.0
-        try:
-            cache.get("D" if role == "P" else "P", initiator=role == "P")
-            results.put((role, {"refused": None}))
-        except RendezvousError as exc:
-            results.put((role, {"refused": str(exc)}))
-    except BaseException:
-        results.put((role, {"error": traceback.format_exc()}))
-
-
-@pytest.mark.gpu
-@two_gpus
-@pytest.mark.skipif(not _can_register(), reason="no NCCL that can register buffers (2.19 or later)")
-def test_a_peer_that_registers_differently_is_refused() -> None:
-    """P registers its buffers and D does not: both sides refuse the rendezvous with a
-    sentence that says what to change, instead of running ops NCCL leaves undefined."""
-    out = _run_pair(_mismatch_worker, {}, timeout_s=60.0)
-    for role in ("P", "D"):
-        assert out[role]["refused"] and "registration the same on both sides" in out[role]["refused"], out
 
 
 @pytest.mark.gpu

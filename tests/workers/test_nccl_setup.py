@@ -16,10 +16,7 @@ from workers.transports.nccl_setup import TORCH_NCCL_QUIET, parse_payload, quiet
 def test_payloads_of_both_backends_parse() -> None:
     uid = bytes(range(128))
     direct = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n1"}).encode())
-    assert direct == {"backend": "direct", "id": uid, "nonce": "n1", "reg": False}  # older initiators: unregistered
-    registered = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n3",
-                                           "reg": True}).encode())
-    assert registered["reg"] is True
+    assert direct == {"backend": "direct", "id": uid, "nonce": "n1"}
     torch_store = parse_payload(json.dumps({"v": 1, "host": "10.0.0.2", "port": 29500, "nonce": "n2"}).encode())
     assert torch_store == {"backend": "torch", "host": "10.0.0.2", "port": 29500, "nonce": "n2"}
 

@@ -97,20 +97,6 @@ def test_bad_construction() -> None:
         BufferPool(4000, alignment=256)
 
 
-def test_a_pool_leases_from_storage_it_is_given() -> None:
-    storage = torch.zeros(8192, dtype=torch.uint8)
-    pool = BufferPool(8192, alignment=4096, storage=storage)
-    with pool.acquire_nowait(100) as lease:
-        lease.tensor.fill_(7)
-        assert lease.base is storage
-    assert int(storage[lease.offset : lease.offset + 100].sum()) == 700  # the leases are views of it
-    assert int(storage.sum()) == 700
-    for bad in (torch.zeros(4096, dtype=torch.uint8), torch.zeros(8192, dtype=torch.int8),
-                torch.zeros(2, 4096, dtype=torch.uint8), torch.zeros(16384, dtype=torch.uint8)[::2]):
-        with pytest.raises(ValueError, match="contiguous 1-D uint8 tensor of 8192 B"):
-            BufferPool(8192, alignment=4096, storage=bad)
-
-
 def test_double_release_is_refused_and_changes_nothing() -> None:
     pool = BufferPool(8 * KiB)
     a = pool.acquire_nowait(1 * KiB)

@@ -101,17 +101,14 @@ from .nccl_comm import (
     DirectCommunicator,
     NcclCommunicator,
     QueueRendezvous,
-    RegisteredBounce,
     Rendezvous,
     check_byte_buffer,
-    registrable_buffer,
 )
 from .nccl_setup import BACKENDS, resolve_backend
 
 __all__ = [
     "BACKENDS", "CacheStats", "CommunicatorCache", "CommunicatorLimit", "Completion", "DirectCommunicator",
-    "NcclCommunicator", "NcclTransport", "QueueRendezvous", "RegisteredBounce", "Rendezvous", "RendezvousError",
-    "registrable_buffer", "resolve_backend",
+    "NcclCommunicator", "NcclTransport", "QueueRendezvous", "Rendezvous", "RendezvousError", "resolve_backend",
 ]
 
 log = structlog.get_logger()
@@ -276,7 +273,7 @@ class NcclTransport:
         if data is not None:
             return self._finish(comm, works, self.stream, "send", transfer_id, ends=ends)
         assert done is not None
-        done.absorb(earlier)  # the bounces of every chunk go when the last send is seen done
+        done.absorb(earlier)  # every chunk's bounce goes once the last send is seen done
         return done
 
     def send_staged(
@@ -313,14 +310,10 @@ class NcclTransport:
                 with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # spilled: through a bounce
                     if event is not None:
                         self.stream.wait_event(event)
-                    if getattr(comm, "registered", False):  # D's pool is registered, so this side must be too
-                        held = RegisteredBounce(comm, (b1 - b0) * step)
-                        bounce = held.tensor
-                    else:
-                        held = bounce = torch.empty((b1 - b0) * step, dtype=torch.uint8, device=self.device)
+                    bounce = torch.empty((b1 - b0) * step, dtype=torch.uint8, device=self.device)
                     bounce.copy_(data[b0 * step : b1 * step], non_blocking=True)
                     event = _now(self.device)[0]  # the send waits for the copy
-                keep.append(held)
+                keep.append(bounce)
                 works.append(comm.post([("send", bounce)], self.stream, [event]))
         return self._finish(comm, works, self.stream, "send", transfer_id, keep, [b1 + first_block for _, b1 in chunks])
 

@@ -89,49 +89,6 @@ class QueueRendezvous:
         return self._unread.pop(key, None)
 
 
-class _NcclMemory:
-    """Device memory from ncclMemAlloc (a CUDA VMM allocation NCCL can map into its
-    peer's process), seen by torch through ``__cuda_array_interface__``; freed when the
-    last tensor over it dies. Free it only once no communicator has it registered."""
-
-    def __init__(self, lib: Any, nbytes: int, device: torch.device) -> None:
-        self.lib, self.nbytes, self.device = lib, nbytes, device
-        with torch.cuda.device(device):
-            self.ptr = lib.mem_alloc(nbytes)
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3, "strides": None}
-
-    def __del__(self) -> None:
-        ptr, self.ptr = getattr(self, "ptr", 0), 0
-        if ptr:
-            try:
-                with torch.cuda.device(self.device):
-                    self.lib.mem_free(ptr)
-            except Exception:  # interpreter shutdown: the process's memory goes with it
-                pass
-
-
-def registrable_buffer(nbytes: int, device: torch.device | str) -> torch.Tensor:
-    """A uint8 CUDA tensor of `nbytes` that NCCL can register (`CommunicatorCache`'s
-    `register`): allocated through ncclMemAlloc, since NCCL maps only such memory into a
-    peer process. Use it as a `BufferPool`'s storage.
-
-    Raises:
-        ValueError: no NCCL library that can register buffers (2.19 or later).
-    """
-    from workers.transports import nccl_lib
-
-    lib = nccl_lib.load()
-    if lib is None or not lib.can_register:
-        why = nccl_lib.load_error() if lib is None else f"NCCL {lib.version} cannot register buffers"
-        raise ValueError(f"registered NCCL buffers need NCCL 2.19 or later: {why}.")
-    dev = torch.device(device)
-    mem = _NcclMemory(lib, nbytes, dev)
-    return torch.as_tensor(mem, device=dev)  # the tensor holds `mem` until its storage dies
-
-
 _PENDING_PRUNE_AT = 16
 
 
@@ -151,8 +108,8 @@ class Completion:
         return self.event.query()
 
     def absorb(self, earlier: Sequence[Completion]) -> None:
-        """Take over what `earlier` completions of this communicator's stream keep alive
-        (they end before this one does), so waiting for this one releases it all."""
+        """Take over what `earlier` completions on this communicator's stream keep alive
+        (they end before this one), so waiting for this one releases all of it."""
         for other in earlier:
             self._keep.extend(other._keep)
             other._keep = []
@@ -177,34 +134,7 @@ class Completion:
             if now - start > spin_s:
                 pause = min(max(pause * 2, 1e-5), max_pause_s)
             time.sleep(pause)
-        for kept in self._keep:
-            if isinstance(kept, RegisteredBounce):
-                kept.close()
         self._keep.clear()
-
-
-class RegisteredBounce:
-    """A send's bounce buffer registered with one communicator, for a communicator whose
-    buffers are registered: NCCL needs both sides of an op registered, or neither.
-    `close()` (once the send is done) deregisters it, then lets its memory go; a bounce
-    dropped unclosed deregisters itself first, so NCCL never keeps a stale mapping."""
-
-    def __init__(self, comm: DirectCommunicator, nbytes: int) -> None:
-        self.tensor: torch.Tensor | None = registrable_buffer(nbytes, comm.device)
-        self.comm: DirectCommunicator | None = comm
-        self._handle = comm.register(self.tensor)
-
-    def close(self) -> None:
-        comm, self.comm = self.comm, None
-        if comm is not None:
-            comm.deregister(self._handle)
-        self.tensor = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # the communicator is gone already, and its registrations with it
-            pass
 
 
 @dataclass(frozen=True)
@@ -306,8 +236,8 @@ class NcclCommunicator:
         return done
 
     def _track(self, done: Completion) -> None:
-        # Completions nobody waits for (all but a transfer's last) hold their buffers
-        # until seen done here; pruning past a few bounds that memory.
+        # Completions nobody waits for (all but the last of a spilled transfer's chunks)
+        # hold their bounce buffers until seen done here; pruning past a few bounds that.
         self._pending.append(done)
         if len(self._pending) > _PENDING_PRUNE_AT:
             self._pending = [c for c in self._pending if not c.done()]
@@ -397,7 +327,6 @@ class DirectCommunicator(NcclCommunicator):
         super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
                          mem_bytes=mem_bytes)
         self.lib, self.handle = lib, handle
-        self.registered = False  # the cache's buffers are registered (`CommunicatorCache`'s `register`)
         # High priority: when a copy kernel on this GPU has CTAs waiting (a gather or
         # scatter of another chunk), the block scheduler places NCCL's first, so a copy
         # cannot hold a send or receive back from the wire.
@@ -470,18 +399,6 @@ class DirectCommunicator(NcclCommunicator):
         self._track(done)
         return done
 
-    def register(self, buf: torch.Tensor) -> int:
-        """Register `buf` (from `registrable_buffer`) with this communicator; local, no peer
-        involved. NCCL maps it into the peer at the first op that uses it. Returns the handle."""
-        if self.closed:
-            raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
-        return self.lib.register(self.handle, buf.data_ptr(), buf.numel() * buf.element_size())
-
-    def deregister(self, handle: int) -> None:
-        """Undo `register`; a closed communicator's registrations went with it."""
-        if not self.closed:
-            self.lib.deregister(self.handle, handle)
-
     def async_error(self) -> int:
         """NCCL's asynchronous error code for this communicator (0: none)."""
         return self.lib.async_error(self.handle) if not self.closed else 0
@@ -509,37 +426,19 @@ class CommunicatorCache:
             ProcessGroupNCCL), or None: `KVBROKER_NCCL_BACKEND` if set, else "direct"
             when the library loads, else "torch". It applies to communicators this side
             initiates; an acceptor builds whichever kind the initiator's payload names.
-        register: buffers (from `registrable_buffer`: the staging or receive pool's
-            storage) every direct communicator registers with NCCL once built, so ops
-            on them are zero-copy: NCCL moves the bytes straight between the two
-            processes' buffers instead of through its own staging FIFO, which costs
-            HBM traffic and SMs on both GPUs. Both sides must register or neither
-            (NCCL leaves a mixed op undefined): the initiator's payload says which, and
-            an acceptor that disagrees refuses the rendezvous. Every op of a registered
-            communicator must then use registered memory on both sides; the transport's
-            spilled sends use a registered bounce (`RegisteredBounce`).
 
     Raises:
-        ValueError: an unknown backend, "direct" without a loadable NCCL library, or
-            `register` with the torch backend or an NCCL that cannot register.
+        ValueError: an unknown backend, or "direct" without a loadable NCCL library.
     """
 
     def __init__(
         self, local_id: str, device: torch.device | str, rendezvous: Rendezvous, *, capacity: int = 8,
         advertise_host: str = "127.0.0.1", connect_timeout_s: float = 60.0, watchdog_timeout_s: float = 600.0,
-        backend: str | None = None, register: Sequence[torch.Tensor] = (),
+        backend: str | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, not {capacity}.")
         self.backend = resolve_backend(backend)
-        if register:
-            from workers.transports import nccl_lib
-
-            lib = nccl_lib.load()
-            if self.backend != "direct" or lib is None or not lib.can_register:
-                raise ValueError("NCCL buffer registration needs the direct backend and NCCL 2.19 or later; "
-                                 "drop `register` or use backend='direct'.")
-        self.register = list(register)
         self.local_id, self.device, self.rendezvous = local_id, torch.device(device), rendezvous
         self.capacity, self.advertise_host = capacity, advertise_host
         self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
@@ -653,41 +552,24 @@ class CommunicatorCache:
         if info is None:
             uid, nonce = lib.unique_id(), secrets.token_hex(8)
             self.rendezvous.publish(peer, key, json.dumps(
-                {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce, "reg": bool(self.register)}).encode())
+                {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce}).encode())
             # ncclCommInitRank blocks until the peer joins: start it once the peer is there.
             while True:
-                ack = self.rendezvous.receive(peer, f"{key}/joined").decode(errors="replace")
-                if ack == nonce:
+                ack = self.rendezvous.receive(peer, f"{key}/joined")
+                if ack.decode(errors="replace") == nonce:
                     break
-                if ack.startswith(f"refused {nonce}: "):
-                    raise RendezvousError(f"{peer} refused NCCL rendezvous {nonce}: {ack.split(': ', 1)[1]}")
                 if time.monotonic() >= deadline:  # only stale acks of older generations
                     raise RendezvousError(f"{peer} did not join NCCL rendezvous {nonce} in time.")
             rank = 0
         else:
             uid, nonce, rank = info["id"], info["nonce"], 1
-            if info["reg"] != bool(self.register):
-                why = (f"{self.local_id} {'registers' if self.register else 'does not register'} its NCCL buffers "
-                       f"and {peer} {'does not' if self.register else 'does'}; NCCL needs both sides of a transfer "
-                       "registered or neither: set buffer registration the same on both sides.")
-                self.rendezvous.publish(peer, f"{key}/joined", f"refused {nonce}: {why}".encode())
-                raise RendezvousError(why)
             self.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
         free_before = torch.cuda.mem_get_info(self.device)[0]
         handle = init_direct(lib, uid, rank, self.device, deadline, peer, nonce)
         mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        comm = DirectCommunicator(peer=peer, rank=rank, device=self.device, lib=lib, handle=handle, nonce=nonce,
+        log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="direct", mem_mib=round(mem / 2**20, 1))
+        return DirectCommunicator(peer=peer, rank=rank, device=self.device, lib=lib, handle=handle, nonce=nonce,
                                   cache=self, mem_bytes=mem)
-        try:
-            for buf in self.register:
-                comm.register(buf)
-        except BaseException:
-            comm.abort()
-            raise
-        comm.registered = bool(self.register)
-        log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="direct", mem_mib=round(mem / 2**20, 1),
-                 registered=comm.registered)
-        return comm
 
     def _connect_torch(self, peer: str, info: dict[str, Any] | None) -> NcclCommunicator:
         from torch.distributed import PrefixStore, TCPStore

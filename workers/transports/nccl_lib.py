@@ -8,8 +8,7 @@ driven through the C API directly costs a few microseconds an op. vLLM's `pynccl
 takes the same approach for the same reason.
 
 Only what a 2-party point-to-point transport needs is bound: unique ids, rank init,
-send/recv of bytes on a given CUDA stream, groups, abort/destroy and the async error,
-and (NCCL 2.19 and later) buffer allocation and registration for zero-copy transfers.
+send/recv of bytes on a given CUDA stream, groups, abort/destroy and the async error.
 The library is looked up by `KVBROKER_NCCL_LIBRARY`, then as the copy already mapped
 into the process (torch's), then where torch's wheel puts it (the `nvidia-nccl-cu*`
 package, ``nvidia/nccl/lib/libnccl.so.2``), then through the loader. Loading never raises: `load()` returns None and `load_error()` says why, so a
@@ -119,14 +118,6 @@ class NcclLib:
         self._abort = bind("ncclCommAbort", [_Comm])
         self._destroy = bind("ncclCommDestroy", [_Comm])
         self._async_error = bind("ncclCommGetAsyncError", [_Comm, p(_Result)])
-        try:  # NCCL 2.19 and later; without them `can_register` is False
-            self._mem_alloc = bind("ncclMemAlloc", [p(ctypes.c_void_p), ctypes.c_size_t])
-            self._mem_free = bind("ncclMemFree", [ctypes.c_void_p])
-            self._register = bind("ncclCommRegister", [_Comm, ctypes.c_void_p, ctypes.c_size_t, p(ctypes.c_void_p)])
-            self._deregister = bind("ncclCommDeregister", [_Comm, ctypes.c_void_p])
-            self.can_register = True
-        except AttributeError:
-            self.can_register = False
         v = ctypes.c_int()
         self._check("ncclGetVersion", self._get_version(ctypes.byref(v)))
         self.version_code = v.value
@@ -173,34 +164,6 @@ class NcclLib:
         res = _Result()
         self._check("ncclCommGetAsyncError", self._async_error(_Comm(comm), ctypes.byref(res)))
         return res.value
-
-    # -- registered memory -------------------------------------------------------------
-
-    def _need_register(self) -> None:
-        if not self.can_register:
-            raise NcclError("ncclCommRegister", -1, f"NCCL {self.version} at {self.path} cannot register buffers "
-                            "(2.19 or later can); turn NCCL buffer registration off")
-
-    def mem_alloc(self, nbytes: int) -> int:
-        """ncclMemAlloc on the current CUDA device: memory NCCL can register and map into
-        a peer process (a CUDA VMM allocation). Returns the device pointer."""
-        self._need_register()
-        ptr = ctypes.c_void_p()
-        self._check("ncclMemAlloc", self._mem_alloc(ctypes.byref(ptr), nbytes))
-        return int(ptr.value or 0)
-
-    def mem_free(self, ptr: int) -> None:
-        self._check("ncclMemFree", self._mem_free(ptr))
-
-    def register(self, comm: int, ptr: int, nbytes: int) -> int:
-        """ncclCommRegister: local to this rank, no peer involved. Returns the handle."""
-        self._need_register()
-        handle = ctypes.c_void_p()
-        self._check("ncclCommRegister", self._register(_Comm(comm), ptr, nbytes, ctypes.byref(handle)))
-        return int(handle.value or 0)
-
-    def deregister(self, comm: int, handle: int) -> None:
-        self._check("ncclCommDeregister", self._deregister(_Comm(comm), handle))
 
     # -- point to point --------------------------------------------------------------
 

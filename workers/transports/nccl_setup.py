@@ -134,7 +134,7 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
             uid = bytes.fromhex(info["id"])
             if len(uid) != 128:
                 raise ValueError(f"an NCCL unique id is 128 bytes, not {len(uid)}")
-            return {"backend": "direct", "id": uid, "nonce": info["nonce"], "reg": info.get("reg", False) is True}
+            return {"backend": "direct", "id": uid, "nonce": info["nonce"]}
         if info.get("v") != 1 or not isinstance(info["port"], int):
             raise ValueError("bad fields")
         return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"]}

@@ -38,6 +38,17 @@ different polling delay.
                sent before the clock. Its time is counted from the end of that forward
                pass (the clock's total less the forward's measured GPU time), against
                `raw_overlap`: raw's send posted after the same forward pass.
+* ours_layerwise  vLLM's own flow (`--forward-ms` of real work): P offers at bind, then
+               runs a forward pass of 32 layers of matmuls on its compute stream and, after
+               each layer, gathers that layer's blocks on the stager's side stream
+               (`Stager.gather_layer(side=True)`, overlapping the next layer's compute),
+               fences its compute stream behind the gathers (`Stager.fence`), takes D's
+               Ready (which came during the forward pass) and posts every chunk's send.
+               Timed from the forward pass's start to D's last scatter, less the same
+               forward pass timed alone: what the transfer adds to the request, including
+               whatever the gathers take from the forward's compute. Against
+               `raw_layerwise`: the same forward pass, then raw's send. `~inline` rows
+               gather on the compute stream instead, in the forward pass's time.
 * ours_landing ours_full, but D keeps a receive for the first chunk posted ahead of the
                transfer (a standing receive into its pool, posted before the clock): P
                sends the first chunk as soon as it is gathered and waits for Ready only
@@ -266,6 +277,7 @@ class Case:
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
+    side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
 
 
 class _Side:
@@ -301,6 +313,7 @@ class _Side:
         self.raw = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self.comm_mem_mib: dict[str, float] = {}
         self.forward_cycles, self.forward_ms = 0, 0.0  # set by `_calibrate_forward`
+        self.layer_reps, self.layers_ms = 1, 0.0  # set by `_calibrate_layers`
 
     def meet(self, hot: bool) -> None:
         """Wait until both sides get here: asleep on the barrier (an idle process woken
@@ -338,6 +351,7 @@ class _Side:
         if self.cfg.get("endpoint"):
             self.bhs = BrokerHandshake(self.role, self.cfg["endpoint"], self.pool.capacity)
         _calibrate_forward(self)
+        _calibrate_layers(self)
         for b in self.cfg["backends"]:
             self.use(b)
             comm = self.cache.get(self.peer, initiator=self.role == "P")
@@ -451,6 +465,40 @@ def _calibrate_forward(side: _Side) -> None:
         times.append(a.elapsed_time(b))
         side.forward_cycles = int(side.forward_cycles * want / max(times[-1], 1e-3))
     side.forward_ms = statistics.median(times[1:])
+
+
+def _layer(side: _Side) -> None:
+    """One layer of P's layerwise forward pass: bf16 matmuls on the compute stream."""
+    for _ in range(side.layer_reps):
+        torch.mm(side.mm[0], side.mm[1], out=side.mm[2])
+
+
+def _layers_forward(side: _Side) -> None:
+    for _ in range(LAYERS):
+        _layer(side)
+
+
+def _calibrate_layers(side: _Side) -> None:
+    """Matmuls per layer for a `--forward-ms` forward pass of `LAYERS` layers, and the GPU
+    time that pass then takes alone (the median of 5, by events): what the layerwise
+    rows subtract."""
+    g = torch.Generator(device=side.device).manual_seed(7)
+    a = torch.randn(2048, 4096, device=side.device, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 4096, device=side.device, dtype=torch.bfloat16, generator=g)
+    side.mm = (a, w, torch.empty(2048, 4096, device=side.device, dtype=torch.bfloat16))
+
+    def timed(fn: Callable[[], None]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    side.layer_reps = 1
+    one = statistics.median(timed(lambda: _layer(side)) for _ in range(12))
+    side.layer_reps = max(1, round(side.cfg.get("forward_ms", 3.0) / LAYERS / one))
+    side.layers_ms = statistics.median(timed(lambda: _layers_forward(side)) for _ in range(6))
 
 
 def _nccl_priority(side: _Side, high: bool) -> None:
@@ -590,6 +638,22 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         _forward(side)
         staged = side.stager.begin(ids)
         done = _gather_and_send(side, staged, bounds, tid, case.order, lambda: side.bhs.wait_ready(tid), clock)
+    elif kind == "raw_layerwise":
+        _layers_forward(side)
+        done = tr.send_tensors("D", [side.raw[:nbytes]])  # after the forward pass, in stream order
+    elif kind == "layerwise":
+        side.hs.offer(tid, nbytes)  # at bind, before the forward pass
+        clock.mark("offer_sent")
+        staged = side.stager.begin(ids)
+        for layer in range(LAYERS):
+            _layer(side)
+            side.stager.gather_layer(staged, layer, side=case.side_gathers)
+        side.stager.fence(staged)  # the next step may write these blocks only after the gathers
+        clock.gpu("forward_done")
+        clock.mark("forward_enqueued")
+        side.hs.wait_ready(tid)
+        clock.mark("ready_seen")
+        done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
     elif kind == "per_layer":
         _per_layer_p(side, ids)
     elif kind in ("full", "expect", "broker", "landing"):
@@ -632,7 +696,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     tr, kind = side.transport, case.kind
     done = lease = None
     posted: list[Any] = []
-    if kind in ("raw", "raw_overlap"):
+    if kind in ("raw", "raw_overlap", "raw_layerwise"):
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
@@ -876,7 +940,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
 
 MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
 TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
-          "ours_overlap", "raw_overlap"]
+          "ours_overlap", "raw_overlap", "ours_layerwise", "raw_layerwise"]
 TARGETS = {  # (case, tokens, against): at least this
     ("ours_full", 2048, "vs_raw"): 0.90,
     ("ours_full", 8192, "vs_raw"): 0.95,
@@ -907,6 +971,9 @@ def _cases(cfg: dict) -> dict[str, Case]:
             "ours_overlap": Case("overlap", "ours_overlap", chunk, cfg["order"], gather_programs=cap)}
            if cfg.get("endpoint") else {}),
         "ours_landing": Case("landing", "ours_landing", chunk, cfg["order"], gather_programs=cap),
+        "raw_layerwise": Case("raw_layerwise", "raw_layerwise"),
+        "ours_layerwise": Case("layerwise", "ours_layerwise", chunk),
+        "ours_layerwise~inline": Case("layerwise", "ours_layerwise~inline", chunk, side_gathers=False),
         "per_layer": Case("per_layer", "per_layer"),
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
@@ -984,6 +1051,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         lib = nccl_lib.load()
         extra["nccl_lib"] = {"path": lib.path, "version": ".".join(map(str, lib.version))} if lib else None
         extra["forward_ms_measured"] = round(side.forward_ms, 4)  # what the overlap rows subtract
+        extra["layerwise_forward_ms"] = round(side.layers_ms, 4)  # what the layerwise rows subtract
+        extra["layerwise_matmuls_per_layer"] = side.layer_reps
         if cfg["host_costs"]:
             extra["host_costs"] = _host_costs(side)
         if cfg["profile"]:
@@ -1011,6 +1080,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                     ms = [(d["t1"] - p["t0"]) * 1e3 for p, d in zip(stamps, theirs)]
                     if case.kind in ("overlap", "raw_overlap"):  # from the end of the forward pass
                         ms = [m - side.forward_ms for m in ms]
+                    if case.kind in ("layerwise", "raw_layerwise"):  # beyond the forward pass alone
+                        ms = [m - side.layers_ms for m in ms]
                     rows.append({"case": case.label, "tokens": tokens,
                                  "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
                                  "chunks": len(bounds) if bounds else 1,
@@ -1035,7 +1106,8 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     lines.append(head)
     for r in rows:
         # A hot row against the hot ceiling; an overlap row against raw after the same forward pass.
-        base = {"ours_overlap": "raw_overlap"}.get(r["case"], "raw~hot" if r["case"].endswith("~hot") else "raw")
+        base = ("raw_overlap" if r["case"] == "ours_overlap" else "raw_layerwise" if r["case"].startswith("ours_layerwise")
+                else "raw~hot" if r["case"].endswith("~hot") else "raw")
         raw, pl = by.get((base, r["tokens"])), by.get(("per_layer", r["tokens"]))
         r["vs_raw"] = round(raw["ms"] / r["ms"], 3) if raw else None
         r["vs_per_layer"] = round(pl["ms"] / r["ms"], 2) if pl else None
@@ -1045,13 +1117,13 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
         for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
-                     "ours_overlap", "ours_full~hot", "ours_data~hot"):
+                     "ours_overlap", "ours_layerwise", "ours_layerwise~inline", "ours_full~hot", "ours_data~hot"):
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
         summary.append(s)
     for (case, tokens, key), want in TARGETS.items():
-        for label in (case, f"{case}~hot"):
+        for label in (case, f"{case}~hot") + (("ours_layerwise",) if case == "ours_full" else ()):
             got = by.get((label, tokens))
             if got is not None and got[key] is not None:
                 verdict = "met" if got[key] >= want else "MISSED"
@@ -1095,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
-    ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap: P's forward pass, ms of GPU time")
+    ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap and ours_layerwise: P's forward pass, ms of GPU time")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:

@@ -385,6 +385,7 @@ class StagedTransfer:
     ready: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
     _layers_done: int = 0
     _words: torch.Tensor | None = field(default=None, repr=False)
+    _side: torch.cuda.Stream | None = field(default=None, repr=False)  # where side gathers ran (`fence`)
 
     @property
     def nbytes(self) -> int:
@@ -444,6 +445,7 @@ class Stager:
         self.paged = paged
         self.gpu_pool = gpu_pool
         self.spill_pool = spill_pool
+        self._side: torch.cuda.Stream | None = None  # made at the first side gather
         # The GPU pool as words, made once: a gather addresses a lease by its offset in it.
         self._pool_words = (
             gpu_pool.tensor.view(paged.word)
@@ -471,11 +473,30 @@ class Stager:
             return StagedTransfer(self.paged, lease, ids.numel(), on_gpu and pool.tensor.is_cuda, ids)
         raise PoolError("no staging room for %d B: %s" % (nbytes, " / ".join(errors) or "no pool configured"))
 
-    def gather_layer(self, staged: StagedTransfer, layer: int) -> None:
+    def gather_layer(self, staged: StagedTransfer, layer: int, *, side: bool = False) -> None:
         """Gather one layer of `staged`'s blocks now, on the current stream (`save_kv_layer`).
 
         After the last layer an event is recorded and the whole transfer becomes ready.
+
+        With `side` (GPU staging only), the copy runs on the stager's side stream, after
+        everything the current stream has enqueued so far (the layer's KV, just
+        written): it then overlaps the rest of the forward pass instead of adding to
+        it, and the transfer is ready at the side stream's event after the last layer.
+        The current stream must not reuse the blocks before the copies have read them:
+        call `fence` before it may (at the end of the step, `wait_for_save`).
         """
+        if side and staged.on_gpu and self.paged.device.type == "cuda":
+            after = _record(self.paged.device)  # the layer's KV is written by here
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.paged.device)
+            staged._side = self._side
+            self._side.wait_event(after)
+            with torch.cuda.stream(self._side):
+                self.paged.gather_layer(layer, staged.ids, staged.words)
+                staged._layers_done += 1
+                if staged._layers_done == self.paged.num_layers:
+                    staged.ready.append((staged.num_blocks, _record(self.paged.device)))
+            return
         if staged.on_gpu or not self.paged.device.type == "cuda":
             self.paged.gather_layer(layer, staged.ids, staged.words)
         else:
@@ -489,6 +510,17 @@ class Stager:
         staged._layers_done += 1
         if staged._layers_done == self.paged.num_layers:
             staged.ready.append((staged.num_blocks, _record(self.paged.device)))
+
+    def fence(self, staged: StagedTransfer) -> None:
+        """Make the current stream wait for every side-stream gather of `staged` enqueued
+        so far (`gather_layer(side=True)`), so later work on it (the next step writing
+        the blocks) cannot overwrite them before they are read. No host wait; a no-op
+        for a transfer gathered on the current stream."""
+        if staged._side is not None:
+            with torch.cuda.stream(staged._side):
+                done = _record(self.paged.device)
+            if done is not None:
+                current_stream(self.paged.device).wait_event(done)
 
     def gather_chunk(self, staged: StagedTransfer, end_block: int, *, programs: int | None = None) -> None:
         """Gather every layer of the next blocks, up to `end_block`, on the current stream.

@@ -254,6 +254,9 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                         staged = stager.stage(ids, bounds=bounds)
                 elif cfg.get("layerwise_side"):  # save_kv_layer's gathers on the side stream, then the fence
                     staged = stager.begin(ids)
+                    if stager._side is not None:  # still busy with an earlier request's copies
+                        with torch.cuda.stream(stager._side):
+                            torch.cuda._sleep(cfg.get("side_busy_cycles", 2_000_000))
                     for layer in range(LAYERS):
                         torch.mm(a, a, out=c)  # the layer's own compute, which the copy overlaps
                         stager.gather_layer(staged, layer, side=True)
@@ -369,8 +372,9 @@ def test_first_chunk_into_a_receive_posted_ahead(backend: str) -> None:
 def test_side_stream_layer_gathers_survive_block_reuse(backend: str) -> None:
     """`save_kv_layer` with `side=True`: each layer's gather runs on the stager's side
     stream, overlapping the next layer's compute, and `fence` orders the compute
-    stream's reuse of the blocks after them: 1,000 repeated prompts, zero mismatches.
-    Without the fence the same run must be able to fail, or the fence proves nothing."""
+    stream's reuse of the blocks after them: 1,000 repeated prompts, zero mismatches,
+    with the side stream still busy (about 1 ms) with earlier copies each time. Without
+    the fence the same run must be able to fail, or the fence proves nothing."""
     res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 2, "layerwise_side": True, "backend": backend})["D"]
     _report(f"safe_side_layers[{backend}]", res)
     unfenced = _run_pair(_race_worker, {"iters": 200, "matmuls": 2, "layerwise_side": True, "skip_fence": True,

@@ -1122,6 +1122,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
 def _plan(cfg: dict) -> tuple[list[Case], list[Case]]:
     """The timed cases, and the traced ones."""
     cases = _cases(cfg)
+    if cfg.get("only"):  # --cases: the named cases and their variants
+        cases = {name: c for name, c in cases.items() if name.split("~")[0].split("@")[0] in cfg["only"]}
     traced = [c for name, c in cases.items()
               if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~", "ours_data~")))]
     return list(cases.values()), traced
@@ -1273,6 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
     ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap and ours_layerwise: P's forward pass, ms of GPU time")
+    ap.add_argument("--cases", default="", help="time only these cases (and their ~variants), e.g. raw,ours_full")
     ap.add_argument("--lane-sweep", default="", help="with a lanesN variant: other first/last/growth/back for it")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -1295,6 +1298,7 @@ def main(argv: list[str] | None = None) -> int:
            "lane_sweep": [tuple(int(x) for x in s.split("/")) for s in args.lane_sweep.split(",") if s], "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "lanes": any(v.startswith("lanes") for v in args.variants.split(",")),
+           "only": [c for c in args.cases.split(",") if c],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     broker = _start_broker() if args.broker else None

@@ -1203,6 +1203,10 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
         results.put((role, {"error": traceback.format_exc()}))
 
 
+def _num(x: float | None, width: int, places: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}.{places}f}"
+
+
 def _table(rows: list[dict]) -> tuple[str, list[dict]]:
     by = {(r["case"], r["tokens"]): r for r in rows}
     summary, lines = [], []
@@ -1220,7 +1224,7 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
         r["vs_per_layer"] = round(pl["ms"] / r["ms"], 2) if pl else None
         lines.append(f"{r['case']:<22}{r['tokens']:>7}{r['MiB']:>7.0f}{r['chunks']:>7}{r['ms']:>9.3f}"
                      f"{r['ms_min']:>8.3f}{r['ms_p90']:>8.3f}{r['GBps']:>8.1f}"
-                     f"{r['vs_raw']:>8.3f}{r['vs_per_layer']:>12.2f}")
+                     f"{_num(r['vs_raw'], 8, 3)}{_num(r['vs_per_layer'], 12, 2)}")
     for tokens in sorted({r["tokens"] for r in rows}):
         s: dict[str, Any] = {"tokens": tokens}
         for case in ("ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",

@@ -278,7 +278,6 @@ class Case:
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
     side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
-    lanes: int = 1  # chunk k goes over communicator k % lanes (a second one per pair: `_lanes_send`)
 
 
 class _Side:
@@ -296,9 +295,6 @@ class _Side:
         # One cache and transport per backend, each on its own rendezvous queues.
         self.caches = {b: CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b]), capacity=2,
                                             backend=b) for b in cfg["backends"]}
-        if cfg.get("lanes"):  # a second communicator with the same peer, for the `~lanesN` rows
-            self.caches["lane"] = CommunicatorCache(role, self.device, QueueRendezvous(outbox["lane"], inbox["lane"]),
-                                                    capacity=2, backend="direct")
         self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
         self.use(cfg["backends"][0])
         self.hs = PipeHandshake(conn)
@@ -356,7 +352,7 @@ class _Side:
             self.bhs = BrokerHandshake(self.role, self.cfg["endpoint"], self.pool.capacity)
         _calibrate_forward(self)
         _calibrate_layers(self)
-        for b in self.cfg["backends"] + (["lane"] if "lane" in self.caches else []):
+        for b in self.cfg["backends"]:
             self.use(b)
             comm = self.cache.get(self.peer, initiator=self.role == "P")
             self.comm_mem_mib[b] = round(comm.mem_bytes / 2**20, 1)
@@ -620,87 +616,6 @@ def _gather_and_send(
                               on_step=step, ready_at=ready_at)
 
 
-class _LanesDone:
-    """The end of a transfer spread over several communicators: all of the given events."""
-
-    def __init__(self, events: list[torch.cuda.Event]) -> None:
-        self.events = events
-
-    def wait(self, deadline: float, *, spin_s: float = 0.0) -> None:
-        while not all(e.query() for e in self.events):
-            if time.monotonic() > deadline:
-                raise TimeoutError("a lane's op missed the deadline")
-
-
-def _lane_comms(side: _Side, lanes: int) -> list[Any]:
-    """The default communicator with the peer, then the lane cache's (one more)."""
-    names = [side.cfg["backends"][0], "lane"][:lanes]
-    return [side.caches[b].get(side.peer, initiator=side.role == "P") for b in names]
-
-
-def _lanes_send(
-    side: _Side, staged: StagedTransfer, bounds: list[int] | None, lanes: int, clock: _Clock,
-    wait: Callable[[], None] | None, gather: bool = True,
-) -> _LanesDone:
-    """`NcclTransport.gather_and_send`'s pipeline (the same gathers and grids), but chunk k
-    is sent over communicator k % lanes: each communicator runs its ops in order on its
-    own stream, so chunk k+1's send can start while chunk k's is still draining, instead
-    of after it (an op's start and end cost the wire about 25 us each)."""
-    from workers.transports.nccl import gather_programs_for
-
-    tr = side.transport
-    comms = _lane_comms(side, lanes)
-    ends = bounds or [staged.num_blocks]
-    base, at, step = staged.lease.base, staged.lease.offset, side.paged.staged_block_nbytes
-    last: dict[int, Any] = {}
-    start = 0
-    for k, end in enumerate(ends):
-        if gather:
-            programs = None if k == 0 else tr.gather_programs
-            if k and tr.adaptive_gathers:
-                prev = ends[k - 1] - (ends[k - 2] if k > 1 else 0)
-                programs = gather_programs_for((end - ends[k - 1]) / prev, programs)
-            side.stager.gather_chunk(staged, end, programs=programs)
-            clock.gpu(f"gather@{end}")
-            if k == 0:
-                clock.mark("gather0_enqueued")
-        if k == 0 and wait is not None:
-            wait()
-            clock.mark("ready_seen")
-        comm = comms[k % lanes]
-        last[k % lanes] = comm.post_range("send", base, at + start * step, (end - start) * step, tr.stream,
-                                          staged.event_for(end))
-        if k == 0:
-            clock.mark("send0_posted")
-        start = end
-    return _LanesDone([w.event for w in last.values()])
-
-
-def _lanes_recv(side: _Side, lease: Any, ids: torch.Tensor, bounds: list[int] | None, lanes: int) -> _LanesDone:
-    """`NcclTransport.recv_staged` with chunk k received over communicator k % lanes."""
-    tr, paged = side.transport, side.paged
-    comms = _lane_comms(side, lanes)
-    n, step = ids.numel(), paged.staged_block_nbytes
-    ends = bounds or [n]
-    chunks = list(zip([0] + ends[:-1], ends))
-    works = [comms[k % lanes].post_range("recv", lease.base, lease.offset + b0 * step, (b1 - b0) * step, tr.stream)
-             for k, (b0, b1) in enumerate(chunks)]
-    current = torch.cuda.Event()
-    current.record()
-    words = paged.staging_view(lease.tensor, n)
-    with torch.cuda.stream(tr.scatter_stream):
-        tr.scatter_stream.wait_event(current)
-        for k, (work, (b0, b1)) in enumerate(zip(works, chunks)):
-            work.wait()
-            tr._mark(tr.scatter_stream, f"recv_done@{b1}")
-            cap = tr.scatter_programs if k < len(chunks) - 2 else None
-            paged.copy_range(ids, words, b0, b1, to_staging=False, programs=cap)
-            tr._mark(tr.scatter_stream, f"scatter_done@{b1}")
-        done = torch.cuda.Event()
-        done.record(tr.scatter_stream)
-    return _LanesDone([done])
-
-
 def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
     tr, kind = side.transport, case.kind
     staged = None
@@ -751,10 +666,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         clock.mark("offer_sent")
         staged = side.stager.begin(ids)
         wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker", "landing") and not case.eager else None
-        if case.lanes > 1:
-            done = _lanes_send(side, staged, bounds, case.lanes, clock, wait)
-        else:
-            done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"))
+        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"))
         if kind == "landing" and len(bounds or [0]) == 1:
             hs.wait_ready(tid)  # one chunk: it went without Ready, which is read now
         if kind == "full" and case.eager:
@@ -768,10 +680,7 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
     else:  # data
         assert staged is not None
-        if case.lanes > 1:
-            done = _lanes_send(side, staged, bounds, case.lanes, clock, None, gather=False)
-        else:
-            done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
+        done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
     clock.mark("sends_posted")
     if done is not None:
         _wait(done)
@@ -791,10 +700,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
-        if case.lanes > 1:
-            done = _lanes_recv(side, lease, ids, bounds, case.lanes)
-        else:
-            done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds)
+        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds)
     elif kind == "expect":  # the Expect: credit and pool room granted before P finishes
         lease = side.pool.acquire_nowait(nbytes)
         side.hs.ready(tid)
@@ -817,10 +723,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
             lease = lease or side.pool.acquire_nowait(size)
             hs.ready(got)  # before posting: P's posting then overlaps ours
             clock.mark("ready_sent")
-        if case.lanes > 1:
-            done = _lanes_recv(side, lease, ids, bounds, case.lanes)
-        else:
-            done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got, posted=posted)
+        done = tr.recv_staged("P", lease, side.paged, ids, bounds=bounds, transfer_id=got, posted=posted)
         clock.mark("all_posted")
     if done is not None:
         _wait(done)
@@ -1095,14 +998,6 @@ def _cases(cfg: dict) -> dict[str, Case]:
             for name in ("raw", "ours_full", "ours_expect", "ours_data"):
                 cases[f"{name}~hot"] = replace(cases[name], label=f"{name}~hot", hot=True)
             continue
-        elif variant.startswith("lanes"):
-            change = {"lanes": int(variant.removeprefix("lanes"))}
-            for alt in cfg["lane_sweep"]:
-                label = f"ours_full~{variant}@" + "/".join(map(str, alt))
-                cases[label] = replace(cases["ours_full"], label=label, chunking=tuple(alt), **change)
-            for name in ("ours_full", "ours_data", "ours_expect"):
-                cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
-            continue
         elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
         else:  # every later gather on the same grid
@@ -1280,7 +1175,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
     ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap and ours_layerwise: P's forward pass, ms of GPU time")
     ap.add_argument("--cases", default="", help="time only these cases (and their ~variants), e.g. raw,ours_full")
-    ap.add_argument("--lane-sweep", default="", help="with a lanesN variant: other first/last/growth/back for it")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -1299,9 +1193,8 @@ def main(argv: list[str] | None = None) -> int:
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth,
            "back_growth": args.back_growth, "order": args.order,
            "sweep": sweep, "backends": backends,
-           "lane_sweep": [tuple(int(x) for x in s.split("/")) for s in args.lane_sweep.split(",") if s], "gather_programs": args.gather_programs or None,
+           "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
-           "lanes": any(v.startswith("lanes") for v in args.variants.split(",")),
            "only": [c for c in args.cases.split(",") if c],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
@@ -1340,7 +1233,7 @@ def _start_broker() -> tuple[subprocess.Popen, str]:
 def _run(cfg: dict, args: argparse.Namespace) -> int:
     backends = cfg["backends"]
     ctx = mp.get_context("spawn")
-    p_to_d, d_to_p = {b: ctx.Queue() for b in backends + ["lane"]}, {b: ctx.Queue() for b in backends + ["lane"]}
+    p_to_d, d_to_p = {b: ctx.Queue() for b in backends}, {b: ctx.Queue() for b in backends}
     results = ctx.Queue()
     conn_p, conn_d = ctx.Pipe()
     barrier = (ctx.Barrier(2), ctx.RawArray("q", 2))

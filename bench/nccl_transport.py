@@ -57,6 +57,13 @@ different polling delay.
                own Offer -> Prepare -> Ready -> Go, through a real `kvbroker serve`
                process started for the run, each side a `SyncBrokerClient`; D's Expect
                is sent before the clock, Done and Release come after it.
+* ipc@G        (with --ipc) not NCCL: a comparison for a transport this project does not
+               have yet. D's KV cache is mapped into P's process once (CUDA IPC), and a
+               transfer is one kernel on P (G programs) that copies P's blocks straight
+               into D's blocks over NVLink: no staging, no scatter, no NCCL FIFO. On the
+               clock: the Offer/Ready round trip (Ready would carry D's block ids), the
+               kernel, and D seeing it done (an interprocess CUDA event). D zeroes its
+               blocks before each transfer and compares a checksum after it.
 * per_layer    vLLM's P2pNcclConnector pattern: for each layer, extract its blocks,
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
@@ -278,6 +285,7 @@ class Case:
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
     side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
+    programs: int = 132  # ipc: the copy kernel's grid
 
 
 class _Side:
@@ -352,6 +360,8 @@ class _Side:
             self.bhs = BrokerHandshake(self.role, self.cfg["endpoint"], self.pool.capacity)
         _calibrate_forward(self)
         _calibrate_layers(self)
+        if self.cfg.get("ipc"):
+            _ipc_setup(self)
         for b in self.cfg["backends"]:
             self.use(b)
             comm = self.cache.get(self.peer, initiator=self.role == "P")
@@ -654,6 +664,14 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         side.hs.wait_ready(tid)
         clock.mark("ready_seen")
         done = tr.send_staged("D", staged, bounds=bounds, transfer_id=tid)
+    elif kind == "ipc":
+        side.hs.offer(tid, nbytes)
+        side.hs.wait_ready(tid)  # in a real protocol Ready would carry D's block ids
+        clock.mark("ready_seen")
+        _ipc_copy(side, ids, case.programs)
+        side.ipc_event.record()
+        side.conn.send_bytes(b"K" + side.ipc_checksum(ids))
+        clock.mark("kernel_launched")
     elif kind == "per_layer":
         _per_layer_p(side, ids)
     elif kind in ("full", "expect", "broker", "landing"):
@@ -711,10 +729,25 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         first = (bounds or [ids.numel()])[0] * side.paged.staged_block_nbytes
         comm = side.cache.get("P", initiator=False)
         posted = [comm.post_range("recv", lease.base, lease.offset, first, tr.stream)]
+    elif kind == "ipc":  # so a copy that did not happen cannot pass the checksum
+        for layer in side.kv:
+            layer[:, ids] = 0
+        torch.cuda.synchronize()
     side.meet(case.hot)
     clock.mark("barrier_left")
     if kind == "per_layer":
         _per_layer_d(side, ids)
+    elif kind == "ipc":
+        got, _ = side.hs.accept()
+        side.hs.ready(got)
+        msg = side.hs.recv()
+        assert msg[:1] == b"K", msg
+        deadline = _deadline()
+        while not side.ipc_event.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError("P's copy kernel never finished")
+        clock.stamps["t1"] = time.perf_counter()
+        side.ipc_bad += msg[1:] != side.ipc_checksum(ids, fresh=True)
     elif done is None:
         hs = side.bhs if kind in ("broker", "overlap") else side.hs
         got, size = hs.accept()
@@ -727,12 +760,89 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         clock.mark("all_posted")
     if done is not None:
         _wait(done)
-    clock.stamps["t1"] = time.perf_counter()
+    clock.stamps.setdefault("t1", time.perf_counter())
     if lease is not None:
         lease.release()
     if kind in ("broker", "overlap"):
         side.bhs.done(tid)
     side.hs.done()
+
+
+# -- a direct CUDA IPC write, for comparison ---------------------------------------------
+
+_IPC_KERNEL: list[Any] = []
+
+
+def _ipc_kernel() -> Any:
+    """The block-to-block copy kernel (made on first use: Triton only on the GPU host)."""
+    if not _IPC_KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def copy_blocks(src_ptrs, src_ids, dst_ptrs, dst_ids, n_src, n_dst, rows, ROW: tl.constexpr,
+                        NUM_LAYERS: tl.constexpr, PRE: tl.constexpr, BLOCK: tl.constexpr):
+            # Row r is (request block i, layer, pre p), as in the staging kernel; each
+            # program copies rows r, r + G, ... from P's cache into D's, over NVLink.
+            for r in tl.range(tl.program_id(0), rows, tl.num_programs(0)):
+                row = r.to(tl.int64)
+                i = row // (NUM_LAYERS * PRE)
+                layer = (row // PRE) % NUM_LAYERS
+                p = row % PRE
+                src = tl.load(src_ptrs + layer).to(tl.pointer_type(tl.int64))
+                dst = tl.load(dst_ptrs + layer).to(tl.pointer_type(tl.int64))
+                src += (p * n_src + tl.load(src_ids + i).to(tl.int64)) * ROW
+                dst += (p * n_dst + tl.load(dst_ids + i).to(tl.int64)) * ROW
+                for start in tl.range(0, ROW, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < ROW
+                    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+        _IPC_KERNEL.append(copy_blocks)
+    return _IPC_KERNEL[0]
+
+
+def _ipc_setup(side: _Side) -> None:
+    """D maps its cache layers into P's process (CUDA IPC handles over the pipe); P lets
+    its GPU reach D's and shares an interprocess event that D polls for the end."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    side.ipc_bad = 0
+    if side.role == "D":
+        side.conn.send([reduce_tensor(t) for t in side.kv])
+        side.ipc_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), side.conn.recv())
+        peer_ids = None
+    else:
+        remote = [fn(*args) for fn, args in side.conn.recv()]
+        torch.zeros(1, device=remote[0].device).copy_(torch.zeros(1, device=side.device))  # peer access 0 -> 1
+        side.ipc_remote = remote  # keeps the mappings open
+        side.ipc_dst = torch.tensor([t.data_ptr() for t in remote], dtype=torch.int64, device=side.device)
+        side.ipc_event = torch.cuda.Event(interprocess=True)
+        side.conn.send(side.ipc_event.ipc_handle())
+        peer_ids = side.paged.block_ids(_ids(side, side.cfg["max_blocks"], 2))  # D's blocks, as `_rounds` picks them
+    side.ipc_peer_ids = peer_ids
+
+    sums: dict[tuple[int, int], bytes] = {}
+
+    def checksum(ids: torch.Tensor, *, fresh: bool = False) -> bytes:
+        # P's blocks never change, so P sums them once per request (in a warm-up round);
+        # D sums what landed, after its clock stopped.
+        key = (ids.data_ptr(), ids.numel())
+        if fresh or key not in sums:
+            sums[key] = repr(sum(float(layer[:, ids].double().sum()) for layer in side.kv)).encode()
+        return sums[key]
+
+    side.ipc_checksum = checksum
+
+
+def _ipc_copy(side: _Side, ids: torch.Tensor, programs: int) -> None:
+    paged, n = side.paged, ids.numel()
+    dst_ids = side.ipc_peer_ids[:n]
+    rows = n * paged.num_layers * paged.pre
+    _ipc_kernel()[(min(rows, programs),)](
+        paged._layer_ptrs, ids, side.ipc_dst, dst_ids, paged.num_blocks, paged.num_blocks, rows,
+        ROW=paged.row_words, NUM_LAYERS=paged.num_layers, PRE=paged.pre, BLOCK=min(paged.row_words, 4096),
+        num_warps=8)
 
 
 # -- the P2pNcclConnector pattern --------------------------------------------------------
@@ -975,6 +1085,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_layerwise": Case("layerwise", "ours_layerwise", chunk),
         "ours_layerwise~inline": Case("layerwise", "ours_layerwise~inline", chunk, side_gathers=False),
         "per_layer": Case("per_layer", "per_layer"),
+        **{f"ipc@{g}": Case("ipc", f"ipc@{g}", programs=g) for g in cfg.get("ipc", [])},
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
         for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
@@ -1093,6 +1204,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
             cache.close()
         if side.bhs is not None:
             side.bhs.sync.close()
+        if cfg.get("ipc"):
+            extra["ipc_checksum_mismatches"] = side.ipc_bad
         results.put((role, {"rows": rows, "traces": traces, **extra}))
     except BaseException:
         results.put((role, {"error": traceback.format_exc()}))
@@ -1174,6 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
     ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap and ours_layerwise: P's forward pass, ms of GPU time")
+    ap.add_argument("--ipc", default="", help="also time the CUDA IPC comparison with these grids, e.g. 132,528")
     ap.add_argument("--cases", default="", help="time only these cases (and their ~variants), e.g. raw,ours_full")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -1196,6 +1310,7 @@ def main(argv: list[str] | None = None) -> int:
            "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "only": [c for c in args.cases.split(",") if c],
+           "ipc": [int(g) for g in args.ipc.split(",") if g],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     broker = _start_broker() if args.broker else None

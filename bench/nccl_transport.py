@@ -802,21 +802,51 @@ def _ipc_kernel() -> Any:
     return _IPC_KERNEL[0]
 
 
+def _cudart() -> Any:
+    """The CUDA runtime library torch loaded (for cudaIpcOpenMemHandle on a chosen device)."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        paths = sorted({line.split()[-1] for line in f if "libcudart" in line and line.split()[-1].startswith("/")})
+    if not paths:
+        raise RuntimeError("torch has not loaded libcudart")
+    return ctypes.CDLL(paths[0])
+
+
 def _ipc_setup(side: _Side) -> None:
-    """D maps its cache layers into P's process (CUDA IPC handles over the pipe); P lets
-    its GPU reach D's and shares an interprocess event that D polls for the end."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    """D maps its cache layers into P's process (CUDA IPC handles over the pipe, opened on
+    P's own device so P's kernels reach them over NVLink); P shares an interprocess event
+    that D polls for the end."""
+    import ctypes
 
     side.ipc_bad = 0
     if side.role == "D":
-        side.conn.send([reduce_tensor(t) for t in side.kv])
+        shared = []
+        for t in side.kv:
+            info = t.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ...)
+            shared.append((bytes(info[1]), int(info[3]) + t.storage_offset() * t.element_size()))
+        side.conn.send(shared)
         side.ipc_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), side.conn.recv())
         peer_ids = None
     else:
-        remote = [fn(*args) for fn, args in side.conn.recv()]
-        torch.zeros(1, device=remote[0].device).copy_(torch.zeros(1, device=side.device))  # peer access 0 -> 1
-        side.ipc_remote = remote  # keeps the mappings open
-        side.ipc_dst = torch.tensor([t.data_ptr() for t in remote], dtype=torch.int64, device=side.device)
+        class Handle(ctypes.Structure):
+            _fields_ = [("reserved", ctypes.c_char * 64)]
+
+        rt = _cudart()
+        rt.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), Handle, ctypes.c_uint]
+        ptrs, opened = [], {}
+        torch.cuda.set_device(side.device)
+        for handle, offset in side.conn.recv():
+            if handle not in opened:  # layers may share one allocation: open each once
+                h = Handle()
+                ctypes.memmove(ctypes.addressof(h), handle, 64)
+                ptr = ctypes.c_void_p()
+                err = rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1)  # cudaIpcMemLazyEnablePeerAccess
+                if err:
+                    raise RuntimeError(f"cudaIpcOpenMemHandle failed with CUDA error {err}")
+                opened[handle] = int(ptr.value)
+            ptrs.append(opened[handle] + offset)
+        side.ipc_dst = torch.tensor(ptrs, dtype=torch.int64, device=side.device)
         side.ipc_event = torch.cuda.Event(interprocess=True)
         side.conn.send(side.ipc_event.ipc_handle())
         peer_ids = side.paged.block_ids(_ids(side, side.cfg["max_blocks"], 2))  # D's blocks, as `_rounds` picks them

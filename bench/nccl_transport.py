@@ -824,7 +824,12 @@ def _ipc_setup(side: _Side) -> None:
         shared = []
         for t in side.kv:
             info = t.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ...)
-            shared.append((bytes(info[1]), int(info[3]) + t.storage_offset() * t.element_size()))
+            handle = bytes(info[1])
+            if len(handle) == 65 and handle[:1] == b"c":  # torch prefixes the kind of share: cudaMalloc
+                handle = handle[1:]
+            if len(handle) != 64:
+                raise RuntimeError(f"not a cudaMalloc IPC handle ({len(handle)} bytes, {handle[:1]!r})")
+            shared.append((handle, int(info[3]) + t.storage_offset() * t.element_size()))
         side.conn.send(shared)
         side.ipc_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", 0), side.conn.recv())
         peer_ids = None

@@ -825,8 +825,8 @@ def _ipc_setup(side: _Side) -> None:
         for t in side.kv:
             info = t.untyped_storage()._share_cuda_()  # (device, handle, size, offset, ...)
             handle = bytes(info[1])
-            if len(handle) == 65 and handle[:1] == b"c":  # torch prefixes the kind of share: cudaMalloc
-                handle = handle[1:]
+            if len(handle) == 66 and handle[1:2] == b"c":  # torch's version byte, then 'c' for a cudaMalloc block
+                handle = handle[2:]
             if len(handle) != 64:
                 raise RuntimeError(f"not a cudaMalloc IPC handle ({len(handle)} bytes, {handle[:1]!r})")
             shared.append((handle, int(info[3]) + t.storage_offset() * t.element_size()))

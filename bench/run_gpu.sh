@@ -29,11 +29,11 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch); SKIP_TESTS=1: no pytest.
-# The timeouts keep one run under 5 minutes: the benchmark (about 40 s) gets BENCH_TIMEOUT,
+# BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch, --ipc 132); SKIP_TESTS=1: no pytest.
+# The timeouts keep one run under 9 minutes: the benchmark (about 100 s) gets BENCH_TIMEOUT,
 # the direct backend's tests TEST_TIMEOUT, torch's whatever is left of TOTAL_BUDGET.
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-80}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 # BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
 # (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
@@ -44,10 +44,10 @@ if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then
   echo "bench (torch debug defaults) rc=$?"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-110}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch" 2>&1 \
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch" 2>&1 \
     | tee "$OUT/pytest.log"
   echo "pytest (CPU and direct backend) rc=$?"
-  left=$(( ${TOTAL_BUDGET:-285} - SECONDS ))
+  left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
   if [ "$left" -gt 20 ]; then
     timeout "$left" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k torch 2>&1 | tee "$OUT/pytest-torch.log"
     echo "pytest (torch backend) rc=$?"

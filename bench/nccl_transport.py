@@ -105,7 +105,7 @@ more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
        [--gather-programs N] [--variants fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
-       [--host-costs] [--profile] [--broker] [--json PATH]
+       [--host-costs] [--profile] [--broker] [--ipc 132,...] [--cases raw,ours_full,...] [--json PATH]
 """
 
 from __future__ import annotations

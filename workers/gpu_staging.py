@@ -14,7 +14,10 @@ Stream order then guarantees the gather reads the blocks as they were when the c
 was made, whatever later kernels on that stream write. The transport's own stream
 waits on the event before it posts the send (`workers.transports.nccl`), so the send
 never reads a half-written staging buffer. P's blocks can be freed as soon as the call
-returns; the staging lease lives until D confirms.
+returns; the staging lease lives until D confirms. The one exception,
+`gather_layer(side=True)`, runs the copy on a side stream that first waits for the
+compute stream; `fence` then makes the compute stream wait for the copies before it may
+write the blocks again, which restores the same guarantee.
 
 Layout
 ------

@@ -9,7 +9,8 @@ too, so a typo (``pool_byte``) cannot silently fall back to a default.
 Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
 
     broker              ZMQ address of the kvbroker daemon, e.g. "tcp://127.0.0.1:7100".
-    transport           "tcp" (default; CPU caches, any host) or "nccl".
+    transport           "tcp" (default; CPU caches, any host) or "nccl" (CUDA caches: the
+                        staging and receive pools live on the GPU, KV moves over NCCL).
     pool_bytes          decode side: receive pool size (default 1 GiB, allocated lazily).
     staging_bytes       prefill side: staging pool size (default 1 GiB).
     load_timeout_s      longest a decode request waits for its KV (default 30).
@@ -170,13 +171,9 @@ def parse_config(
     transport = extra.get("transport", _DEFAULTS.transport)
     if transport not in ("tcp", "nccl"):
         raise ConfigError(f'{_PREFIX}.transport must be "tcp" or "nccl", not {transport!r}.')
-    if transport == "nccl":
-        if not cuda_available():
-            raise ConfigError(
-                f'{_PREFIX}.transport "nccl" is not supported on this host (no CUDA device is visible); use "tcp".'
-            )
+    if transport == "nccl" and not cuda_available():
         raise ConfigError(
-            f'{_PREFIX}.transport "nccl" is not available in the vLLM connector yet; use "tcp" (CPU KV caches).'
+            f'{_PREFIX}.transport "nccl" is not supported on this host (no CUDA device is visible); use "tcp".'
         )
     instance_id = extra.get("instance_id", engine_id)
     if not isinstance(instance_id, str) or not 0 < len(instance_id) <= MAX_INSTANCE_ID or ":" in instance_id:

@@ -8,11 +8,15 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    used instead.
 2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
    register the lease with the `TcpReceiver`, and only then send Ready with the byte
-   range after D's prefix-cache hit, so P's bytes land straight in the lease.
+   range after D's prefix-cache hit, so P's bytes land straight in the lease. Over
+   nccl (`connector.nccl_link`): one transfer per producer at a time, from Ready until
+   the receive into the lease has ended (NCCL pairs ops by posting order).
 3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
    its prefix hit (the cache tensors from `register_kv_caches`; attn_metadata may be
    None in this step), send Done (the bytes are now in D's cache), free the lease and
-   report the request as received.
+   report the request as received. On a GPU the scatter is enqueued on the compute
+   stream, so the lease goes back to the pool only once an event after it has completed
+   (a later receive into the same bytes is not ordered after the scatter).
 4. A missed deadline (no Prepare, no room, no bytes), a broken stream, a mismatched
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
@@ -60,6 +64,7 @@ class _Load:
     reason: str = ""
     lease: Lease | None = None
     nbytes: int = 0
+    source: str = ""  # the producer's peer id, from the Prepare
     scope: anyio.CancelScope | None = None
     # True once the broker knows the transfer ended (it aborted it, or we told it).
     settled: bool = False
@@ -75,9 +80,13 @@ class ConsumerSide:
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._errors: set[int] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
+        self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
 
     def start_transport(self) -> dict[str, str]:
-        """Listen for producers; the endpoint goes into this peer's registration."""
+        """Listen for producers; the endpoint goes into this peer's registration (nccl:
+        none, the producer reaches this peer by its id)."""
+        if self.w.config.transport == "nccl":
+            return {}
         ctx = {"role": self.w.role, "instance": self.w.config.instance_id}
         self.receiver = TcpReceiver(self.w.config.tcp_host, 0, log_context=ctx)
         return {"tcp": self.receiver.start()}
@@ -117,6 +126,7 @@ class ConsumerSide:
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Scatter what arrived, fail what is late; both count as received for vLLM."""
         w = self.w
+        self._drain()
         done = self._collect(finished_req_ids)
         if not done:
             return None
@@ -124,14 +134,16 @@ class ConsumerSide:
         dones: list[tuple[str, int]] = []
         aborts: list[tuple[str, str]] = []
         for load in done:
+            scattered = False
             if load.state == "received":
                 error = self._scatter(load)
                 if error is None:
                     dones.append((load.transfer_id, load.nbytes))
+                    scattered = True
                 else:
                     load.state, load.reason = "failed", error
             if load.lease is not None:
-                load.lease.release()  # scattered, or useless: the room goes back to the pool
+                self._give_back(load.lease, scattered)  # scattered, or useless: the room goes back to the pool
                 load.lease = None
             finished.add(load.spec.req_id)
             if load.state != "failed":
@@ -153,6 +165,26 @@ class ConsumerSide:
         if dones or aborts:
             self.w.spawn(self._finish, dones, aborts)
         return finished
+
+    def _give_back(self, lease: Lease, scattered: bool) -> None:
+        """Return `lease` to the pool; on a GPU after the scatter that reads it has run."""
+        if scattered and lease.base.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(lease.base.device))
+            self._draining.append((event, lease))
+        else:
+            lease.release()
+
+    def _drain(self) -> None:
+        """Release the leases whose scatter has run (main thread, every step)."""
+        if self._draining:
+            left = []
+            for event, lease in self._draining:
+                if event.query():
+                    lease.release()
+                else:
+                    left.append((event, lease))
+            self._draining = left
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
         """Take the loads that ended (expiring late ones first). A restarted broker gets
@@ -185,8 +217,13 @@ class ConsumerSide:
 
     def _give_up_stuck(self, load: _Load) -> None:
         """Fail a load whose receiving task is gone: stop the receiver writing, then free the lease."""
-        assert self.receiver is not None
         reason = f"no KV within the load deadline of {self.w.config.load_timeout_s:g} s (the receive never ended)"
+        if self.w.nccl is not None:  # its thread may still post or wait: abort the op, never reuse the lease
+            self.w.nccl.cancel(load.source)
+            self._quarantine(load, "an NCCL receive into it may not have ended")
+            self._fail(load, reason, telling=False)
+            return
+        assert self.receiver is not None
         try:
             self.receiver.cancel_blocking(load.transfer_id, reason)
         except TcpTransportError as exc:
@@ -355,8 +392,8 @@ class ConsumerSide:
     async def _receive(self, msg: Prepare, load: _Load) -> str:
         """Lease, expect, Ready, wait; "" once the bytes are in the lease, else why not."""
         w = self.w
-        assert w.pool is not None and self.receiver is not None and w.client is not None
-        tid, spec, lay = msg.transfer_id, load.spec, msg.layout
+        assert w.pool is not None and w.client is not None
+        spec, lay = load.spec, msg.layout
         if msg.prompt and spec.tokens and msg.prompt != spec.tokens:
             # The same transfer_id was given to P and D with different prompts (a proxy
             # bug): that KV would decode into a wrong answer without any error.
@@ -375,6 +412,43 @@ class ConsumerSide:
                 f"{msg.nbytes} B offered do not match {n} blocks of {layers * w.block_nbytes} B after a {k}-block hit"
             )
         offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
+        receive = self._receive_nccl if w.nccl is not None else self._receive_tcp
+        reason = await receive(msg, load, offset, nbytes)
+        if reason:
+            return reason
+        load.nbytes = nbytes
+        with w.lock:
+            if load.state != "receiving":  # given up by `get_finished` meanwhile
+                return load.reason or "the load was given up"
+            load.state = "received"
+        return ""
+
+    async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
+        """One transfer per producer at a time, from Ready until its receive has ended."""
+        w, tid = self.w, msg.transfer_id
+        assert w.pool is not None and w.client is not None and w.nccl is not None
+        load.source = msg.source
+        try:
+            with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
+                async with w.nccl.receiving(msg.source):
+                    load.lease = await w.pool.acquire(nbytes)
+                    await w.client.client.ready(tid, nbytes, offset)
+                    w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                               skip_blocks=load.spec.num_cached_blocks, transport="nccl")
+                    await w.nccl.recv(msg.source, tid, load.lease, nbytes, load.deadline)
+        except TimeoutError:
+            return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
+        except TransferFailed as exc:
+            return exc.reason
+        except PoolError as exc:
+            return str(exc)
+        return ""
+
+    async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
+        """Expect the bytes at the receiver, then Ready, then wait for them."""
+        w, tid = self.w, msg.transfer_id
+        assert w.pool is not None and w.client is not None and self.receiver is not None
+        k = load.spec.num_cached_blocks
         expecting = False
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
@@ -400,11 +474,6 @@ class ConsumerSide:
                     await self.receiver.cancel(tid, "the load ended")
                 except TcpTransportError as exc:
                     self._quarantine(load, str(exc))
-        load.nbytes = nbytes
-        with w.lock:
-            if load.state != "receiving":  # given up by `get_finished` meanwhile
-                return load.reason or "the load was given up"
-            load.state = "received"
         return ""
 
     async def on_abort(self, msg: Abort) -> None:
@@ -422,6 +491,8 @@ class ConsumerSide:
             if parked is not None:
                 parked.set()
         elif scope is not None:
+            if w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
+                w.nccl.cancel(load.source)
             scope.cancel()
 
     def _remember_abort(self, tid: str, reason: str) -> None:

@@ -12,14 +12,16 @@
    returning. On the CPU the copy is complete on return, so vLLM may free and reuse
    the blocks right after the step and the staged copy still holds what the cache held
    when the layer was computed (the seed's corruption came from copying later, on
-   another thread). On a GPU the same gather is ordered on the compute stream, and a
-   send would have to wait on an event recorded after it; the connector refuses GPU
-   caches until an nccl path does exactly that.
+   another thread). On a GPU (transport "nccl") the same gather is enqueued on the
+   compute stream before the hook returns, so stream order makes it read the blocks as
+   they were, whatever the next step writes into them.
 3. `wait_for_save`: marks the step's copies complete; a step that missed a layer is
-   dropped rather than sent half-written, and its transfer aborted at the broker.
+   dropped rather than sent half-written, and its transfer aborted at the broker. On a
+   GPU it records an event after the step's gathers; the NCCL send waits on it.
 4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
    at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
-   (returns once D acknowledged all of it). On Release (D has it) or Abort: free the
+   (returns once D acknowledged all of it), or over NCCL to D's communicator (returns
+   once the send has ended on the GPU). On Release (D has it) or Abort: free the
    lease, after any send still reading it. A staged copy the broker never settles is
    freed after `staging_ttl_s`.
 """
@@ -59,6 +61,7 @@ class _Staged:
     sends: int = 0
     dead: bool = False
     complete: bool = False  # every layer copied (wait_for_save); a Go before that waits
+    event: torch.cuda.Event | None = None  # nccl: recorded after the step's gathers; the send waits on it
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
 
 
@@ -71,7 +74,8 @@ class ProducerSide:
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
-        self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
+        if self.w.config.transport == "tcp":
+            self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
         return {}
 
     def close(self) -> None:
@@ -164,6 +168,10 @@ class ProducerSide:
     def wait_for_save(self) -> None:
         w = self.w
         step, self._step = self._step, []
+        event = None
+        if step and w.pool is not None and w.pool.tensor.is_cuda:  # after every gather of the step
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(w.pool.tensor.device))
         for tid, staged in step:
             if len(staged.layers_done) != len(w.layers):
                 reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
@@ -172,6 +180,7 @@ class ProducerSide:
                 continue
             w.count("staged")
             with w.lock:
+                staged.event = event
                 staged.complete = True
                 waiter = staged.waiter
             if waiter is not None:  # a Go already waits for this copy
@@ -265,7 +274,6 @@ class ProducerSide:
         if staged is None:
             w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
             return
-        assert self.sender is not None
         endpoint = msg.endpoints.get("tcp")
         t0 = time.monotonic()
         let_go = True  # False: a cancelled send's thread may still read the staging
@@ -275,11 +283,16 @@ class ProducerSide:
                     await waiter.wait()
                 if not staged.complete or staged.dead:
                     raise TransferFailed(tid, "its copy was dropped or not complete within load_timeout_s")
-            if endpoint is None:
-                raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
-            data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
-            with anyio.fail_after(w.config.load_timeout_s):
-                await self.sender.send(endpoint, tid, msg.attempt, data)
+            if w.nccl is not None:
+                await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
+                                  time.monotonic() + w.config.load_timeout_s)
+            else:
+                assert self.sender is not None
+                if endpoint is None:
+                    raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
+                data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
+                with anyio.fail_after(w.config.load_timeout_s):
+                    await self.sender.send(endpoint, tid, msg.attempt, data)
         except (TransferFailed, TimeoutError, OSError) as exc:
             # D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"

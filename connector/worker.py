@@ -10,7 +10,9 @@ Threads
 -------
 vLLM calls the hooks on its worker thread ("main"). The broker client runs on an anyio
 loop in a background thread (`workers.client.SyncBrokerClient`) and calls this object
-as its `TransferHandler` there. The TCP transport moves bytes on threads of its own.
+as its `TransferHandler` there. The TCP transport moves bytes on threads of its own;
+the nccl transport (`connector.nccl_link`) posts and waits on worker threads of that
+loop, and the GPU copies are ordered against the model by CUDA events.
 State shared between threads sits behind `lock`, which is never held across a portal
 call, so neither thread can block the other. KV cache tensors are read and written
 only on the main thread (gather in the layer hooks, scatter between forward passes),
@@ -46,6 +48,7 @@ from workers.pool import BufferPool
 
 from .config import ConfigError, ConnectorConfig, EngineInfo, read_secret_key
 from .consumer import ConsumerSide
+from .nccl_link import NcclLink
 from .producer import ProducerSide
 from .scheduler import KvBrokerMetadata
 
@@ -100,6 +103,7 @@ class ConnectorWorker:
         self.compat: dict[str, str] = {}
         self.pool: BufferPool | None = None
         self.client: SyncBrokerClient | None = None
+        self.nccl: NcclLink | None = None  # transport "nccl": made once registered (it is named by the peer id)
         self.meta = KvBrokerMetadata()
         self.counters = {
             k: 0 for k in ("staged", "offered", "sent", "released", "aborted", "loaded", "failed", "bytes")
@@ -121,10 +125,18 @@ class ConnectorWorker:
         if not kv_caches:
             raise ConfigError("vLLM registered no KV cache layers; the KVBrokerConnector has nothing to move.")
         spec = CacheSpec.from_vllm(self.info.spec)
+        nccl = self.config.transport == "nccl"
+        device = next(iter(kv_caches.values())).device
         for idx, (name, tensor) in enumerate(kv_caches.items()):
-            if tensor.device.type != "cpu":
+            if not nccl and tensor.device.type != "cpu":
                 raise ConfigError(
-                    f'layer {name} keeps its KV cache on {tensor.device}; the "tcp" transport moves CPU KV caches only.'
+                    f'layer {name} keeps its KV cache on {tensor.device}; the "tcp" transport moves CPU KV caches '
+                    'only: set transport "nccl" for GPU caches.'
+                )
+            if nccl and (tensor.device.type != "cuda" or tensor.device != device):
+                raise ConfigError(
+                    f'layer {name} keeps its KV cache on {tensor.device}; the "nccl" transport moves the caches of '
+                    f'one GPU ({device}), so set transport "tcp" for CPU caches.'
                 )
             self.layers[name] = idx
             self.layouts[name] = detect_layout(tensor, spec)
@@ -138,7 +150,9 @@ class ConnectorWorker:
         self.block_nbytes = first.block_nbytes
         self.compat = compat_fields(self.info, first, len(self.layers))
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes
-        self.pool = BufferPool(-(-size // ALIGN) * ALIGN, alignment=ALIGN)
+        # nccl: the pool lives on the caches' GPU, so gathers, sends, receives and
+        # scatters never leave it.
+        self.pool = BufferPool(-(-size // ALIGN) * ALIGN, alignment=ALIGN, device=device if nccl else "cpu")
         side = self.producer or self.consumer
         assert side is not None
         endpoints = side.start_transport()
@@ -169,6 +183,8 @@ class ConnectorWorker:
         )
         try:
             self.client = SyncBrokerClient(client)
+            if nccl:
+                self.nccl = NcclLink(self.client, device, connect_timeout_s=self.config.load_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -194,6 +210,8 @@ class ConnectorWorker:
         side = self.producer or self.consumer
         if side is not None:
             side.close()
+        if self.nccl is not None:
+            self.nccl.close()
         self.log.info("connector.closed", phase="close", **self.counters)
 
     # -- vLLM hooks (main thread) ------------------------------------------------------------
@@ -259,7 +277,8 @@ class ConnectorWorker:
         await side.on_abort(msg)
 
     async def on_relay(self, msg: Relay) -> None:
-        pass  # rendezvous data for the nccl transport, which this connector does not use yet
+        if self.nccl is not None:  # rendezvous data for a communicator with a peer
+            await self.nccl.rendezvous.on_relay(msg)
 
     # -- messages to the broker --------------------------------------------------------------
 

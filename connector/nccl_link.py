@@ -1,0 +1,140 @@
+"""The nccl transport as the connector's worker half uses it: one byte range a transfer,
+posted from the broker client's loop thread, waited for without blocking that loop.
+
+Why one transfer at a time per (P, D) pair: NCCL pairs a sender's ops with the
+receiver's by posting order alone. P posts in the order its Go messages arrive, D in the
+order it sends Ready, and the broker turns each Ready into a Go in order; but two
+handler tasks on either side may reach NCCL in either order (trio schedules tasks in no
+fixed order), and the bytes of one transfer would land in another's buffer. So D holds
+a per-producer lock from its Ready until its receive has ended (`receiving`): a producer
+has at most one Go from a given decode peer outstanding, and both sides post it alone.
+Transfers between different pairs still run at once, each over its own communicator,
+and one transfer already uses the whole link.
+
+A send or receive that misses its deadline aborts its communicator (see
+`workers.transports.nccl_comm.Completion`): an op left posted would otherwise pair with
+the next transfer's. Both sides then build a new one on their next transfer, through
+the broker's `Relay` (`workers.rendezvous.BrokerRendezvous`).
+
+Ordering against the model: P's send waits on an event recorded after the step's
+gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands in a
+receive-pool lease that has no GPU work pending (a lease goes back to the pool only
+after the scatter that read it has run, see `connector.consumer`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from protocols.errors import KvBrokerError, TransferFailed
+from workers.client import SyncBrokerClient
+from workers.pool import Lease
+from workers.rendezvous import BrokerRendezvous
+from workers.transports.nccl import CommunicatorCache
+
+__all__ = ["NcclLink"]
+
+# Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
+COMMUNICATORS = 8
+
+
+class NcclLink:
+    """One worker's NCCL communicators and the posts of its transfers.
+
+    Args:
+        client: the worker's broker client (its peer id names this side; it relays the
+            rendezvous data).
+        device: the GPU of this worker's KV cache and pools.
+        connect_timeout_s: longest a communicator may take to build.
+    """
+
+    def __init__(self, client: SyncBrokerClient, device: torch.device, *, connect_timeout_s: float) -> None:
+        self.device = device
+        self.rendezvous = BrokerRendezvous(client, timeout_s=connect_timeout_s)
+        self.cache = CommunicatorCache(
+            client.registered.peer_id, device, self.rendezvous, capacity=COMMUNICATORS,
+            connect_timeout_s=connect_timeout_s,
+        )
+        self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
+        self._receiving: dict[str, anyio.Lock] = {}
+        self._cancelled: dict[str, threading.Event] = {}  # per peer: the op in flight's cancel flag
+        self._lock = threading.Lock()
+
+    def receiving(self, producer: str) -> anyio.Lock:
+        """D: hold this from Ready until the receive has ended: one transfer in flight per producer."""
+        with self._lock:
+            return self._receiving.setdefault(producer, anyio.Lock())
+
+    async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
+                   after: torch.cuda.Event | None, deadline: float) -> None:
+        """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
+        once `after` (the step's gathers) has completed on the GPU.
+
+        Raises:
+            TransferFailed: not sent by `deadline` (a `time.monotonic()` value; the
+                communicator is then aborted), no communicator, or it was aborted.
+        """
+        await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after, deadline)
+
+    async def recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float) -> None:
+        """D: receive `nbytes` from `producer` into the start of `lease`. Send Ready first:
+        the producer builds a new communicator only once it has the Go.
+
+        Raises:
+            TransferFailed: as `send`; also when `cancel` ended it.
+        """
+        await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline)
+
+    def cancel(self, peer: str) -> None:
+        """End the op in flight with `peer`, if any, before its deadline: its communicator
+        is aborted (an op left posted would pair with the next transfer's), and one not
+        yet posted is not posted. The caller's `send`/`recv` then raises."""
+        with self._lock:
+            flag = self._cancelled.get(peer)
+        if flag is not None:
+            flag.set()
+        self.cache.discard(peer)
+
+    async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+                    after: torch.cuda.Event | None, deadline: float) -> None:
+        # In a worker thread: building a communicator blocks (its rendezvous goes through
+        # this loop) and the wait spins. Not abandoned on cancellation: the op must have
+        # ended before the caller frees the lease or lets the next transfer post; `cancel`
+        # ends it early.
+        flag = threading.Event()
+        with self._lock:
+            self._cancelled[peer] = flag
+        try:
+            await anyio.to_thread.run_sync(self._post_and_wait, peer, op, transfer_id, lease, start, nbytes, after,
+                                           deadline, flag)
+        except TransferFailed:
+            raise
+        except (KvBrokerError, RuntimeError) as exc:  # no communicator (rendezvous, NCCL init), or a refused post
+            raise TransferFailed(transfer_id, f"NCCL {op} with {peer} failed: {exc}") from exc
+        finally:
+            with self._lock:
+                if self._cancelled.get(peer) is flag:
+                    del self._cancelled[peer]
+
+    def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+                       after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event) -> None:
+        torch.cuda.set_device(self.device)
+        comm = self.cache.get(peer, initiator=op == "send")
+        if cancelled.is_set():
+            raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
+        work = comm.post_range(op, lease.base, start, nbytes, self.stream, after)
+        comm.completion([work], self.stream, op, transfer_id).wait(deadline)
+        if comm.closed:  # aborted meanwhile (`cancel`, or another op's timeout): the kernel ended early
+            raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
+
+    def discard(self, peer: str) -> None:
+        """Abort the communicator with `peer` (a receive posted on it will never be matched)."""
+        self.cache.discard(peer)
+
+    def close(self) -> None:
+        self.cache.close()

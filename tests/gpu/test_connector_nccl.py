@@ -1,0 +1,125 @@
+"""The connector's worker half on two GPUs, transport "nccl", against a real broker process.
+
+As `tests/connector/test_worker.py` does on the CPU, these drive the hooks vLLM calls
+(bind, save_kv_layer, wait_for_save, start_load_kv, get_finished) in vLLM's order, with
+no vLLM: a prefill worker whose KV cache lives on cuda:0 and a decode worker whose cache
+lives on cuda:1, talking only through the broker (which also relays the communicator's
+rendezvous) and NCCL. The KV is flash-attn shaped (``[2, num_blocks, bs, H, D]`` a layer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.scheduler import KvBrokerMetadata, SaveSpec
+from tests.connector.test_worker import LAYERS, FakeSpec, load, make_worker, run_steps, stage
+from tests.support import BrokerProcess
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+pytestmark = [pytest.mark.gpu, two_gpus]
+
+BLOCKS = 64
+
+
+def gpu_caches(device: str, seed: int) -> dict[str, torch.Tensor]:
+    spec = FakeSpec()
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16).to(device) for name in LAYERS}
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "2")
+    b.start()
+    yield b
+    b.kill()
+
+
+def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: BrokerProcess) -> None:
+    """60 transfers, P's blocks refilled before and overwritten right after each step
+    (the seed's race), every other one with a one-block prefix hit on D: D's blocks after
+    its hit hold exactly what P saved, its prefix-cached block is never written, and
+    every staging and receive lease goes back to its pool."""
+    pc, dc = gpu_caches("cuda:0", 1), gpu_caches("cuda:1", 2)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    mismatches, times = 0, []
+    try:
+        for i in range(60):
+            src, dst, cached = [3, 17, 40, 9], [50, 2, 33, 21], i % 2
+            for t in pc.values():  # this prompt's KV, new each time
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            kept = {n: t[:, dst[:cached]].clone() for n, t in dc.items()}
+            t0 = time.monotonic()
+            load(d, f"t{i}", dst, cached=cached)
+            stage(p, pc, f"t{i}", src, decode="d0")
+            for t in pc.values():  # the next step writes these blocks at once
+                t[:, src] = -7.0
+            finished, errors, _ = run_steps(d, {f"req-t{i}"}, timeout=30)
+            times.append(time.monotonic() - t0)
+            assert not errors, f"transfer t{i} failed to load: {d.statistics()}"
+            torch.cuda.synchronize("cuda:1")
+            for n, t in dc.items():
+                mismatches += not torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu())
+                assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
+        assert mismatches == 0
+        stats = {"p": p.statistics(), "d": d.statistics()}
+        assert stats["d"]["loaded"] == 60 and stats["d"]["failed"] == 0, stats
+        assert p.pool is not None and d.pool is not None
+
+        def settled() -> bool:
+            d.get_finished(set())  # returns receive leases whose scatter has run
+            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
+
+        from tests.support import wait_until
+
+        wait_until(settled, 10, "every staging and receive lease back in its pool")
+        assert p.nccl is not None and d.nccl is not None
+        assert p.nccl.cache.statistics().created == 1 and d.nccl.cache.statistics().created == 1
+        print("nccl connector transfer ms, median:", round(sorted(times)[len(times) // 2] * 1e3, 2))
+    finally:
+        p.close()
+        d.close()
+
+
+def test_two_transfers_of_one_step_to_one_decode_peer(broker: BrokerProcess) -> None:
+    """Two saves in one step, both to the same decode peer: D receives them one after the
+    other (NCCL pairs ops by posting order), and each lands in its own blocks."""
+    pc, dc = gpu_caches("cuda:0", 3), gpu_caches("cuda:1", 4)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    try:
+        for round_ in range(5):
+            a, b = f"a{round_}", f"b{round_}"
+            saved = {n: (t[:, [1, 2]].clone(), t[:, [5, 6, 7]].clone()) for n, t in pc.items()}
+            load(d, a, [10, 11], cached=0)
+            load(d, b, [20, 21, 22], cached=0)
+            specs = {
+                a: SaveSpec(req_id=f"req-{a}", block_ids=[1, 2], num_tokens=2 * 32 - 5, decode="d0"),
+                b: SaveSpec(req_id=f"req-{b}", block_ids=[5, 6, 7], num_tokens=3 * 32 - 5, decode="d0"),
+            }
+            p.bind(KvBrokerMetadata(saves=specs))
+            for name in LAYERS:
+                p.save_kv_layer(name, pc[name])
+            p.wait_for_save()
+            p.clear()
+            for t in pc.values():
+                t[:, [1, 2, 5, 6, 7]] = torch.randn_like(t[:, [1, 2, 5, 6, 7]])  # reused at once
+            _, errors, _ = run_steps(d, {f"req-{a}", f"req-{b}"}, timeout=30)
+            assert not errors
+            torch.cuda.synchronize("cuda:1")
+            for n, t in dc.items():
+                assert torch.equal(t[:, [10, 11]].cpu(), saved[n][0].cpu())
+                assert torch.equal(t[:, [20, 21, 22]].cpu(), saved[n][1].cpu())
+    finally:
+        p.close()
+        d.close()

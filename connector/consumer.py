@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.to_thread
 import torch
 
 from protocols.errors import TransferFailed
@@ -219,7 +220,7 @@ class ConsumerSide:
         """Fail a load whose receiving task is gone: stop the receiver writing, then free the lease."""
         reason = f"no KV within the load deadline of {self.w.config.load_timeout_s:g} s (the receive never ended)"
         if self.w.nccl is not None:  # its thread may still post or wait: abort the op, never reuse the lease
-            self.w.nccl.cancel(load.source)
+            self.w.nccl.cancel(load.source, load.transfer_id)
             self._quarantine(load, "an NCCL receive into it may not have ended")
             self._fail(load, reason, telling=False)
             return
@@ -492,7 +493,7 @@ class ConsumerSide:
                 parked.set()
         elif scope is not None:
             if w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
-                w.nccl.cancel(load.source)
+                await anyio.to_thread.run_sync(w.nccl.cancel, load.source, tid)  # an abort blocks: off the loop
             scope.cancel()
 
     def _remember_abort(self, tid: str, reason: str) -> None:

@@ -62,7 +62,7 @@ class NcclLink:
         )
         self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
         self._receiving: dict[str, anyio.Lock] = {}
-        self._cancelled: dict[str, threading.Event] = {}  # per peer: the op in flight's cancel flag
+        self._inflight: dict[str, tuple[str, threading.Event]] = {}  # per peer: the op's transfer id, cancel flag
         self._lock = threading.Lock()
 
     def receiving(self, producer: str) -> anyio.Lock:
@@ -90,14 +90,16 @@ class NcclLink:
         """
         await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline)
 
-    def cancel(self, peer: str) -> None:
-        """End the op in flight with `peer`, if any, before its deadline: its communicator
-        is aborted (an op left posted would pair with the next transfer's), and one not
-        yet posted is not posted. The caller's `send`/`recv` then raises."""
+    def cancel(self, peer: str, transfer_id: str) -> None:
+        """End `transfer_id`'s op with `peer` before its deadline, if it is the one in
+        flight: its communicator is aborted (an op left posted would pair with the next
+        transfer's), or, not yet posted, it is not posted. Its `send`/`recv` then raises.
+        A transfer still waiting for its turn is left to its caller's cancel scope."""
         with self._lock:
-            flag = self._cancelled.get(peer)
-        if flag is not None:
-            flag.set()
+            inflight = self._inflight.get(peer)
+            if inflight is None or inflight[0] != transfer_id:
+                return
+            inflight[1].set()
         self.cache.discard(peer)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
@@ -108,7 +110,7 @@ class NcclLink:
         # ends it early.
         flag = threading.Event()
         with self._lock:
-            self._cancelled[peer] = flag
+            self._inflight[peer] = (transfer_id, flag)
         try:
             await anyio.to_thread.run_sync(self._post_and_wait, peer, op, transfer_id, lease, start, nbytes, after,
                                            deadline, flag)
@@ -118,8 +120,8 @@ class NcclLink:
             raise TransferFailed(transfer_id, f"NCCL {op} with {peer} failed: {exc}") from exc
         finally:
             with self._lock:
-                if self._cancelled.get(peer) is flag:
-                    del self._cancelled[peer]
+                if self._inflight.get(peer, (None, None))[1] is flag:
+                    del self._inflight[peer]
 
     def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                        after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event) -> None:
@@ -131,10 +133,6 @@ class NcclLink:
         comm.completion([work], self.stream, op, transfer_id).wait(deadline)
         if comm.closed:  # aborted meanwhile (`cancel`, or another op's timeout): the kernel ended early
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
-
-    def discard(self, peer: str) -> None:
-        """Abort the communicator with `peer` (a receive posted on it will never be matched)."""
-        self.cache.discard(peer)
 
     def close(self) -> None:
         self.cache.close()

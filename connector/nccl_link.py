@@ -126,8 +126,8 @@ class NcclLink:
     def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                        after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event) -> None:
         torch.cuda.set_device(self.device)
-        comm = self.cache.get(peer, initiator=op == "send")
-        if cancelled.is_set():
+        comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send")
+        if comm is None or cancelled.is_set():
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
         work = comm.post_range(op, lease.base, start, nbytes, self.stream, after)
         comm.completion([work], self.stream, op, transfer_id).wait(deadline)

@@ -123,3 +123,45 @@ def test_two_transfers_of_one_step_to_one_decode_peer(broker: BrokerProcess) -> 
     finally:
         p.close()
         d.close()
+
+
+def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: BrokerProcess) -> None:
+    """A transfer is aborted while D's NCCL receive for it is posted (P's step missed a
+    layer after the Go): D's load fails at once, not at its deadline, its communicator is
+    aborted so the receive cannot take a later transfer's bytes, and the next transfer
+    goes through on a new communicator on both sides (D told P its side was gone)."""
+    from tests.support import wait_until
+
+    pc, dc = gpu_caches("cuda:0", 5), gpu_caches("cuda:1", 6)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
+    try:
+        load(d, "first", [30, 31], cached=0)
+        stage(p, pc, "first", [1, 2], decode="d0")
+        assert not run_steps(d, {"req-first"}, timeout=30)[1]
+
+        load(d, "cut", [40, 41, 42], cached=0)
+        spec = SaveSpec(req_id="req-cut", block_ids=[4, 5, 6], num_tokens=3 * 32 - 5, decode="d0")
+        p.bind(KvBrokerMetadata(saves={"cut": spec}))  # offered now; the Go comes during the "forward pass"
+        assert d.nccl is not None
+        comms = d.nccl.cache._comms
+        posted = lambda: any(not op.done() for c in list(comms.values()) for op in c._pending)  # noqa: E731
+        wait_until(posted, 10, "D's receive for 'cut' to be posted")
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])  # the step misses a layer: P drops and aborts it
+        p.wait_for_save()
+        p.clear()
+        _, errors, seconds = run_steps(d, {"req-cut"}, timeout=30)
+        assert errors == {40, 41, 42} and seconds < 4, (errors, seconds)
+
+        saved = {n: t[:, [7, 8]].clone() for n, t in pc.items()}
+        load(d, "after", [50, 51], cached=0)
+        stage(p, pc, "after", [7, 8], decode="d0")
+        assert not run_steps(d, {"req-after"}, timeout=30)[1]
+        torch.cuda.synchronize("cuda:1")
+        for n, t in dc.items():
+            assert torch.equal(t[:, [50, 51]].cpu(), saved[n].cpu())
+        assert p.nccl is not None
+        assert d.nccl.cache.statistics().created == 2 and p.nccl.cache.statistics().created == 2
+    finally:
+        p.close()
+        d.close()

@@ -77,7 +77,10 @@ The rest holds for both (the torch details are marked as such).
 * Rebuilds and eviction are one-sided, so an acceptor checks `Rendezvous.poll` on each
   use and replaces its communicator when the initiator published a newer nonce. If the
   initiator sends before the acceptor saw it, that transfer misses its deadline on both
-  sides and both rebuild; no bytes land in the wrong buffer.
+  sides and both rebuild; no bytes land in the wrong buffer. The other way round, an
+  acceptor that aborts its side (a deadline, `discard`) publishes the dead nonce under
+  ``<key>/stale``, and the initiator's next use, seeing it, builds a new communicator
+  instead of posting into one whose other side is gone.
 """
 
 from __future__ import annotations

@@ -251,6 +251,8 @@ class NcclCommunicator:
         if self._cache is not None:
             self._cache._forget(self)
         self.abort()
+        if self._cache is not None:
+            self._cache._tell_stale(self)
 
     def abort(self) -> None:
         """Abort the NCCL communicator, freeing its memory; idempotent."""
@@ -464,6 +466,13 @@ class CommunicatorCache:
         payload = None
         with self._lock:
             comm = self._comms.get(peer)
+            if comm is not None and initiator:
+                stale = self.rendezvous.poll(peer, f"{self.key(self.local_id, peer)}/stale")
+                if stale is not None and stale.decode(errors="replace") == comm.nonce:  # the acceptor dropped it
+                    self._comms.pop(peer)
+                    self._aborted += 1
+                    comm.abort()
+                    comm = None
             if comm is not None and not initiator:
                 payload = self.rendezvous.poll(peer, self.key(peer, self.local_id))
                 if payload is not None and parse_payload(payload)["nonce"] == comm.nonce:
@@ -492,13 +501,17 @@ class CommunicatorCache:
         return comm
 
     def discard(self, peer: str) -> None:
-        """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted)."""
+        """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted,
+        or an op on it had to be cut short). An acceptor also tells the initiator, whose
+        side would otherwise stay up and take the next transfer's first op, so that its
+        next use builds a new one."""
         with self._lock:
             comm = self._comms.pop(peer, None)
             if comm is not None:
                 self._aborted += 1
         if comm is not None:
             comm.abort()
+            self._tell_stale(comm)
 
     def statistics(self) -> CacheStats:
         with self._lock:
@@ -519,6 +532,15 @@ class CommunicatorCache:
             if self._comms.get(comm.peer) is comm:
                 del self._comms[comm.peer]
                 self._aborted += 1
+
+    def _tell_stale(self, comm: NcclCommunicator) -> None:
+        """An acceptor dropped `comm`: tell the initiator (see `discard`)."""
+        if comm.rank != 1:
+            return
+        try:
+            self.rendezvous.publish(comm.peer, f"{self.key(comm.peer, self.local_id)}/stale", comm.nonce.encode())
+        except Exception as exc:  # the initiator then finds out by its next op's deadline
+            log.warning("nccl.stale_not_sent", peer=comm.peer, nonce=comm.nonce, error=repr(exc))
 
     def _evict_locked(self) -> list[NcclCommunicator]:
         victims: list[NcclCommunicator] = []

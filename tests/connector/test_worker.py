@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.config import EngineInfo, parse_config
+from connector.config import ConfigError, EngineInfo, parse_config
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_hash
 from protocols.errors import BrokerUnavailable, Refused
@@ -572,3 +572,18 @@ def test_expired_staging_is_aborted_at_the_broker(broker: BrokerProcess) -> None
         wait_until(lambda: "t-old" not in p.client.client._offers, 5, "the Abort to reach the client")  # type: ignore[union-attr]
     finally:
         p.close()
+
+
+def test_a_cache_the_transport_cannot_move_is_refused_before_registering() -> None:
+    """tcp moves CPU caches and nccl the caches of one GPU; the other kind is refused with
+    a sentence naming the transport to set, before anything reaches the broker."""
+    info = EngineInfo(model="tiny", spec=FakeSpec(), block_size=32, backend="test")
+    meta = {name: torch.empty(64, 2, 32, 128, device="meta") for name in LAYERS}
+    tcp = ConnectorWorker(parse_config({"broker": "tcp://127.0.0.1:9"}, kv_role="kv_consumer", engine_id="d"), info)
+    with pytest.raises(ConfigError, match='the "tcp" transport moves CPU KV caches only: set transport "nccl"'):
+        tcp.register_kv_caches(meta)
+    config = parse_config({"broker": "tcp://127.0.0.1:9", "transport": "nccl"}, kv_role="kv_consumer", engine_id="d",
+                          cuda_available=lambda: True)
+    with pytest.raises(ConfigError, match='the "nccl" transport moves the caches of one GPU'):
+        ConnectorWorker(config, info).register_kv_caches(make_caches())
+    assert tcp.client is None

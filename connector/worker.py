@@ -133,10 +133,15 @@ class ConnectorWorker:
                     f'layer {name} keeps its KV cache on {tensor.device}; the "tcp" transport moves CPU KV caches '
                     'only: set transport "nccl" for GPU caches.'
                 )
-            if nccl and (tensor.device.type != "cuda" or tensor.device != device):
+            if nccl and tensor.device.type != "cuda":
                 raise ConfigError(
-                    f'layer {name} keeps its KV cache on {tensor.device}; the "nccl" transport moves the caches of '
-                    f'one GPU ({device}), so set transport "tcp" for CPU caches.'
+                    f'layer {name} keeps its KV cache on {tensor.device}; the "nccl" transport moves GPU KV caches: '
+                    'set transport "tcp" for CPU caches.'
+                )
+            if nccl and tensor.device != device:
+                raise ConfigError(
+                    f"layer {name} keeps its KV cache on {tensor.device} and the first layer on {device}; one "
+                    "connector moves the caches of one GPU, so give each GPU's worker its own."
                 )
             self.layers[name] = idx
             self.layouts[name] = detect_layout(tensor, spec)

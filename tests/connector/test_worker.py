@@ -584,6 +584,6 @@ def test_a_cache_the_transport_cannot_move_is_refused_before_registering() -> No
         tcp.register_kv_caches(meta)
     config = parse_config({"broker": "tcp://127.0.0.1:9", "transport": "nccl"}, kv_role="kv_consumer", engine_id="d",
                           cuda_available=lambda: True)
-    with pytest.raises(ConfigError, match='the "nccl" transport moves the caches of one GPU'):
+    with pytest.raises(ConfigError, match='the "nccl" transport moves GPU KV caches: set transport "tcp"'):
         ConnectorWorker(config, info).register_kv_caches(make_caches())
     assert tcp.client is None

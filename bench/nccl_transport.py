@@ -286,6 +286,8 @@ class Case:
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
     side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
     programs: int = 132  # ipc: the copy kernel's grid
+    splits: int = 1  # raw: the bytes as this many equal ops back to back (NCCL's own per-op cost)
+    streaming: bool = True  # gathers and scatters with streaming cache hints (`PagedKv.streaming`)
 
 
 class _Side:
@@ -556,6 +558,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
             side.transport.lookahead = case.lookahead
             side.transport.scatter_programs = case.scatter_programs
             side.transport.adaptive_gathers = case.adaptive
+            side.paged.streaming = case.streaming
             _nccl_priority(side, case.high_priority)
             side.hs.spin = case.hot
             clock = _Clock(side, tracing)
@@ -637,7 +640,9 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     side.meet(case.hot)
     clock.stamps["t0"] = time.perf_counter()
     done = None
-    if kind == "raw":
+    if kind == "raw" and case.splits > 1:
+        done = _raw_split(side, "send", nbytes, case.splits, tid)
+    elif kind == "raw":
         done = tr.send_tensors("D", [side.raw[:nbytes]])
     elif kind == "raw_overlap":
         _forward(side)
@@ -710,11 +715,27 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     assert side.hs.recv() == b"D"  # D finished; keeps iterations apart
 
 
+def _raw_split(side: _Side, op: str, nbytes: int, splits: int, tid: str) -> Any:
+    """Raw's bytes as `splits` equal ops posted back to back on one communicator, the
+    first after the current stream's tail: what NCCL alone charges per extra op."""
+    tr = side.transport
+    comm = tr.cache.get(side.peer, initiator=op == "send")
+    size = nbytes // splits
+    ends = [size * (k + 1) if k < splits - 1 else nbytes for k in range(splits)]
+    after = torch.cuda.Event()
+    after.record()
+    works = [comm.post_range(op, side.raw, start, end - start, tr.stream, after if k == 0 else None)
+             for k, (start, end) in enumerate(zip([0] + ends[:-1], ends))]
+    return tr._finish(comm, works, tr.stream, op, tid, ends=ends)
+
+
 def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any, tid: str, clock: _Clock) -> None:
     tr, kind = side.transport, case.kind
     done = lease = None
     posted: list[Any] = []
-    if kind in ("raw", "raw_overlap", "raw_layerwise"):
+    if kind == "raw" and case.splits > 1:
+        done = _raw_split(side, "recv", nbytes, case.splits, tid)
+    elif kind in ("raw", "raw_overlap", "raw_layerwise"):
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
@@ -1121,6 +1142,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
         "ours_layerwise~inline": Case("layerwise", "ours_layerwise~inline", chunk, side_gathers=False),
         "per_layer": Case("per_layer", "per_layer"),
         **{f"ipc@{g}": Case("ipc", f"ipc@{g}", programs=g) for g in cfg.get("ipc", [])},
+        **{f"raw@{n}": Case("raw", f"raw@{n}", splits=n) for n in cfg.get("raw_splits", [])},
     }
     for b in cfg["backends"][1:]:  # the same cases over the other backends
         for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
@@ -1140,6 +1162,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change = {"scatter_programs": int(variant.removeprefix("scap")) or None}
         elif variant == "fixed":
             change = {"adaptive": False}
+        elif variant == "nostream":
+            change = {"streaming": False}
         elif variant == "hot":
             for name in ("raw", "ours_full", "ours_expect", "ours_data"):
                 cases[f"{name}~hot"] = replace(cases[name], label=f"{name}~hot", hot=True)
@@ -1150,7 +1174,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change = {"gather_programs": int(variant.removeprefix("cap")) or None, "adaptive": False}
         if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
             continue  # the default already
-        for name in ("ours_full", "ours_data") if variant == "lowprio" or variant.startswith("scap") else ("ours_full",):
+        both = variant in ("lowprio", "nostream") or variant.startswith("scap")
+        for name in ("ours_full", "ours_data") if both else ("ours_full",):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
         for other in cfg["diag_orders"]:
@@ -1166,7 +1191,8 @@ def _plan(cfg: dict) -> tuple[list[Case], list[Case]]:
     if cfg.get("only"):  # --cases: the named cases and their variants
         cases = {name: c for name, c in cases.items() if name.split("~")[0].split("@")[0] in cfg["only"]}
     traced = [c for name, c in cases.items()
-              if name.split("~")[0] in TRACED and (name in TRACED or name.startswith(("raw~", "ours_full~", "ours_data~")))]
+              if name.split("~")[0].split("@")[0] in TRACED
+              and (name in TRACED or name.startswith(("raw~", "raw@", "ours_full~", "ours_data~")))]
     return list(cases.values()), traced
 
 
@@ -1315,14 +1341,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="traces also stamp entry and exit of each call on the critical path (adds ~1 us a call)")
     ap.add_argument("--gather-programs", type=int, default=GATHER_PROGRAMS if GATHER_PROGRAMS else 0,
                     help="grid cap of copies that overlap the wire (0: full width)")
-    ap.add_argument("--variants", default="fixed,cap0,scap0,lowprio,hot",
+    ap.add_argument("--variants", default="nostream,fixed,cap0,scap0,lowprio,hot",
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
-                         "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, eager, asyncoffer, "
+                         "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, nostream (copies "
+                         "without streaming cache hints), eager, asyncoffer, "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")
     ap.add_argument("--forward-ms", type=float, default=3.0, help="ours_overlap and ours_layerwise: P's forward pass, ms of GPU time")
     ap.add_argument("--ipc", default="", help="also time the CUDA IPC comparison with these grids, e.g. 132,528")
+    ap.add_argument("--raw-splits", default="", help="also time raw as N equal ops back to back, e.g. 2,4,6")
     ap.add_argument("--cases", default="", help="time only these cases (and their ~variants), e.g. raw,ours_full")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
@@ -1346,6 +1374,7 @@ def main(argv: list[str] | None = None) -> int:
            "variants": [v for v in args.variants.split(",") if v],
            "only": [c for c in args.cases.split(",") if c],
            "ipc": [int(g) for g in args.ipc.split(",") if g],
+           "raw_splits": [int(n) for n in args.raw_splits.split(",") if n],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
            "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     broker = _start_broker() if args.broker else None

@@ -93,6 +93,7 @@ if triton is not None:
         PRE: tl.constexpr,
         BLOCK: tl.constexpr,
         TO_STAGING: tl.constexpr,
+        STREAM: tl.constexpr,
     ):
         # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p;
         # the transfer's row 0 starts `stage_offset` words into `staging` (a whole pool).
@@ -110,10 +111,20 @@ if triton is not None:
             for start in tl.range(0, ROW, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 mask = offs < ROW
+                # STREAM: read once, evict first; write through L2 without keeping the lines,
+                # so a copy that overlaps NCCL's traffic leaves L2 to NCCL's buffers.
                 if TO_STAGING:
-                    tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
+                    if STREAM:
+                        tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask, eviction_policy="evict_first"),
+                                 mask=mask, cache_modifier=".cs")
+                    else:
+                        tl.store(stage_row + offs, tl.load(cache_row + offs, mask=mask), mask=mask)
                 else:
-                    tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
+                    if STREAM:
+                        tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask, eviction_policy="evict_first"),
+                                 mask=mask, cache_modifier=".cs")
+                    else:
+                        tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
 
 
 class _Launcher:
@@ -133,13 +144,13 @@ class _Launcher:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled: dict[tuple[bool, bool, bool, bool], Any] = {}
+        self.compiled: dict[tuple[bool, bool, bool, bool, bool], Any] = {}
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
         # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
         # of the two tensors that vary, and whether the int arguments need 64 bits.
-        key = (bool(args[-1]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0,
+        key = (bool(args[11]), bool(args[12]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0,
                max(args[3], args[5], args[6]) >= 1 << 31)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
@@ -147,7 +158,7 @@ class _Launcher:
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
             return
         kernel = _copy_rows_kernel[grid](*args[:7], ROW=args[7], NUM_LAYERS=args[8], PRE=args[9], BLOCK=args[10],
-                                         TO_STAGING=args[11], num_warps=8)
+                                         TO_STAGING=args[11], STREAM=args[12], num_warps=8)
         self.compiled.setdefault(key, kernel)
 
     def check(self, args: tuple[Any, ...]) -> None:
@@ -215,12 +226,15 @@ class PagedKv:
             else None
         )
         self._launch = _Launcher(self.device) if self.use_triton else None
+        # Triton copies with streaming cache hints (`_copy_rows_kernel`'s STREAM): a gather
+        # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
+        self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
             per_block = self.num_layers * self.pre
             self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, 0, self.row_words,
-                                self.num_layers, self.pre, self._block, True))
+                                self.num_layers, self.pre, self._block, True, self.streaming))
 
     @property
     def block_nbytes(self) -> int:
@@ -295,7 +309,7 @@ class PagedKv:
         first, rows = start * per_block, (end - start) * per_block
         grid = (rows if programs is None else max(1, min(rows, programs)),)
         self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows, offset,
-                            self.row_words, self.num_layers, self.pre, self._block, to_staging))
+                            self.row_words, self.num_layers, self.pre, self._block, to_staging, self.streaming))
 
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
@@ -303,8 +317,8 @@ class PagedKv:
 
 
 def pipeline_bounds(
-    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 64 << 20, last_nbytes: int = 16 << 20,
-    growth: int = 4, back_growth: int | None = 3, cap_nbytes: int = 1 << 30,
+    num_blocks: int, block_nbytes: int, *, first_nbytes: int = 96 << 20, last_nbytes: int = 16 << 20,
+    growth: int = 3, back_growth: int | None = 3, cap_nbytes: int = 1 << 30,
 ) -> list[int]:
     """Chunk ends (in blocks) for a pipelined transfer; both sides must use the same.
 
@@ -323,11 +337,12 @@ def pipeline_bounds(
     wait on the receiver's scatters rather than the sender's gathers: a scatter at full
     width slows the receive it overlaps, so the chunks before the last one stay
     smaller. A transfer of at most `first_nbytes + last_nbytes` goes in one piece. The
-    defaults (64 MiB first, 16 MiB last, growth 4, back ramp 3) were the best end-to-end
-    schedule on an H200 pair at 2048 and 8192 tokens of Llama-3-8B-like KV, against
-    first chunks of 32 and 128 MiB and front growth 2-3 (with 128 MiB first, once each
-    chunk's post cost 0.1-0.25 ms of host time), last chunks of 8 and 32 MiB and back
-    ramps of 2 and 4 (the runs in docs/RESULTS.md).
+    defaults (96 MiB first, 16 MiB last, growth 3, back ramp 3) were the best end-to-end
+    schedule on an H200 pair at 2048 and 8192 tokens of Llama-3-8B-like KV, with the
+    copies' streaming cache hints, against first chunks of 64, 80, 112 and 128 MiB, front
+    growth 2, 4 and 5, last chunks of 24 MiB and back ramps of 2 and 4: a larger first
+    chunk gives the gather behind it longer to run at a lower rate, which slows the wire
+    it overlaps less (the runs in docs/RESULTS.md).
     """
     if num_blocks <= 0:
         return []

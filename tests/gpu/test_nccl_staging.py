@@ -69,8 +69,8 @@ def test_pipeline_bounds_cover_and_ramp() -> None:
     assert pipeline_bounds(0, 2 * mib) == []
     assert pipeline_bounds(40, 2 * mib) == [40]  # first + last chunk or less: one piece
     # The defaults for Llama-3-8B-like KV (2 MiB a block): 2048 and 8192 tokens.
-    assert pipeline_bounds(128, 2 * mib) == [32, 96, 120, 128]
-    assert pipeline_bounds(512, 2 * mib) == [32, 192, 408, 480, 504, 512]
+    assert pipeline_bounds(128, 2 * mib) == [48, 96, 120, 128]
+    assert pipeline_bounds(512, 2 * mib) == [48, 192, 408, 480, 504, 512]
     for first, last, growth in ((128, 32, 4), (64, 32, 4), (256, 32, 4), (128, 16, 4), (32, 32, 2)):
         f, b = first // 2, last // 2
         for n in list(range(1, 300)) + [512, 1000, 4096]:
@@ -152,9 +152,11 @@ def test_side_gathers_on_a_cpu_cache_stage_the_same_bytes() -> None:
 
 @pytest.mark.gpu
 @one_gpu
-def test_triton_and_per_layer_gather_agree() -> None:
+@pytest.mark.parametrize("streaming", [False, True])
+def test_triton_and_per_layer_gather_agree(streaming: bool) -> None:
     kv = _cache("cuda")
     fast, slow = PagedKv(kv, use_triton=None), PagedKv(kv, use_triton=False)
+    fast.streaming = streaming  # the cache hints change where lines live, never the bytes
     ids = fast.block_ids(REQ_P)
     a = torch.empty(len(REQ_P) * fast.staged_block_nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -166,7 +168,9 @@ def test_triton_and_per_layer_gather_agree() -> None:
         fast.gather(ids, fast.staging_view(c, len(REQ_P)), programs=programs)
         assert torch.equal(c, b), programs
         out = _cache("cuda", seed=7)
-        PagedKv(out).scatter(ids, fast.staging_view(a, len(REQ_P)), programs=programs)
+        back = PagedKv(out)
+        back.streaming = streaming
+        back.scatter(ids, fast.staging_view(a, len(REQ_P)), programs=programs)
         for s, t in zip(kv, out):
             assert torch.equal(s[:, REQ_P], t[:, REQ_P])
     print(f"triton gather used: {fast.use_triton}, compiled-kernel launch: {fast._launch and fast._launch.fast}")

@@ -64,6 +64,9 @@ different polling delay.
                clock: the Offer/Ready round trip (Ready would carry D's block ids), the
                kernel, and D seeing it done (an interprocess CUDA event). D zeroes its
                blocks before each transfer and compares a checksum after it.
+* raw@N        (with --raw-splits N) raw's bytes as N equal ops (4 KiB-aligned) posted
+               back to back, D's receives posted before the clock: what NCCL itself
+               charges for each op a pipelined transfer adds.
 * per_layer    vLLM's P2pNcclConnector pattern: for each layer, extract its blocks,
                a ZMQ PUT and its ack, one NCCL send and a stream synchronize; D
                allocates, receives and injects each layer.
@@ -87,6 +90,8 @@ the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N in
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
 broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
 helper thread, as a broker client's loop thread would, instead of on P's own.
+`~nostream` rows (`ours_full` and `ours_data`) copy without the kernel's streaming cache
+hints (`PagedKv.streaming`).
 
 `ours_full@F/L/G[/B]` rows use other chunkings (first chunk F MiB, last chunk L MiB,
 growth G, back ramp growth B; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
@@ -104,8 +109,9 @@ the entry (`>N`) and exit (`<N`) of each call on the critical path, on both side
 more; in vLLM it overlaps the forward pass unless the prompt is short.
 
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
-       [--gather-programs N] [--variants fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
-       [--host-costs] [--profile] [--broker] [--ipc 132,...] [--cases raw,ours_full,...] [--json PATH]
+       [--gather-programs N] [--variants nostream,fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
+       [--host-costs] [--profile] [--broker] [--ipc 132,...] [--raw-splits 2,4] [--cases raw,ours_full,...]
+       [--json PATH]
 """
 
 from __future__ import annotations

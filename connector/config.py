@@ -20,7 +20,9 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
     instance_id         this engine's name at the broker (default: vLLM's engine_id).
     fault_injection     FOR TESTS ONLY: "flip_sign_bits" makes the decode side flip the
                         sign bit of every received KV element before scattering it, to
-                        prove that corrupted KV changes the output (the values stay finite).
+                        prove that corrupted KV changes the output (the values stay finite);
+                        "refuse_send" makes the prefill side's transport refuse each send,
+                        as a failed NCCL communicator would.
     fault_injection_prefix  FOR TESTS ONLY: limit fault_injection to transfer ids
                         starting with this prefix.
 
@@ -43,7 +45,7 @@ __all__ = ["ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vll
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PREFIX = "kv_connector_extra_config"
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
-FAULTS = ("flip_sign_bits",)
+FAULTS = ("flip_sign_bits", "refuse_send")
 # An instance id travels as "<instance>:<rank>" in fields of at most 128 characters.
 MAX_INSTANCE_ID = 100
 

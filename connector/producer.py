@@ -23,7 +23,10 @@
    (returns once D acknowledged all of it), or over NCCL to D's communicator (returns
    once the send has ended on the GPU). On Release (D has it) or Abort: free the
    lease, after any send still reading it. A staged copy the broker never settles is
-   freed after `staging_ttl_s`.
+   freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
+   names no endpoint for the transport, or a malformed one) aborts the transfer at the
+   broker, so D's load fails at once instead of at its deadline; other failures (no
+   ack, D unreachable) are D's to report, or the broker's to re-route.
 """
 
 from __future__ import annotations
@@ -277,35 +280,47 @@ class ProducerSide:
         endpoint = msg.endpoints.get("tcp")
         t0 = time.monotonic()
         let_go = True  # False: a cancelled send's thread may still read the staging
+        ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
         try:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
                     await waiter.wait()
                 if not staged.complete or staged.dead:
                     raise TransferFailed(tid, "its copy was dropped or not complete within load_timeout_s")
+            if w.config.fault_injection == "refuse_send" and tid.startswith(w.config.fault_injection_prefix):
+                ours = f"the transport refused the send (fault_injection {w.config.fault_injection!r})"
+                raise TransferFailed(tid, ours)
             if w.nccl is not None:
-                await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
-                                  time.monotonic() + w.config.load_timeout_s)
+                try:
+                    await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
+                                      time.monotonic() + w.config.load_timeout_s)
+                except TransferFailed as exc:
+                    # The op has ended (never posted, timed out, or its communicator failed);
+                    # D would hold its receive, and its turn for this producer, until its deadline.
+                    ours = exc.reason
+                    raise
             else:
                 assert self.sender is not None
                 if endpoint is None:
-                    raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint")
+                    ours = (f"decode peer {msg.decode} advertises no tcp endpoint; run prefill and decode with "
+                            "the same transport")
+                    raise TransferFailed(tid, ours)
                 data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
                 with anyio.fail_after(w.config.load_timeout_s):
                     await self.sender.send(endpoint, tid, msg.attempt, data)
         except (TransferFailed, TimeoutError, OSError) as exc:
-            # D fails its load (and aborts), or the broker re-routes; nothing to undo here.
+            # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
+            if ours is not None:
+                await self._end(tid, ours)
         except SourceInUse as exc:
             let_go = False
             w.log.error("transfer.staging_quarantined", transfer_id=tid, phase="send", reason=str(exc))
         except Exception as exc:  # e.g. a malformed endpoint from the peer: fail this transfer only
             reason = f"cannot send to decode endpoint {endpoint!r}: {exc}"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
-            assert w.client is not None
-            await self.w.send_bounded("abort", tid, w.client.client.abort, tid, reason)
-            self._unstage(tid, "aborted", reason, on_loop=True)  # the broker ends it: no Release/Abort comes back
+            await self._end(tid, reason)
         else:
             w.count("sent")
             w.count("bytes", msg.nbytes)
@@ -327,6 +342,13 @@ class ProducerSide:
                     staged.sends += 1  # never reaches 0: the lease is never released
             if free_now:
                 staged.lease.release()
+
+    async def _end(self, tid: str, reason: str) -> None:
+        """Abort a transfer this side cannot send, and free its copy: the broker ends it
+        on D at once, and no Release or Abort comes back here."""
+        assert self.w.client is not None
+        await self.w.send_bounded("abort", tid, self.w.client.client.abort, tid, reason)
+        self._unstage(tid, "aborted", reason, on_loop=True)
 
     async def on_release(self, msg: Release) -> None:
         self._unstage(msg.transfer_id, "released", on_loop=True)

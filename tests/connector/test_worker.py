@@ -507,20 +507,50 @@ class _Peer:
         pass
 
 
-def test_malformed_decode_endpoint_aborts_the_transfer(broker: BrokerProcess) -> None:
+@pytest.mark.parametrize(("endpoints", "named"), [({"tcp": "http://x:1"}, "http://x:1"), ({}, "no tcp endpoint")])
+def test_a_decode_endpoint_p_cannot_use_aborts_the_transfer(
+    broker: BrokerProcess, endpoints: dict[str, str], named: str
+) -> None:
+    """P cannot send (a malformed endpoint, or none for its transport): it aborts the
+    transfer at the broker, so D hears at once instead of at its load deadline."""
     pc = make_caches(seed=20)
     p = make_worker(broker.endpoint, "p", "p0", pc)
-    d = _Peer(broker.endpoint, "decode", p.compat, {"tcp": "http://x:1"})
+    d = _Peer(broker.endpoint, "decode", p.compat, endpoints)
     try:
         d.sync.expect("t-bad")
         stage(p, pc, "t-bad", [1, 2])
         abort = wait_until(lambda: next(iter(d.aborts), None), 10, "the broker to abort the transfer")
-        assert "http://x:1" in abort.reason
+        assert named in abort.reason
         wait_until(lambda: not p.statistics()["staged_now"], 5, "P to free its staged copy on the Abort")
         assert p.client is not None and p.client.client.connected
     finally:
         d.sync.close()
         p.close()
+
+
+def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -> None:
+    """P's transport refuses a send (as a failed NCCL communicator would): P aborts the
+    transfer at the broker and frees its copy, so D's load fails at once instead of at
+    its 20 s deadline, and the next transfer between them goes through."""
+    pc, dc = make_caches(seed=40), make_caches(seed=41)
+    p = make_worker(broker.endpoint, "p", "p0", pc, fault_injection="refuse_send", fault_injection_prefix="lost-")
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        load(d, "lost-1", [30, 31], cached=0)
+        stage(p, pc, "lost-1", [1, 2], decode="d0")
+        _, errors, seconds = run_steps(d, {"req-lost-1"}, 30)
+        assert errors == {30, 31} and seconds < 4, (errors, seconds)
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 5, "P to free the copy it could not send")
+        assert p.statistics()["sent"] == 0 and p.statistics()["aborted"] == 1
+
+        load(d, "ok-1", [40, 41], cached=0)
+        stage(p, pc, "ok-1", [3, 4], decode="d0")
+        assert run_steps(d, {"req-ok-1"}, 10)[1] == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[40, 41]], pc[n][[3, 4]])
+    finally:
+        p.close()
+        d.close()
 
 
 def test_a_stopped_client_never_raises_into_the_step(broker: BrokerProcess) -> None:

@@ -165,3 +165,35 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
     finally:
         p.close()
         d.close()
+
+
+def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -> None:
+    """P's NCCL send is refused (the fault hook stands in for a failed communicator): P
+    aborts the transfer at the broker, so D's load fails at once instead of at its 20 s
+    deadline, D's turn for this producer is free again, and the next transfer between
+    them goes through."""
+    pc, dc = gpu_caches("cuda:0", 7), gpu_caches("cuda:1", 8)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=20,
+                    fault_injection="refuse_send", fault_injection_prefix="lost")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=20)
+    try:
+        load(d, "first", [30, 31], cached=0)
+        stage(p, pc, "first", [1, 2], decode="d0")
+        assert not run_steps(d, {"req-first"}, timeout=30)[1]
+
+        load(d, "lost", [40, 41], cached=0)
+        stage(p, pc, "lost", [4, 5], decode="d0")
+        _, errors, seconds = run_steps(d, {"req-lost"}, timeout=40)
+        assert errors == {40, 41} and seconds < 4, (errors, seconds)
+
+        saved = {n: t[:, [7, 8]].clone() for n, t in pc.items()}
+        load(d, "after", [50, 51], cached=0)
+        stage(p, pc, "after", [7, 8], decode="d0")
+        assert not run_steps(d, {"req-after"}, timeout=30)[1]
+        torch.cuda.synchronize("cuda:1")
+        for n, t in dc.items():
+            assert torch.equal(t[:, [50, 51]].cpu(), saved[n].cpu())
+        assert p.statistics()["staged_now"] == 0 and p.statistics()["aborted"] == 1
+    finally:
+        p.close()
+        d.close()

@@ -94,12 +94,14 @@ class NcclLink:
         """End `transfer_id`'s op with `peer` before its deadline, if it is the one in
         flight: its communicator is aborted (an op left posted would pair with the next
         transfer's), or, not yet posted, it is not posted. Its `send`/`recv` then raises.
-        A transfer still waiting for its turn is left to its caller's cancel scope."""
+        A communicator still being built for it stops waiting for the peer's rendezvous
+        data. A transfer still waiting for its turn is left to its caller's cancel scope."""
         with self._lock:
             inflight = self._inflight.get(peer)
             if inflight is None or inflight[0] != transfer_id:
                 return
             inflight[1].set()
+        self.rendezvous.wake()  # a communicator still being built for it stops waiting for the peer
         self.cache.discard(peer)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
@@ -126,7 +128,7 @@ class NcclLink:
     def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                        after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event) -> None:
         torch.cuda.set_device(self.device)
-        comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send")
+        comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send", cancelled=cancelled)
         if comm is None or cancelled.is_set():
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
         work = comm.post_range(op, lease.base, start, nbytes, self.stream, after)

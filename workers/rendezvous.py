@@ -43,10 +43,18 @@ class BrokerRendezvous:
     def publish(self, peer: str, key: str, payload: bytes) -> None:
         self.client.call(self.client.client.relay, peer, key, payload)
 
-    def receive(self, peer: str, key: str) -> bytes:
+    def receive(self, peer: str, key: str, cancelled: threading.Event | None = None) -> bytes:
+        """The payload `peer` relays under `key`, once it arrives.
+
+        Raises:
+            RendezvousTimeout: none within `timeout_s`.
+            RendezvousError: `cancelled` was set (and `wake` called) while waiting.
+        """
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while (peer, key) not in self._unread:
+                if cancelled is not None and cancelled.is_set():
+                    raise RendezvousError(f"the wait for rendezvous data under {key!r} from {peer} was cancelled.")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RendezvousTimeout(
@@ -55,6 +63,11 @@ class BrokerRendezvous:
                     )
                 self._cond.wait(left)
             return self._unread.pop((peer, key))
+
+    def wake(self) -> None:
+        """Wake every `receive` waiting, so one whose cancel flag is set raises now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def poll(self, peer: str, key: str) -> bytes | None:
         with self._cond:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from protocols.messages import Register
 from tests.support import BrokerProcess
 from workers.client import BrokerClient, ClientConfig, NullHandler, SyncBrokerClient
+from protocols.errors import RendezvousError
 from workers.rendezvous import BrokerRendezvous, RendezvousTimeout
 
 pytestmark = pytest.mark.slow
@@ -52,4 +56,48 @@ def test_payload_is_relayed_newest_first_and_a_missing_one_times_out(tmp_path: P
     finally:
         p[0].close()
         d[0].close()
+        assert broker.stop() == 0
+
+
+def _cancelled_while_waiting(receive, wake) -> tuple[BaseException | None, float]:  # type: ignore[no-untyped-def]
+    """Run `receive(flag)` on a thread, cancel it once it waits; (what it raised, seconds)."""
+    flag, started, out = threading.Event(), threading.Event(), {}
+
+    def run() -> None:
+        started.set()
+        t0 = time.monotonic()
+        try:
+            receive(flag)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["exc"] = exc
+        out["s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(5)
+    flag.set()
+    wake()
+    thread.join(10)
+    assert not thread.is_alive()
+    return out.get("exc"), out["s"]
+
+
+def test_a_cancelled_wait_for_rendezvous_data_ends_at_once(tmp_path: Path) -> None:
+    """A communicator being built waits for its peer's data; when its transfer is aborted
+    the wait ends now with RendezvousError, not at its (here 30 s) timeout."""
+    from workers.transports.nccl_comm import QueueRendezvous
+
+    broker = BrokerProcess(tmp_path)
+    broker.start()
+    d_client, _ = peer(broker.endpoint, "decode", "d")
+    try:
+        rv = BrokerRendezvous(d_client, timeout_s=30)
+        exc, seconds = _cancelled_while_waiting(lambda flag: rv.receive("p:0", "never", flag), rv.wake)
+        assert isinstance(exc, RendezvousError) and not isinstance(exc, RendezvousTimeout)
+        assert "cancelled" in str(exc) and seconds < 5
+        qr = QueueRendezvous(queue.Queue(), queue.Queue(), timeout_s=30)
+        exc, seconds = _cancelled_while_waiting(lambda flag: qr.receive("p", "never", flag), qr.wake)
+        assert isinstance(exc, RendezvousError) and "cancelled" in str(exc) and seconds < 5
+    finally:
+        d_client.close()
         assert broker.stop() == 0

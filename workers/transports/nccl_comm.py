@@ -36,12 +36,15 @@ class Rendezvous(Protocol):
     """Carries a small payload from the initiator to one acceptor (the broker's `Relay`).
 
     `receive` blocks until a payload for `key` arrives and raises `RendezvousError`
-    past its own deadline; `poll` returns the newest unread payload or None at once.
+    past its own deadline, or soon after `cancelled` is set (`wake` hurries it);
+    `poll` returns the newest unread payload or None at once.
     """
 
     def publish(self, peer: str, key: str, payload: bytes) -> None: ...
 
-    def receive(self, peer: str, key: str) -> bytes: ...
+    def receive(self, peer: str, key: str, cancelled: threading.Event | None = None) -> bytes: ...
+
+    def wake(self) -> None: ...
 
     def poll(self, peer: str, key: str) -> bytes | None: ...
 
@@ -74,14 +77,20 @@ class QueueRendezvous:
             self._unread[key] = payload
             block_until = None
 
-    def receive(self, peer: str, key: str) -> bytes:
+    def receive(self, peer: str, key: str, cancelled: threading.Event | None = None) -> bytes:
         deadline = time.monotonic() + self._timeout_s
         while key not in self._unread:
+            if cancelled is not None and cancelled.is_set():
+                raise RendezvousError(f"the wait for rendezvous data under {key!r} from {peer} was cancelled.")
             if time.monotonic() >= deadline:
                 raise RendezvousError(f"no rendezvous data under {key!r} from {peer} in {self._timeout_s} s.")
-            self._drain(deadline)
+            # A queue cannot be woken: look at `cancelled` every 50 ms.
+            self._drain(deadline if cancelled is None else min(deadline, time.monotonic() + 0.05))
         self._drain(None)  # take the newest, if several generations queued up
         return self._unread.pop(key)
+
+    def wake(self) -> None:
+        pass  # `receive` looks at its cancel flag on its own
 
     def poll(self, peer: str, key: str) -> bytes | None:
         if not self._in.empty():  # one pipe poll, not the queue's lock: this runs before every receive
@@ -452,11 +461,13 @@ class CommunicatorCache:
     def key(initiator: str, acceptor: str) -> str:
         return f"nccl/{initiator}>{acceptor}"
 
-    def get(self, peer: str, *, initiator: bool) -> NcclCommunicator:
+    def get(self, peer: str, *, initiator: bool, cancelled: threading.Event | None = None) -> NcclCommunicator:
         """The communicator with `peer`, built through the rendezvous if needed.
 
         Args:
             initiator: True on the side that creates the store (the sender).
+            cancelled: set it (then `Rendezvous.wake`) to end a wait for the peer's
+                rendezvous data early, with `RendezvousError`.
 
         Raises:
             RendezvousError: the peer's address did not arrive in time or was invalid.
@@ -490,7 +501,7 @@ class CommunicatorCache:
                     f"all {len(self._comms)} NCCL communicators are busy (capacity {self.capacity}); "
                     "raise the communicator capacity or wait for transfers to finish."
                 )
-        comm = self._connect(peer, initiator, payload)
+        comm = self._connect(peer, initiator, payload, cancelled)
         with self._lock:
             old = self._comms.pop(peer, None)
             self._comms[peer] = comm
@@ -553,15 +564,21 @@ class CommunicatorCache:
             self._evicted += 1
         return victims
 
-    def _connect(self, peer: str, initiator: bool, payload: bytes | None) -> NcclCommunicator:
+    def _connect(
+        self, peer: str, initiator: bool, payload: bytes | None, cancelled: threading.Event | None
+    ) -> NcclCommunicator:
         info = None
         if not initiator:
-            info = parse_payload(payload if payload is not None else self.rendezvous.receive(peer, self.key(peer, self.local_id)))
+            if payload is None:
+                payload = self.rendezvous.receive(peer, self.key(peer, self.local_id), cancelled)
+            info = parse_payload(payload)
         if (info["backend"] if info is not None else self.backend) == "direct":
-            return self._connect_direct(peer, info)
+            return self._connect_direct(peer, info, cancelled)
         return self._connect_torch(peer, info)
 
-    def _connect_direct(self, peer: str, info: dict[str, Any] | None) -> NcclCommunicator:
+    def _connect_direct(
+        self, peer: str, info: dict[str, Any] | None, cancelled: threading.Event | None = None
+    ) -> NcclCommunicator:
         """Initiator: a unique id through the rendezvous, then the acceptor's ack; acceptor:
         the ack. Then both run ncclCommInitRank and a warm-up exchange under a deadline."""
         from workers.transports import nccl_lib
@@ -577,7 +594,7 @@ class CommunicatorCache:
                 {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce}).encode())
             # ncclCommInitRank blocks until the peer joins: start it once the peer is there.
             while True:
-                ack = self.rendezvous.receive(peer, f"{key}/joined")
+                ack = self.rendezvous.receive(peer, f"{key}/joined", cancelled)
                 if ack.decode(errors="replace") == nonce:
                     break
                 if time.monotonic() >= deadline:  # only stale acks of older generations

@@ -267,10 +267,13 @@ class ConsumerSide:
                 w.config.fault_injection_prefix
             ):
                 self._inject_fault(load.transfer_id, load.lease.tensor)
-            staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            for name, idx in w.layers.items():
-                scatter_layer_from_staging(staging, idx, w.caches[name], w.layouts[name], targets)
+            if w.paged is not None:  # one kernel for every layer (see `ConnectorWorker._one_kernel_copies`)
+                w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
+            else:
+                staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
+                for name, idx in w.layers.items():
+                    scatter_layer_from_staging(staging, idx, w.caches[name], w.layouts[name], targets)
         except Exception as exc:
             w.log.exception("transfer.scatter_failed", transfer_id=load.transfer_id, phase="scatter")
             return f"scatter failed: {exc}"

@@ -43,6 +43,7 @@ import torch
 from protocols.channel import curve_client_keys
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
+from workers.gpu_staging import PagedKv
 from workers.layout import CacheSpec, LayerLayout, detect_layout
 from workers.pool import BufferPool
 
@@ -99,6 +100,7 @@ class ConnectorWorker:
         self.layers: dict[str, int] = {}  # layer name -> index in the staged bytes
         self.layouts: dict[str, LayerLayout] = {}
         self.caches: dict[str, torch.Tensor] = {}
+        self.paged: PagedKv | None = None  # GPU caches: one kernel copies every layer of a transfer
         self.block_nbytes = 0
         self.compat: dict[str, str] = {}
         self.pool: BufferPool | None = None
@@ -154,6 +156,8 @@ class ConnectorWorker:
         first = next(iter(self.layouts.values()))
         self.block_nbytes = first.block_nbytes
         self.compat = compat_fields(self.info, first, len(self.layers))
+        if nccl:
+            self.paged = self._one_kernel_copies(first)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes
         # nccl: the pool lives on the caches' GPU, so gathers, sends, receives and
         # scatters never leave it.
@@ -203,6 +207,25 @@ class ConnectorWorker:
             endpoints=endpoints,
             pool_bytes=self.pool.capacity,
         )
+
+    def _one_kernel_copies(self, layout: LayerLayout) -> PagedKv | None:
+        """Word views of the GPU caches for `PagedKv`'s Triton copy, which gathers (or
+        scatters) every layer of a transfer in one kernel: on an H200 about 1.2 TB/s,
+        against about 0.09 TB/s for one `index_select` a layer into block-major staging.
+        None (the per-layer copies stay) without Triton, or for caches it cannot view in
+        place (not contiguous, a layout kind it does not know)."""
+        if layout.kind not in ("kv_first", "blocks_first", "mla"):
+            return None
+        try:
+            paged = PagedKv(list(self.caches.values()), block_dim=1 if layout.kind == "kv_first" else 0)
+        except (ValueError, RuntimeError) as exc:
+            self.log.info("connector.per_layer_copies", phase="register", reason=str(exc))
+            return None
+        if not paged.use_triton or paged.block_nbytes != layout.block_nbytes:
+            self.log.info("connector.per_layer_copies", phase="register",
+                          reason="no Triton" if not paged.use_triton else "the block sizes disagree")
+            return None
+        return paged
 
     def close(self) -> None:
         """Say goodbye to the broker and stop the transport (vLLM's shutdown hook)."""

@@ -43,14 +43,20 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     b.kill()
 
 
-def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: BrokerProcess) -> None:
+@pytest.mark.parametrize("copies", ["one_kernel", "per_layer", "mixed"])
+def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: BrokerProcess, copies: str) -> None:
     """60 transfers, P's blocks refilled before and overwritten right after each step
     (the seed's race), every other one with a one-block prefix hit on D: D's blocks after
     its hit hold exactly what P saved, its prefix-cached block is never written, and
-    every staging and receive lease goes back to its pool."""
+    every staging and receive lease goes back to its pool. `copies`: every layer in one
+    Triton kernel (the default on a GPU), one copy a layer, or P handed another view of
+    one layer's cache (that layer copied at once, the rest in wait_for_save)."""
     pc, dc = gpu_caches("cuda:0", 1), gpu_caches("cuda:1", 2)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    assert p.paged is not None and d.paged is not None  # Triton is there on the GPU host
+    if copies == "per_layer":
+        p.paged = d.paged = None
     mismatches, times = 0, []
     try:
         for i in range(60):
@@ -61,7 +67,15 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
             kept = {n: t[:, dst[:cached]].clone() for n, t in dc.items()}
             t0 = time.monotonic()
             load(d, f"t{i}", dst, cached=cached)
-            stage(p, pc, f"t{i}", src, decode="d0")
+            if copies == "mixed":
+                p.bind(KvBrokerMetadata(saves={f"t{i}": SaveSpec(
+                    req_id=f"req-t{i}", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")}))
+                for k, name in enumerate(LAYERS):
+                    p.save_kv_layer(name, pc[name].view(pc[name].shape) if k == 0 else pc[name])
+                p.wait_for_save()
+                p.clear()
+            else:
+                stage(p, pc, f"t{i}", src, decode="d0")
             for t in pc.values():  # the next step writes these blocks at once
                 t[:, src] = -7.0
             finished, errors, _ = run_steps(d, {f"req-t{i}"}, timeout=30)

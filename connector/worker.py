@@ -100,7 +100,7 @@ class ConnectorWorker:
         self.layers: dict[str, int] = {}  # layer name -> index in the staged bytes
         self.layouts: dict[str, LayerLayout] = {}
         self.caches: dict[str, torch.Tensor] = {}
-        self.paged: PagedKv | None = None  # GPU caches: one kernel copies every layer of a transfer
+        self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
         self.compat: dict[str, str] = {}
         self.pool: BufferPool | None = None
@@ -209,11 +209,11 @@ class ConnectorWorker:
         )
 
     def _one_kernel_copies(self, layout: LayerLayout) -> PagedKv | None:
-        """Word views of the GPU caches for `PagedKv`'s Triton copy, which gathers (or
-        scatters) every layer of a transfer in one kernel: on an H200 about 1.2 TB/s,
-        against about 0.09 TB/s for one `index_select` a layer into block-major staging.
-        None (the per-layer copies stay) without Triton, or for caches it cannot view in
-        place (not contiguous, a layout kind it does not know)."""
+        """Word views of the GPU caches for `PagedKv`'s Triton copy: P gathers a layer with
+        it in `save_kv_layer`, D scatters every layer of a transfer with it in one kernel.
+        On an H200 it copies about 1.2 TB/s, against about 0.09 TB/s for an `index_select`
+        into block-major staging's strided rows. None (the torch copies stay) without
+        Triton, or for caches it cannot view in place (not contiguous, an unknown kind)."""
         if layout.kind not in ("kv_first", "blocks_first", "mla"):
             return None
         try:

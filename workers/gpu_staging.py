@@ -79,7 +79,7 @@ def _word_dtype(row_nbytes: int) -> torch.dtype:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_cache_blocks", "first_row", "end_row", "stage_offset"])
+    @triton.jit(do_not_specialize=["num_cache_blocks", "first_row", "end_row", "stage_offset", "layer_sel"])
     def _copy_rows_kernel(
         layer_ptrs,
         block_ids,
@@ -88,22 +88,36 @@ if triton is not None:
         first_row,
         end_row,
         stage_offset,
+        layer_sel,
         ROW: tl.constexpr,
         NUM_LAYERS: tl.constexpr,
         PRE: tl.constexpr,
         BLOCK: tl.constexpr,
         TO_STAGING: tl.constexpr,
         STREAM: tl.constexpr,
+        ONE_LAYER: tl.constexpr,
     ):
         # Staging row r is (block i, layer, pre p) with r = (i * NUM_LAYERS + layer) * PRE + p;
         # the transfer's row 0 starts `stage_offset` words into `staging` (a whole pool).
-        # Program k copies rows first_row + k, + G, + 2G, ... below end_row (G programs):
-        # a grid capped below one program per row leaves the other SMs to NCCL's kernels.
-        for r in tl.range(first_row + tl.program_id(0), end_row, tl.num_programs(0)):
-            row = r.to(tl.int64)
-            i = row // (NUM_LAYERS * PRE)
-            layer = (row // PRE) % NUM_LAYERS
-            p = row % PRE
+        # [first_row, end_row) covers whole blocks; ONE_LAYER copies only layer `layer_sel`'s
+        # rows of them (`save_kv_layer`, as each layer is computed). Program k copies the
+        # k-th row, the (k + G)-th, ... (G programs): a grid capped below one program per row
+        # leaves the other SMs to NCCL's kernels.
+        if ONE_LAYER:
+            count = (end_row - first_row) // NUM_LAYERS
+        else:
+            count = end_row - first_row
+        for t in tl.range(tl.program_id(0), count, tl.num_programs(0)):
+            if ONE_LAYER:
+                i = first_row // (NUM_LAYERS * PRE) + t.to(tl.int64) // PRE
+                layer = layer_sel.to(tl.int64)
+                p = t.to(tl.int64) % PRE
+                row = (i * NUM_LAYERS + layer) * PRE + p
+            else:
+                row = first_row + t.to(tl.int64)
+                i = row // (NUM_LAYERS * PRE)
+                layer = (row // PRE) % NUM_LAYERS
+                p = row % PRE
             base = tl.load(layer_ptrs + layer).to(tl.pointer_type(staging.dtype.element_ty))
             blk = tl.load(block_ids + i).to(tl.int64)
             cache_row = base + (p * num_cache_blocks + blk) * ROW
@@ -144,21 +158,21 @@ class _Launcher:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled: dict[tuple[bool, bool, bool, bool, bool], Any] = {}
+        self.compiled: dict[tuple[bool, ...], Any] = {}
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
         # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
         # of the two tensors that vary, and whether the int arguments need 64 bits.
-        key = (bool(args[11]), bool(args[12]), args[1].data_ptr() % 16 == 0, args[2].data_ptr() % 16 == 0,
-               max(args[3], args[5], args[6]) >= 1 << 31)
+        key = (bool(args[12]), bool(args[13]), bool(args[14]), args[1].data_ptr() % 16 == 0,
+               args[2].data_ptr() % 16 == 0, max(args[3], args[5], args[6]) >= 1 << 31)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
             return
-        kernel = _copy_rows_kernel[grid](*args[:7], ROW=args[7], NUM_LAYERS=args[8], PRE=args[9], BLOCK=args[10],
-                                         TO_STAGING=args[11], STREAM=args[12], num_warps=8)
+        kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10], BLOCK=args[11],
+                                         TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14], num_warps=8)
         self.compiled.setdefault(key, kernel)
 
     def check(self, args: tuple[Any, ...]) -> None:
@@ -233,8 +247,8 @@ class PagedKv:
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
             per_block = self.num_layers * self.pre
-            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, 0, self.row_words,
-                                self.num_layers, self.pre, self._block, True, self.streaming))
+            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, 0, 0, self.row_words,
+                                self.num_layers, self.pre, self._block, True, self.streaming, False))
 
     @property
     def block_nbytes(self) -> int:
@@ -264,13 +278,28 @@ class PagedKv:
     # -- copies; all run on the current stream ---------------------------------------
 
     def gather_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor) -> None:
-        """Copy one layer's blocks `ids` into `staged` (``[n, layers, pre, row]``), one kernel."""
+        """Copy one layer's blocks `ids` into `staged` (``[n, layers, pre, row]``, contiguous),
+        one kernel: Triton's where it runs (an `index_select` into the strided rows of one
+        layer copies at about a tenth of its rate, measured on an H200)."""
+        if self.use_triton and ids.numel():
+            self._triton_layer(layer, ids, staged, to_staging=True)
+            return
         out = staged[:, layer].permute(1, 0, 2)
         torch.index_select(self.rows[layer], 1, ids, out=out)
 
     def scatter_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor) -> None:
         """Copy one layer of `staged` into the blocks `ids`, one kernel."""
+        if self.use_triton and ids.numel():
+            self._triton_layer(layer, ids, staged, to_staging=False)
+            return
         self.rows[layer].index_copy_(1, ids, staged[:, layer].permute(1, 0, 2))
+
+    def _triton_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool) -> None:
+        assert staged.is_contiguous() and staged.shape[0] == ids.numel()
+        n, per_block = ids.numel(), self.num_layers * self.pre
+        self._launch((n * self.pre,), (self._layer_ptrs, ids, staged, self.num_blocks, 0, n * per_block, 0, layer,
+                                       self.row_words, self.num_layers, self.pre, self._block, to_staging,
+                                       self.streaming, True))
 
     def gather(self, ids: torch.Tensor, staged: torch.Tensor, *, programs: int | None = None) -> None:
         """Copy every layer of the blocks `ids` into `staged`: one kernel with Triton.
@@ -308,8 +337,8 @@ class PagedKv:
         per_block = self.num_layers * self.pre
         first, rows = start * per_block, (end - start) * per_block
         grid = (rows if programs is None else max(1, min(rows, programs)),)
-        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows, offset,
-                            self.row_words, self.num_layers, self.pre, self._block, to_staging, self.streaming))
+        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows, offset, 0,
+                            self.row_words, self.num_layers, self.pre, self._block, to_staging, self.streaming, False))
 
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()

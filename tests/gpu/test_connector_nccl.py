@@ -43,19 +43,20 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     b.kill()
 
 
-@pytest.mark.parametrize("copies", ["one_kernel", "per_layer", "mixed"])
+@pytest.mark.parametrize("copies", ["kernel", "index", "mixed"])
 def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: BrokerProcess, copies: str) -> None:
     """60 transfers, P's blocks refilled before and overwritten right after each step
     (the seed's race), every other one with a one-block prefix hit on D: D's blocks after
     its hit hold exactly what P saved, its prefix-cached block is never written, and
-    every staging and receive lease goes back to its pool. `copies`: every layer in one
-    Triton kernel (the default on a GPU), one copy a layer, or P handed another view of
-    one layer's cache (that layer copied at once, the rest in wait_for_save)."""
+    every staging and receive lease goes back to its pool. `copies`: the transport's
+    Triton kernel (the default on a GPU), index_select/index_copy_ (without Triton), or
+    P handed another view of one layer's cache (that layer copied by index_select, the
+    rest by the kernel)."""
     pc, dc = gpu_caches("cuda:0", 1), gpu_caches("cuda:1", 2)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     assert p.paged is not None and d.paged is not None  # Triton is there on the GPU host
-    if copies == "per_layer":
+    if copies == "index":
         p.paged = d.paged = None
     mismatches, times = 0, []
     try:

@@ -173,6 +173,18 @@ def test_triton_and_per_layer_gather_agree(streaming: bool) -> None:
         back.scatter(ids, fast.staging_view(a, len(REQ_P)), programs=programs)
         for s, t in zip(kv, out):
             assert torch.equal(s[:, REQ_P], t[:, REQ_P])
+    # One layer at a time (what save_kv_layer does), into and out of the same block-major rows.
+    e = torch.zeros_like(a)
+    for layer in range(fast.num_layers):
+        fast.gather_layer(layer, ids, fast.staging_view(e, len(REQ_P)))
+    assert torch.equal(e, b)
+    out = _cache("cuda", seed=8)
+    back = PagedKv(out)
+    back.streaming = streaming
+    for layer in range(back.num_layers):
+        back.scatter_layer(layer, ids, back.staging_view(e, len(REQ_P)))
+    for src, dst in zip(kv, out):
+        assert torch.equal(src[:, REQ_P], dst[:, REQ_P])
     print(f"triton gather used: {fast.use_triton}, compiled-kernel launch: {fast._launch and fast._launch.fast}")
 
 

@@ -25,6 +25,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/control_plane.py
 	$(PY) bench/tcp_transport.py
+	$(PY) bench/layout_copies.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -202,7 +202,8 @@ def gather(layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds, 
     src = _blocks(layer_cache, layout)
     idx = _index(block_ids, layout, src.device, unique=False)
     dst = _out_bytes(out, len(idx), layout)
-    torch.index_select(src, 0, idx, out=dst.view(len(idx), *src.shape[1:]))
+    rows, into = _as_words(src, dst.view(len(idx), *src.shape[1:]))
+    torch.index_select(rows, 0, idx, out=into)
     return dst
 
 
@@ -216,7 +217,8 @@ def scatter(layer_cache: torch.Tensor, layout: LayerLayout, block_ids: BlockIds,
     dst = _blocks(layer_cache, layout)
     idx = _index(block_ids, layout, dst.device, unique=True)
     data = _out_bytes(src, len(idx), layout)
-    dst.index_copy_(0, idx, data.view(len(idx), *dst.shape[1:]))
+    rows, data = _as_words(dst, data.view(len(idx), *dst.shape[1:]))
+    rows.index_copy_(0, idx, data)
 
 
 def staging_view(buf: torch.Tensor, num_blocks: int, num_layers: int, block_nbytes: int) -> torch.Tensor:
@@ -238,7 +240,8 @@ def gather_layer_into_staging(
     src = _blocks(layer_cache, layout)
     idx = _index(block_ids, layout, src.device, unique=False)
     dst = _staging_slice(staging, layer_idx, len(idx), layout)
-    torch.index_select(src, 0, idx, out=dst.view(len(idx), *src.shape[1:]))
+    rows, into = _as_words(src, dst.view(len(idx), *src.shape[1:]))
+    torch.index_select(rows, 0, idx, out=into)
 
 
 def scatter_layer_from_staging(
@@ -248,7 +251,8 @@ def scatter_layer_from_staging(
     dst = _blocks(layer_cache, layout)
     idx = _index(block_ids, layout, dst.device, unique=True)
     src = _staging_slice(staging, layer_idx, len(idx), layout)
-    dst.index_copy_(0, idx, src.view(len(idx), *dst.shape[1:]))
+    rows, data = _as_words(dst, src.view(len(idx), *dst.shape[1:]))
+    rows.index_copy_(0, idx, data)
 
 
 def tail(block_ids: Sequence[int], num_cached_blocks: int) -> Sequence[int]:
@@ -323,6 +327,26 @@ def _blocks(cache: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
     if layout.kind == "kv_first":
         return _merge_tail(raw, 2).transpose(0, 1)
     return _merge_tail(raw, 1)
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _as_words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same uint8 views as the widest integer type all of them allow, or as they are.
+
+    Torch's indexed copies move a row element by element, so wider elements copy it
+    several times faster (`index_copy_` of 64 KiB rows on a 2-core CPU: 3.6 GB/s as
+    uint8, 21 GB/s as int64)."""
+    for dtype in _WORDS:
+        k = dtype.itemsize
+        if all(v.shape[-1] % k == 0 and (v.stride(-1) == 1 or v.shape[-1] == 1) and v.storage_offset() % k == 0
+               and all(st % k == 0 for st in v.stride()[:-1]) for v in views):
+            try:
+                return tuple(v.view(dtype) for v in views)
+            except RuntimeError:  # a stride torch will not reinterpret: try a narrower word
+                continue
+    return views
 
 
 def _index(block_ids: BlockIds, layout: LayerLayout, device: torch.device, *, unique: bool) -> torch.Tensor:

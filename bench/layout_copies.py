@@ -21,7 +21,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,14 +39,6 @@ from workers.layout import _blocks, _staging_slice  # noqa: E402  (the baseline'
 HEADS, DIM, BLOCK = 8, 128, 16
 
 
-@dataclass(frozen=True)
-class Spec:
-    block_size: int = BLOCK
-    num_kv_heads: int = HEADS
-    head_size: int = DIM
-    use_mla: bool = False
-
-
 def _timed(fn: Callable[[], None], reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -64,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    spec = CacheSpec.from_vllm(Spec())
+    spec = CacheSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM)
     cache_blocks = 4 * args.blocks
     g = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []

@@ -268,7 +268,7 @@ class ConsumerSide:
             ):
                 self._inject_fault(load.transfer_id, load.lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if w.paged is not None:  # one kernel for every layer (see `ConnectorWorker._one_kernel_copies`)
+            if w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
             else:
                 staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)

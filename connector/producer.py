@@ -9,7 +9,8 @@
    trip to D and back (about a millisecond) overlaps the forward pass instead of
    following it.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
-   returning (on a GPU with Triton, with the transport's copy kernel). On the CPU the copy is complete on return, so vLLM may free and reuse
+   returning (on a GPU with Triton, with the transport's copy kernel). On the CPU the
+   copy is complete on return, so vLLM may free and reuse
    the blocks right after the step and the staged copy still holds what the cache held
    when the layer was computed (the seed's corruption came from copying later, on
    another thread). On a GPU (transport "nccl") the same gather is enqueued on the
@@ -170,11 +171,12 @@ class ProducerSide:
             return
         layout = self.w.layouts[layer_name]
         # The registered cache on a GPU: the transport's kernel, about ten times the rate
-        # of an index_select into the strided staging rows (`ConnectorWorker._one_kernel_copies`).
+        # of an index_select into the strided staging rows (`ConnectorWorker._triton_copies`).
         paged = self.w.paged if kv_layer is self.w.caches.get(layer_name) else None
         for _tid, staged in self._step:
             if paged is not None and staged.ids is not None:
-                paged.gather_layer(idx, staged.ids, paged.staging_view(staged.lease.tensor, len(staged.spec.block_ids)))
+                words = paged.staging_view(staged.lease.tensor, len(staged.spec.block_ids))
+                paged.gather_layer(idx, staged.ids, words)
             else:
                 gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
             staged.layers_done.add(idx)

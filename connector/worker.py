@@ -157,7 +157,7 @@ class ConnectorWorker:
         self.block_nbytes = first.block_nbytes
         self.compat = compat_fields(self.info, first, len(self.layers))
         if nccl:
-            self.paged = self._one_kernel_copies(first)
+            self.paged = self._triton_copies(first)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes
         # nccl: the pool lives on the caches' GPU, so gathers, sends, receives and
         # scatters never leave it.
@@ -208,7 +208,7 @@ class ConnectorWorker:
             pool_bytes=self.pool.capacity,
         )
 
-    def _one_kernel_copies(self, layout: LayerLayout) -> PagedKv | None:
+    def _triton_copies(self, layout: LayerLayout) -> PagedKv | None:
         """Word views of the GPU caches for `PagedKv`'s Triton copy: P gathers a layer with
         it in `save_kv_layer`, D scatters every layer of a transfer with it in one kernel.
         On an H200 it copies about 1.2 TB/s, against about 0.09 TB/s for an `index_select`

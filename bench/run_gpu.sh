@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
-# communicator backends), then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
+# communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
 # (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu).
 #   bash bench/run_gpu.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,10 +31,16 @@ cat "$OUT/env.txt"
 
 # BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch, --ipc 132); SKIP_TESTS=1: no pytest.
 # The timeouts keep one run under 9 minutes: the benchmark (about 100 s) gets BENCH_TIMEOUT,
-# the direct backend's tests TEST_TIMEOUT, torch's whatever is left of TOTAL_BUDGET.
+# the connector's (about 25 s) CONNECTOR_TIMEOUT, the direct backend's tests TEST_TIMEOUT,
+# torch's whatever is left of TOTAL_BUDGET.
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
+# The connector's own path (worker halves in two processes, a real broker) against raw NCCL.
+timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_nccl.py --json "$OUT/connector_nccl.json" \
+  > "$OUT/connector_nccl.log" 2>&1
+echo "connector bench rc=$?"
+grep -v '^20\|^{' "$OUT/connector_nccl.log" | tail -5
 # BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
 # (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
 if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then

@@ -37,7 +37,7 @@ cat "$OUT/env.txt"
 timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 # The connector's own path (worker halves in two processes, a real broker) against raw NCCL.
-timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_nccl.py --json "$OUT/connector_nccl.json" \
+timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --json "$OUT/connector_nccl.json" \
   > "$OUT/connector_nccl.log" 2>&1
 echo "connector bench rc=$?"
 grep -v '^20\|^{' "$OUT/connector_nccl.log" | tail -5

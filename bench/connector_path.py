@@ -1,0 +1,339 @@
+"""The vLLM connector's own path, timed end to end against its transport's raw ceiling.
+
+`bench/nccl_transport.py` and `bench/tcp_transport.py` time the transports alone. This
+times what a request costs on the connector's path: the worker halves as vLLM drives
+them (bind, save_kv_layer, wait_for_save on P; bind, start_load_kv, get_finished on D),
+P and D in processes of their own, Llama-3-8B-shaped KV (32 layers, 8 KV heads, head
+128, bf16, block 16), through a real `kvbroker serve` (Offer, Prepare, Ready, Go, Done,
+Release, and for nccl the communicators' rendezvous). No vLLM and no model: P's forward
+pass is only its 32 per-layer gathers.
+
+`--transport nccl` (2 GPUs): P's KV on cuda:0, D's on cuda:1, flash-attn shaped.
+`--transport tcp`: both on the CPU, vLLM CPU backend shaped (``[blocks, H, bs, 2D]``).
+
+* raw          the transfer's bytes moved once with nothing else: one NCCL send/recv over
+               the communicators the connector built (D's receive posted first), or one
+               `sendall` over a loopback TCP socket into a buffer D reads into.
+* connector    D's request is bound (start_load_kv) and P names D as its decode peer;
+               the clock runs from P's bind to D's get_finished reporting the request,
+               with D's scatter done. D's engine steps all along: each step is
+               get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
+               for, or on the CPU the wait of an engine with nothing else to run), so D's
+               main thread leaves the GIL to the connector's threads, and the end is
+               seen within one step.
+
+Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
+writes the rows.
+
+Usage: python bench/connector_path.py [--transport nccl|tcp] [--tokens 512,2048,8192] [--iters 20]
+       [--step-ms 1] [--log-format console|json] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from connector.config import EngineInfo, parse_config  # noqa: E402
+from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
+from connector.worker import ConnectorWorker  # noqa: E402
+from protocols.logs import configure_logging  # noqa: E402
+
+LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * DIM * 2  # one block of every layer, K and V
+DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Spec:
+    block_size: int = BLOCK
+    num_kv_heads: int = HEADS
+    head_size: int = DIM
+    use_mla: bool = False
+
+
+class _Engine:
+    """One side's device work: where its caches live, its syncs and its engine step."""
+
+    def __init__(self, transport: str, role: str, step_ms: float) -> None:
+        self.gpu = transport == "nccl"
+        self.device = ("cuda:0" if role == "p" else "cuda:1") if self.gpu else "cpu"
+        self.step_s = step_ms / 1e3
+        self.cycles = 0
+        if self.gpu:
+            torch.cuda.set_device(self.device)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            torch.cuda._sleep(1_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles = int(1_000_000 * step_ms / begin.elapsed_time(end))
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def step(self) -> None:
+        """The rest of an engine step after get_finished, spent waiting."""
+        if self.gpu:
+            torch.cuda._sleep(self.cycles)
+            self.sync()
+        else:
+            time.sleep(self.step_s)
+
+    def caches(self, num_blocks: int, seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        shape = (2, num_blocks, BLOCK, HEADS, DIM) if self.gpu else (num_blocks, HEADS, BLOCK, 2 * DIM)
+        return {n: torch.randn(shape, device=self.device, generator=g, dtype=torch.bfloat16) for n in NAMES}
+
+    def blocks(self, cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return (cache[:, ids] if self.gpu else cache[ids]).cpu()
+
+
+def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
+    caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
+    config = parse_config(
+        {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
+         "staging_bytes": cfg["pool"], "load_timeout_s": DEADLINE_S},
+        kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
+    )
+    backend = "FLASH_ATTN/bench" if engine.gpu else "CPU_ATTN/bench"
+    info = EngineInfo(model="llama-3-8b-shaped", spec=Spec(), block_size=BLOCK, backend=backend)
+    worker = ConnectorWorker(config, info)
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def _peer_of(worker: ConnectorWorker) -> str:
+    assert worker.client is not None and worker.client.registered is not None
+    return worker.client.registered.peer_id
+
+
+class _RawTcp:
+    """The raw ceiling on the CPU: one `sendall` over a loopback socket, read into a buffer."""
+
+    def __init__(self) -> None:
+        self.listener: socket.socket | None = None
+        self.sock: socket.socket | None = None
+
+    def listen(self) -> int:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        return self.listener.getsockname()[1]
+
+    def accept(self) -> None:
+        assert self.listener is not None
+        self.sock, _ = self.listener.accept()
+
+    def connect(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+
+    def send(self, data: torch.Tensor) -> None:
+        assert self.sock is not None
+        self.sock.sendall(memoryview(data.numpy()))
+
+    def recv(self, into: torch.Tensor) -> None:
+        assert self.sock is not None
+        view, got = memoryview(into.numpy()), 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("the raw sender closed early")
+            got += n
+
+
+def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
+    """P: for each request, tell D, wait until D holds it, then run the step."""
+    engine = _Engine(cfg["transport"], "p", cfg["step_ms"])
+    configure_logging(cfg["log_format"])
+    p, caches = _worker(endpoint, "p", engine, cfg)
+    raw_tcp = _RawTcp()
+    try:
+        conn.send(_peer_of(p))
+        d_peer, port = conn.recv()
+        if not engine.gpu:
+            raw_tcp.connect(port)
+        g = torch.Generator().manual_seed(0)
+        for tok in cfg["tokens"]:
+            n = tok // BLOCK
+            for it in range(cfg["warmup"] + cfg["iters"]):
+                tid = f"t{tok}-{it}"
+                src = torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist()
+                check = it == cfg["warmup"]
+                conn.send((tid, n, check, {name: engine.blocks(caches[name], src) for name in NAMES[::8]}
+                           if check else None))
+                assert conn.recv() == "bound"
+                engine.sync()
+                t0 = time.perf_counter()
+                p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
+                                                             num_tokens=n * BLOCK - 1, decode="d0")}))
+                for name in NAMES:
+                    p.save_kv_layer(name, caches[name])
+                p.wait_for_save()
+                p.clear()
+                conn.send(t0)
+                assert conn.recv() == "done"
+                # raw: the same bytes once, D's receive ready first
+                assert p.pool is not None
+                data = p.pool.tensor[: n * BLOCK_BYTES]
+                comm = p.nccl.cache.get(d_peer, initiator=True) if p.nccl is not None else None
+                assert conn.recv() == "posted"
+                engine.sync()
+                conn.send(time.perf_counter())
+                if comm is not None and p.nccl is not None:
+                    work = comm.post_range("send", p.pool.tensor, 0, n * BLOCK_BYTES, p.nccl.stream)
+                    comm.completion([work], p.nccl.stream, "send").wait(time.monotonic() + DEADLINE_S,
+                                                                         spin_s=DEADLINE_S)
+                else:
+                    raw_tcp.send(data)
+                assert conn.recv() == "done"
+        conn.send(None)
+    finally:
+        p.close()
+
+
+def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
+    """D: hold each request, then step until get_finished reports it."""
+    engine = _Engine(cfg["transport"], "d", cfg["step_ms"])
+    configure_logging(cfg["log_format"])
+    d, caches = _worker(endpoint, "d", engine, cfg)
+    raw_tcp = _RawTcp()
+    rows: list[dict[str, Any]] = []
+    try:
+        p_peer = conn.recv()
+        port = 0 if engine.gpu else raw_tcp.listen()
+        conn.send((_peer_of(d), port))
+        if not engine.gpu:
+            raw_tcp.accept()
+        g = torch.Generator().manual_seed(1)
+        times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        while (msg := conn.recv()) is not None:
+            tid, n, check, want = msg
+            tok = n * BLOCK
+            dst = torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist()
+            d.bind(KvBrokerMetadata(loads={tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0,
+                                                         num_tokens=n * BLOCK - 1)}))
+            d.start_load_kv()
+            d.clear()
+            conn.send("bound")
+            t0 = None
+            deadline = time.monotonic() + DEADLINE_S
+            while True:  # the engine steps all along, before P's step too (as a busy engine does)
+                _, recving = d.get_finished(set())
+                if recving and f"req-{tid}" in recving:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"D never finished {tid}: {d.statistics()}")
+                if t0 is None and conn.poll():
+                    t0 = conn.recv()
+                engine.step()
+            if d.get_block_ids_with_load_errors():
+                raise RuntimeError(f"{tid} failed to load: {d.statistics()}")
+            engine.sync()  # the scatter get_finished enqueued
+            t1 = time.perf_counter()
+            took = t1 - (t0 if t0 is not None else conn.recv())
+            if check:
+                for name, got in want.items():
+                    assert torch.equal(engine.blocks(caches[name], dst), got), f"{tid}: {name} differs"
+            conn.send("done")
+            # raw
+            assert d.pool is not None
+            into = d.pool.tensor[: n * BLOCK_BYTES]
+            if d.nccl is not None:
+                comm = d.nccl.cache.get(p_peer, initiator=False)
+                work = comm.post_range("recv", d.pool.tensor, 0, n * BLOCK_BYTES, d.nccl.stream)
+                done = comm.completion([work], d.nccl.stream, "recv")
+                conn.send("posted")
+                r0 = conn.recv()
+                done.wait(time.monotonic() + DEADLINE_S, spin_s=DEADLINE_S)
+            else:
+                conn.send("posted")
+                r0 = conn.recv()
+                raw_tcp.recv(into)
+            raw = time.perf_counter() - r0
+            conn.send("done")
+            if int(tid.rsplit("-", 1)[1]) >= cfg["warmup"]:
+                times[tok][0].append(took)
+                times[tok][1].append(raw)
+        for tok, (conn_s, raw_s) in times.items():
+            r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
+            rows.append({"tokens": tok, "MiB": tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
+                         "connector_ms": round(c, 3), "connector_min_ms": round(min(conn_s) * 1e3, 3),
+                         "connector_max_ms": round(max(conn_s) * 1e3, 3), "vs_raw": round(r / c, 3),
+                         "iters": len(conn_s), "stats": d.statistics()})
+        results.put(rows)
+    except BaseException as exc:
+        results.put(repr(exc))
+        raise
+    finally:
+        d.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transport", choices=("nccl", "tcp"), default="nccl")
+    ap.add_argument("--tokens", default="", help="default: 512,2048,8192 (nccl), 512,2048 (tcp)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
+    ap.add_argument("--log-format", default="console", choices=("console", "json"),
+                    help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if args.transport == "nccl" and torch.cuda.device_count() < 2:
+        print("--transport nccl needs 2 CUDA GPUs (--transport tcp runs on the CPU)", file=sys.stderr)
+        return 2
+    from nccl_transport import _start_broker  # the same `kvbroker serve` launcher
+
+    tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
+    cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
+           "step_ms": args.step_ms,
+           "log_format": args.log_format,
+           "num_blocks": 2 * max(tokens) // BLOCK, "pool": max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
+    broker, endpoint = _start_broker()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    conn_p, conn_d = ctx.Pipe()
+    procs = [ctx.Process(target=_prefill, args=(endpoint, conn_p, cfg)),
+             ctx.Process(target=_decode, args=(endpoint, conn_d, cfg, results))]
+    try:
+        for proc in procs:
+            proc.start()
+        rows = results.get(timeout=600)
+        for proc in procs:
+            proc.join(timeout=60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        broker.terminate()
+        broker.wait(timeout=10)
+    if isinstance(rows, str):
+        print(f"D failed: {rows}", file=sys.stderr)
+        return 1
+    print(f"{'tokens':>7}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>7}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
+              f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "rows": rows, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(0) if args.transport == "nccl" else "cpu"}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -247,8 +247,7 @@ class PagedKv:
             ids = torch.zeros(1, dtype=torch.int64, device=self.device)
             one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
             per_block = self.num_layers * self.pre
-            self._launch.check((self._layer_ptrs, ids, one, self.num_blocks, 0, per_block, 0, 0, self.row_words,
-                                self.num_layers, self.pre, self._block, True, self.streaming, False))
+            self._launch.check(self._args(ids, one, 0, per_block, 0, to_staging=True))
 
     @property
     def block_nbytes(self) -> int:
@@ -297,9 +296,17 @@ class PagedKv:
     def _triton_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
         n, per_block = ids.numel(), self.num_layers * self.pre
-        self._launch((n * self.pre,), (self._layer_ptrs, ids, staged, self.num_blocks, 0, n * per_block, 0, layer,
-                                       self.row_words, self.num_layers, self.pre, self._block, to_staging,
-                                       self.streaming, True))
+        self._launch((n * self.pre,), self._args(ids, staged, 0, n * per_block, 0, to_staging=to_staging, layer=layer))
+
+    def _args(
+        self, ids: torch.Tensor, staging: torch.Tensor, first_row: int, end_row: int, offset: int, *,
+        to_staging: bool, layer: int | None = None,
+    ) -> tuple[Any, ...]:
+        """`_copy_rows_kernel`'s arguments, in its order (`_Launcher` reads the flags by
+        position): rows ``[first_row, end_row)``, only `layer`'s when it is given."""
+        return (self._layer_ptrs, ids, staging, self.num_blocks, first_row, end_row, offset,
+                0 if layer is None else layer, self.row_words, self.num_layers, self.pre, self._block,
+                to_staging, self.streaming, layer is not None)
 
     def gather(self, ids: torch.Tensor, staged: torch.Tensor, *, programs: int | None = None) -> None:
         """Copy every layer of the blocks `ids` into `staged`: one kernel with Triton.
@@ -337,8 +344,7 @@ class PagedKv:
         per_block = self.num_layers * self.pre
         first, rows = start * per_block, (end - start) * per_block
         grid = (rows if programs is None else max(1, min(rows, programs)),)
-        self._launch(grid, (self._layer_ptrs, ids, staging, self.num_blocks, first, first + rows, offset, 0,
-                            self.row_words, self.num_layers, self.pre, self._block, to_staging, self.streaming, False))
+        self._launch(grid, self._args(ids, staging, first, first + rows, offset, to_staging=to_staging))
 
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()

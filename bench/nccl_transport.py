@@ -547,9 +547,10 @@ def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
 
 
 def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bool) -> dict[str, list[dict]]:
-    """Run `cases` for one prompt length in rounds (each round runs every case once, in
-    order), so drift of the machine over the run falls on all cases alike; returns
-    each case's per-iteration stamps on this side."""
+    """Run `cases` for one prompt length in rounds (each round runs every case once, the
+    order rotated by one each round), so drift of the machine over the run, and what
+    the case before leaves behind, fall on all cases alike; returns each case's
+    per-iteration stamps on this side."""
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
@@ -558,7 +559,8 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
     out: dict[str, list[dict]] = {case.label: [] for case in cases}
     warmup = 0 if tracing else side.cfg["warmup"]
     for it in range(warmup + iters):
-        for case in cases:
+        # Each round starts one case later: no case always runs right after the same one.
+        for case in cases[it % len(cases):] + cases[: it % len(cases)]:
             side.use(case.backend)
             side.transport.gather_programs = case.gather_programs
             side.transport.lookahead = case.lookahead
@@ -1170,6 +1172,10 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change = {"adaptive": False}
         elif variant == "nostream":
             change = {"streaming": False}
+        elif variant == "dup":  # the same cases under another name: the spread between equal rows
+            for name in ("ours_full", "ours_data"):
+                cases[f"{name}~dup"] = replace(cases[name], label=f"{name}~dup")
+            continue
         elif variant == "hot":
             for name in ("raw", "ours_full", "ours_expect", "ours_data"):
                 cases[f"{name}~hot"] = replace(cases[name], label=f"{name}~hot", hot=True)
@@ -1350,7 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="nostream,fixed,cap0,scap0,lowprio,hot",
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, nostream (copies "
-                         "without streaming cache hints), eager, asyncoffer, "
+                         "without streaming cache hints), eager, asyncoffer, dup (the same rows again: the spread), "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")

@@ -1155,10 +1155,11 @@ def _cases(cfg: dict) -> dict[str, Case]:
     for b in cfg["backends"][1:]:  # the same cases over the other backends
         for name in ("raw", "ours_full", "ours_expect", "ours_staged", "ours_data"):
             cases[f"{name}~{b}"] = replace(cases[name], label=f"{name}~{b}", backend=b)
-    for alt in cfg["sweep"]:
+    for alt in cfg["sweep"]:  # other chunk plans for ours_full (and for the cases named with --sweep-cases)
         if tuple(alt) != chunk[: len(alt)]:
-            label = "ours_full@" + "/".join(map(str, alt))
-            cases[label] = replace(cases["ours_full"], label=label, chunking=tuple(alt))
+            for name in ("ours_full", *cfg.get("sweep_cases", [])):
+                label = f"{name}@" + "/".join(map(str, alt))
+                cases[label] = replace(cases[name], label=label, chunking=tuple(alt))
     for variant in cfg["variants"]:  # capN: gathers overlapping the wire get N programs (0: all);
         # lowprio: NCCL's stream at the default priority and full-width gathers (no contention control)
         if variant == "lowprio":
@@ -1344,6 +1345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--back-growth", type=int, default=back_growth, help="the back ramp's growth")
     ap.add_argument("--order", choices=("pc", "gf", "pg"), default="pc", help="P: chunk by chunk, or all gathers first")
     ap.add_argument("--sweep", default="", help="other first/last/growth[/back growth] for ours_full, e.g. 128/32/4,64/16/2/4")
+    ap.add_argument("--sweep-cases", default="", help="also sweep these cases' plans, e.g. ours_expect,ours_landing")
     ap.add_argument("--backends", default="auto",
                     help="communicator backends, the first timed unsuffixed; auto: the default, then torch")
     ap.add_argument("--diag", action="store_true", help="also time and trace the other P orders")
@@ -1381,7 +1383,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"tokens": tokens, "iters": args.iters, "warmup": args.warmup, "trace_iters": args.trace_iters,
            "first_mib": args.first_mib, "last_mib": args.last_mib, "growth": args.growth,
            "back_growth": args.back_growth, "order": args.order,
-           "sweep": sweep, "backends": backends,
+           "sweep": sweep, "sweep_cases": [c for c in args.sweep_cases.split(",") if c], "backends": backends,
            "gather_programs": args.gather_programs or None,
            "variants": [v for v in args.variants.split(",") if v],
            "only": [c for c in args.cases.split(",") if c],

@@ -105,6 +105,10 @@ class _Engine:
 
 
 def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
+    if cfg.get("one_op"):  # every transfer as one NCCL op, D scattering it whole once it is in
+        import connector.nccl_link
+
+        connector.nccl_link.chunks = lambda nbytes, block_nbytes: [(0, nbytes // block_nbytes)]
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
+    ap.add_argument("--one-op", action="store_true",
+                    help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.transport == "nccl" and torch.cuda.device_count() < 2:
@@ -300,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms,
+           "step_ms": args.step_ms, "one_op": args.one_op,
            "log_format": args.log_format,
            "num_blocks": 2 * max(tokens) // BLOCK, "pool": max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
     broker, endpoint = _start_broker()

@@ -17,6 +17,15 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    report the request as received. On a GPU the scatter is enqueued on the compute
    stream, so the lease goes back to the pool only once an event after it has completed
    (a later receive into the same bytes is not ordered after the scatter).
+   Over nccl with the transport's copy kernel the scatter starts earlier: chunk by
+   chunk, as each chunk's receive ends (`_land`, in the receiving thread), on a
+   stream of its own that first waits for an event recorded in `start_load_kv` (so
+   for whatever the compute stream did with those blocks before they were given to
+   this request). `get_finished` then only makes the compute stream wait for the
+   last chunk's scatter. A chunk is scattered only once its bytes have arrived whole,
+   so a load that fails later has had only the producer's bytes written into its
+   blocks; those blocks are reported as load errors, and the compute stream and the
+   lease's next use wait for any scatter already enqueued.
 4. A missed deadline (no Prepare, no room, no bytes), a broken stream, a mismatched
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
@@ -40,6 +49,7 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
 from workers.layout import scatter_layer_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
+from workers.transports.nccl import SCATTER_PROGRAMS
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
 from .scheduler import KvBrokerMetadata, LoadSpec
@@ -69,6 +79,12 @@ class _Load:
     scope: anyio.CancelScope | None = None
     # True once the broker knows the transfer ended (it aborted it, or we told it).
     settled: bool = False
+    # nccl with the copy kernel (`_land`): the compute stream's point at start_load_kv,
+    # the target block ids on the GPU, and the event after the last chunk scattered.
+    allocated: torch.cuda.Event | None = None
+    targets: torch.Tensor | None = None
+    scattered: torch.cuda.Event | None = None
+    landed_blocks: int = 0
 
 
 class ConsumerSide:
@@ -82,6 +98,7 @@ class ConsumerSide:
         self._errors: set[int] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
+        self._scatter_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
 
     def start_transport(self) -> dict[str, str]:
         """Listen for producers; the endpoint goes into this peer's registration (nccl:
@@ -107,9 +124,15 @@ class ConsumerSide:
         w = self.w
         now = time.monotonic()
         new: list[_Load] = []
+        allocated = None
+        if meta.loads and w.nccl is not None and w.paged is not None:
+            # Everything the compute stream did so far, including with the blocks these
+            # requests were just given: `_land`'s scatters wait for it.
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(w.paged.device))
         with w.lock:
             for tid, spec in meta.loads.items():
-                load = _Load(tid, spec, now + w.config.load_timeout_s)
+                load = _Load(tid, spec, now + w.config.load_timeout_s, allocated=allocated)
                 if tid in self._loads:
                     load.state, load.settled = "failed", True
                     load.reason = "another request on this instance is already loading this transfer_id"
@@ -143,8 +166,13 @@ class ConsumerSide:
                     scattered = True
                 else:
                     load.state, load.reason = "failed", error
+            if load.scattered is not None and not scattered:
+                # Failed after some chunks were scattered: whatever uses these blocks next
+                # on the compute stream runs after those copies.
+                torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             if load.lease is not None:
-                self._give_back(load.lease, scattered)  # scattered, or useless: the room goes back to the pool
+                # scattered (or some chunks were): the room goes back once that ran; else at once
+                self._give_back(load.lease, scattered or load.scattered is not None)
                 load.lease = None
             finished.add(load.spec.req_id)
             if load.state != "failed":
@@ -172,20 +200,24 @@ class ConsumerSide:
         if scattered and lease.base.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(lease.base.device))
-            self._draining.append((event, lease))
+            with self.w.lock:
+                self._draining.append((event, lease))
         else:
             lease.release()
 
     def _drain(self) -> None:
         """Release the leases whose scatter has run (main thread, every step)."""
-        if self._draining:
-            left = []
-            for event, lease in self._draining:
-                if event.query():
-                    lease.release()
-                else:
-                    left.append((event, lease))
-            self._draining = left
+        with self.w.lock:  # `_fail` adds to it from the loop thread
+            draining, self._draining = self._draining, []
+        left = []
+        for event, lease in draining:
+            if event.query():
+                lease.release()
+            else:
+                left.append((event, lease))
+        if left:
+            with self.w.lock:
+                self._draining = left + self._draining
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
         """Take the loads that ended (expiring late ones first). A restarted broker gets
@@ -239,6 +271,9 @@ class ConsumerSide:
             tell = telling and not load.settled
             if tell:
                 load.settled = True
+            if lease is not None and load.scattered is not None:  # a chunk's scatter may still read it
+                self._draining.append((load.scattered, lease))
+                lease = None
         if lease is not None:
             lease.release()
         return tell
@@ -263,12 +298,13 @@ class ConsumerSide:
         assert load.lease is not None
         count = len(spec.block_ids) - spec.num_cached_blocks
         try:
-            if w.config.fault_injection == "flip_sign_bits" and load.transfer_id.startswith(
-                w.config.fault_injection_prefix
-            ):
+            if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
                 self._inject_fault(load.transfer_id, load.lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
+            if load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
+                assert load.landed_blocks == count, (load.landed_blocks, count)
+                torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
+            elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
             else:
                 staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
@@ -289,6 +325,10 @@ class ConsumerSide:
             skipped_blocks=spec.num_cached_blocks,
         )
         return None
+
+    def _faulty(self, load: _Load) -> bool:
+        cfg = self.w.config
+        return cfg.fault_injection == "flip_sign_bits" and load.transfer_id.startswith(cfg.fault_injection_prefix)
 
     def _inject_fault(self, tid: str, data: torch.Tensor) -> None:
         """FOR TESTS ONLY (``fault_injection: "flip_sign_bits"``): negate every received KV element.
@@ -439,7 +479,9 @@ class ConsumerSide:
                     await w.client.client.ready(tid, nbytes, offset)
                     w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
                                skip_blocks=load.spec.num_cached_blocks, transport="nccl")
-                    await w.nccl.recv(msg.source, tid, load.lease, nbytes, load.deadline)
+                    await w.nccl.recv(msg.source, tid, load.lease, nbytes, load.deadline,
+                                      block_nbytes=len(w.layers) * w.block_nbytes,
+                                      landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None)
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:
@@ -447,6 +489,36 @@ class ConsumerSide:
         except PoolError as exc:
             return str(exc)
         return ""
+
+    def _land(self, load: _Load, b0: int, b1: int, left: int = 0) -> None:
+        """Blocks ``[b0, b1)`` of the load's transfer have arrived whole in its lease:
+        scatter them into D's cache now (receiving thread), on the scatter stream, after
+        the compute stream's point at `start_load_kv`. Not once the load was given up.
+        With more than one chunk still to come the copy runs on a capped grid, as the
+        transport's receiver does (`SCATTER_PROGRAMS`): at full width it would slow the
+        receive it overlaps."""
+        w = self.w
+        assert w.paged is not None and load.allocated is not None
+        with w.lock:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
+            if load.state != "receiving" or load.lease is None:
+                return
+            if self._scatter_stream is None:
+                self._scatter_stream = torch.cuda.Stream(w.paged.device)
+            stream = self._scatter_stream
+            with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
+                count = len(load.spec.block_ids) - load.spec.num_cached_blocks
+                if load.targets is None:
+                    stream.wait_event(load.allocated)
+                    load.targets = w.paged.block_ids(list(tail(load.spec.block_ids, load.spec.num_cached_blocks)))
+                if self._faulty(load):
+                    step = w.paged.staged_block_nbytes
+                    self._inject_fault(load.transfer_id, load.lease.tensor[b0 * step : b1 * step])
+                words = w.paged.staging_view(load.lease.tensor, count)
+                w.paged.copy_range(load.targets, words, b0, b1, to_staging=False,
+                                   programs=SCATTER_PROGRAMS if left > 1 else None)
+                event = torch.cuda.Event()
+                event.record(stream)
+            load.scattered, load.landed_blocks = event, b1
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""

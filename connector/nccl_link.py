@@ -1,5 +1,6 @@
-"""The nccl transport as the connector's worker half uses it: one byte range a transfer,
-posted from the broker client's loop thread, waited for without blocking that loop.
+"""The nccl transport as the connector's worker half uses it: one byte range a transfer
+(in a few chunks), posted from a worker thread of the broker client's loop, waited for
+without blocking that loop.
 
 Why one transfer at a time per (P, D) pair: NCCL pairs a sender's ops with the
 receiver's by posting order alone. P posts in the order its Go messages arrive, D in the
@@ -10,6 +11,12 @@ a per-producer lock from its Ready until its receive has ended (`receiving`): a 
 has at most one Go from a given decode peer outstanding, and both sides post it alone.
 Transfers between different pairs still run at once, each over its own communicator,
 and one transfer already uses the whole link.
+
+A transfer goes as a few ops, one per chunk (`chunks`: the transport's pipeline plan,
+the same on both sides since both know the size and the staged block size), so D can
+scatter chunk k into its cache while chunk k+1 is still on the wire: `recv` calls
+`landed` for each chunk once its receive has ended and the communicator is still
+whole, which is when the chunk's bytes are known to be the producer's.
 
 A send or receive that misses its deadline aborts its communicator (see
 `workers.transports.nccl_comm.Completion`): an op left posted would otherwise pair with
@@ -25,6 +32,7 @@ after the scatter that read it has run, see `connector.consumer`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -33,14 +41,25 @@ import torch
 
 from protocols.errors import KvBrokerError, TransferFailed
 from workers.client import SyncBrokerClient
+from workers.gpu_staging import pipeline_bounds
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
 
-__all__ = ["NcclLink"]
+__all__ = ["NcclLink", "chunks"]
 
 # Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
 COMMUNICATORS = 8
+
+
+def chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
+    """A transfer's chunks as block ranges ``[b0, b1)``, one NCCL op each: the
+    transport's pipeline plan (`pipeline_bounds`) for whole staged blocks of
+    `block_nbytes`, one chunk for anything else. Both sides must call it alike."""
+    if block_nbytes <= 0 or nbytes <= 0 or nbytes % block_nbytes:
+        return [(0, 1)]
+    ends = pipeline_bounds(nbytes // block_nbytes, block_nbytes)
+    return list(zip([0, *ends[:-1]], ends))
 
 
 class NcclLink:
@@ -71,24 +90,30 @@ class NcclLink:
             return self._receiving.setdefault(producer, anyio.Lock())
 
     async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
-                   after: torch.cuda.Event | None, deadline: float) -> None:
+                   after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0) -> None:
         """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
-        once `after` (the step's gathers) has completed on the GPU.
+        once `after` (the step's gathers) has completed on the GPU; in `chunks` of
+        staged blocks of `block_nbytes` (0: one op).
 
         Raises:
             TransferFailed: not sent by `deadline` (a `time.monotonic()` value; the
                 communicator is then aborted), no communicator, or it was aborted.
         """
-        await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after, deadline)
+        await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after, deadline,
+                         block_nbytes, None)
 
-    async def recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float) -> None:
-        """D: receive `nbytes` from `producer` into the start of `lease`. Send Ready first:
-        the producer builds a new communicator only once it has the Go.
+    async def recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float, *,
+                   block_nbytes: int = 0, landed: Callable[[int, int, int], None] | None = None) -> None:
+        """D: receive `nbytes` from `producer` into the start of `lease`, in the same
+        chunks as the sender. Send Ready first: the producer builds a new communicator
+        only once it has the Go. `landed(b0, b1, left)` is called (in a worker thread)
+        as each chunk's blocks have arrived whole, in order; `left`: chunks still to come.
 
         Raises:
             TransferFailed: as `send`; also when `cancel` ended it.
         """
-        await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline)
+        await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline, block_nbytes,
+                         landed)
 
     def cancel(self, peer: str, transfer_id: str) -> None:
         """End `transfer_id`'s op with `peer` before its deadline, if it is the one in
@@ -105,7 +130,8 @@ class NcclLink:
         self.cache.discard(peer)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                    after: torch.cuda.Event | None, deadline: float) -> None:
+                    after: torch.cuda.Event | None, deadline: float, block_nbytes: int,
+                    landed: Callable[[int, int, int], None] | None) -> None:
         # In a worker thread: building a communicator blocks (its rendezvous goes through
         # this loop) and the wait spins. Not abandoned on cancellation: the op must have
         # ended before the caller frees the lease or lets the next transfer post; `cancel`
@@ -115,7 +141,7 @@ class NcclLink:
             self._inflight[peer] = (transfer_id, flag)
         try:
             await anyio.to_thread.run_sync(self._post_and_wait, peer, op, transfer_id, lease, start, nbytes, after,
-                                           deadline, flag)
+                                           deadline, flag, block_nbytes, landed)
         except TransferFailed:
             raise
         except (KvBrokerError, RuntimeError) as exc:  # no communicator (rendezvous, NCCL init), or a refused post
@@ -126,15 +152,29 @@ class NcclLink:
                     del self._inflight[peer]
 
     def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                       after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event) -> None:
+                       after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event,
+                       block_nbytes: int, landed: Callable[[int, int, int], None] | None) -> None:
         torch.cuda.set_device(self.device)
         comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send", cancelled=cancelled)
         if comm is None or cancelled.is_set():
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
-        work = comm.post_range(op, lease.base, start, nbytes, self.stream, after)
-        comm.completion([work], self.stream, op, transfer_id).wait(deadline)
-        if comm.closed:  # aborted meanwhile (`cancel`, or another op's timeout): the kernel ended early
-            raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
+        whole = block_nbytes > 0 and nbytes % block_nbytes == 0
+        if landed is not None and not whole:
+            raise ValueError(f"a receive reported chunk by chunk must be whole blocks of {block_nbytes} B, "
+                             f"not {nbytes} B")
+        parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
+        step = block_nbytes if whole else nbytes
+        with comm.lock:  # the chunks back to back: nothing of another transfer may come between
+            works = [comm.post_range(op, lease.base, start + b0 * step, (b1 - b0) * step, self.stream,
+                                     after if k == 0 else None)  # one NCCL stream: later ops follow the first
+                     for k, (b0, b1) in enumerate(parts)]
+        for k, (work, (b0, b1)) in enumerate(zip(works, parts)):
+            comm.completion([work], self.stream, op, transfer_id).wait(deadline)
+            if comm.closed or comm.broken:  # aborted meanwhile (`cancel`, a timeout): the kernel ended early
+                raise TransferFailed(transfer_id,
+                                     f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
+            if landed is not None:
+                landed(b0, b1, len(parts) - 1 - k)
 
     def close(self) -> None:
         self.cache.close()

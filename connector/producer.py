@@ -306,7 +306,8 @@ class ProducerSide:
             if w.nccl is not None:
                 try:
                     await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
-                                      time.monotonic() + w.config.load_timeout_s)
+                                      time.monotonic() + w.config.load_timeout_s,
+                                      block_nbytes=len(w.layers) * w.block_nbytes)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.

@@ -216,3 +216,126 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
     finally:
         p.close()
         d.close()
+
+
+def _one_block_chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
+    """Every staged block its own chunk: the pipelined path on transfers of a few blocks
+    (the real plan splits only transfers of more than 112 MiB)."""
+    if block_nbytes <= 0 or nbytes % block_nbytes:
+        return [(0, 1)]
+    return [(k, k + 1) for k in range(nbytes // block_nbytes)]
+
+
+def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer in several chunks (one NCCL op each, both sides): D scatters each chunk
+    into its blocks as its receive ends, on a stream of its own, ordered after the
+    compute stream's point at start_load_kv. 30 transfers of 6 blocks, every other one
+    with a two-block prefix hit; P's blocks overwritten right after each step. D's blocks
+    after its hit hold exactly what P saved, its prefix-cached blocks are never written,
+    every chunk went through `_land`, and every lease goes back to its pool."""
+    from connector import consumer, nccl_link
+    from tests.support import wait_until
+
+    monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
+    landed: list[tuple[str, int, int]] = []
+    real_land = consumer.ConsumerSide._land
+
+    def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
+        landed.append((load.transfer_id, b0, b1))
+        real_land(self, load, b0, b1, left)
+
+    monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
+    pc, dc = gpu_caches("cuda:0", 9), gpu_caches("cuda:1", 10)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    assert p.paged is not None and d.paged is not None
+    try:
+        for i in range(30):
+            src, dst, cached = [3, 17, 40, 9, 12, 60], [50, 2, 33, 21, 7, 44], 2 * (i % 2)
+            for t in pc.values():
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            kept = {n: t[:, dst[:cached]].clone() for n, t in dc.items()}
+            load(d, f"c{i}", dst, cached=cached)
+            stage(p, pc, f"c{i}", src, decode="d0")
+            for t in pc.values():
+                t[:, src] = -7.0
+            _, errors, _ = run_steps(d, {f"req-c{i}"}, timeout=30)
+            assert not errors, f"transfer c{i} failed to load: {d.statistics()}"
+            torch.cuda.synchronize("cuda:1")
+            for n, t in dc.items():
+                assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
+                assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
+            assert [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"] == [
+                (k, k + 1) for k in range(len(dst) - cached)
+            ]
+        assert p.pool is not None and d.pool is not None
+
+        def settled() -> bool:
+            d.get_finished(set())
+            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
+
+        wait_until(settled, 10, "every staging and receive lease back in its pool")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D's receive is cut short after its first chunk was scattered (the op cancelled, as
+    a give-up does): the load fails with all its blocks reported, its lease goes back
+    only after that chunk's scatter has run, and the next transfer is whole, on new
+    communicators."""
+    from connector import consumer, nccl_link
+    from tests.support import wait_until
+
+    monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
+    real_land = consumer.ConsumerSide._land
+
+    def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
+        real_land(self, load, b0, b1, left)
+        if load.transfer_id == "cut" and b0 == 0:
+            assert self.w.nccl is not None
+            self.w.nccl.cancel(load.source, load.transfer_id)
+
+    monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
+    pc, dc = gpu_caches("cuda:0", 11), gpu_caches("cuda:1", 12)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
+    try:
+        saved = {n: t[:, [4, 5, 6]].clone() for n, t in pc.items()}
+        load(d, "cut", [40, 41, 42], cached=0)
+        stage(p, pc, "cut", [4, 5, 6], decode="d0")
+        _, errors, seconds = run_steps(d, {"req-cut"}, timeout=30)
+        assert errors == {40, 41, 42} and seconds < 6, (errors, seconds)
+        torch.cuda.synchronize("cuda:1")
+        for n, t in dc.items():  # the chunk that landed holds P's bytes, not garbage
+            assert torch.equal(t[:, 40].cpu(), saved[n][:, 0].cpu())
+        assert d.pool is not None and p.pool is not None
+
+        def d_settled() -> bool:
+            d.get_finished(set())
+            return d.pool.statistics().leases == 0
+
+        wait_until(d_settled, 10, "the cut load's receive lease back in its pool")
+
+        saved = {n: t[:, [7, 8, 9]].clone() for n, t in pc.items()}
+        load(d, "after", [50, 51, 52], cached=0)
+        stage(p, pc, "after", [7, 8, 9], decode="d0")
+        assert not run_steps(d, {"req-after"}, timeout=30)[1]
+        torch.cuda.synchronize("cuda:1")
+        for n, t in dc.items():
+            assert torch.equal(t[:, [50, 51, 52]].cpu(), saved[n].cpu())
+        assert p.nccl is not None and d.nccl is not None
+        assert d.nccl.cache.statistics().created == 2 and p.nccl.cache.statistics().created == 2
+
+        def settled() -> bool:
+            d.get_finished(set())
+            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
+
+        wait_until(settled, 20, "every staging and receive lease back in its pool")
+    finally:
+        p.close()
+        d.close()

@@ -10,8 +10,6 @@ worker with a real broker (GPU runs of the whole path: tests/gpu/test_connector_
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -31,14 +29,6 @@ class _Copy:
 
     def query(self) -> bool:
         return self.ran
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
-    b.start()
-    yield b
-    b.kill()
 
 
 def _receiving(tid: str, lease: object) -> _Load:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +64,6 @@ def make_worker(
     worker = ConnectorWorker(config, info)
     worker.register_kv_caches(caches)
     return worker
-
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
-    b.start()
-    yield b
-    b.kill()
 
 
 def stage(

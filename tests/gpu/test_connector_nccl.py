@@ -16,9 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from connector import consumer, nccl_link
 from connector.scheduler import KvBrokerMetadata, SaveSpec
-from tests.connector.test_worker import LAYERS, FakeSpec, load, make_worker, run_steps, stage
-from tests.support import BrokerProcess
+from connector.worker import ConnectorWorker
+from tests.connector.test_worker import (
+    LAYERS,
+    FakeSpec,
+    load,
+    make_worker,
+    run_steps,
+    stage,
+)
+from tests.support import BrokerProcess, wait_until
 
 two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -41,6 +50,18 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     b.start()
     yield b
     b.kill()
+
+
+def leases_come_back(*workers: ConnectorWorker, timeout: float = 10) -> None:
+    """Wait until every staging and receive lease of `workers` is back in its pool; D's
+    `get_finished` returns receive leases whose scatter has run."""
+    def settled() -> bool:
+        for w in workers:
+            if w.consumer is not None:
+                w.get_finished(set())
+        return all(w.pool is not None and w.pool.statistics().leases == 0 for w in workers)
+
+    wait_until(settled, timeout, "every staging and receive lease back in its pool")
 
 
 @pytest.mark.parametrize("copies", ["kernel", "index", "mixed"])
@@ -91,13 +112,7 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
         assert stats["d"]["loaded"] == 60 and stats["d"]["failed"] == 0, stats
         assert p.pool is not None and d.pool is not None
 
-        def settled() -> bool:
-            d.get_finished(set())  # returns receive leases whose scatter has run
-            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
-
-        from tests.support import wait_until
-
-        wait_until(settled, 10, "every staging and receive lease back in its pool")
+        leases_come_back(p, d)
         assert p.nccl is not None and d.nccl is not None
         assert p.nccl.cache.statistics().created == 1 and d.nccl.cache.statistics().created == 1
         print("nccl connector transfer ms, median:", round(sorted(times)[len(times) // 2] * 1e3, 2))
@@ -145,8 +160,6 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
     layer after the Go): D's load fails at once, not at its deadline, its communicator is
     aborted so the receive cannot take a later transfer's bytes, and the next transfer
     goes through on a new communicator on both sides (D told P its side was gone)."""
-    from tests.support import wait_until
-
     pc, dc = gpu_caches("cuda:0", 5), gpu_caches("cuda:1", 6)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
@@ -233,9 +246,6 @@ def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: 
     with a two-block prefix hit; P's blocks overwritten right after each step. D's blocks
     after its hit hold exactly what P saved, its prefix-cached blocks are never written,
     every chunk went through `_land`, and every lease goes back to its pool."""
-    from connector import consumer, nccl_link
-    from tests.support import wait_until
-
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     landed: list[tuple[str, int, int]] = []
     real_land = consumer.ConsumerSide._land
@@ -269,13 +279,7 @@ def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: 
             assert [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"] == [
                 (k, k + 1) for k in range(len(dst) - cached)
             ]
-        assert p.pool is not None and d.pool is not None
-
-        def settled() -> bool:
-            d.get_finished(set())
-            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
-
-        wait_until(settled, 10, "every staging and receive lease back in its pool")
+        leases_come_back(p, d)
     finally:
         p.close()
         d.close()
@@ -288,9 +292,6 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     a give-up does): the load fails with all its blocks reported, its lease goes back
     only after that chunk's scatter has run, and the next transfer is whole, on new
     communicators."""
-    from connector import consumer, nccl_link
-    from tests.support import wait_until
-
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     real_land = consumer.ConsumerSide._land
 
@@ -313,13 +314,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         torch.cuda.synchronize("cuda:1")
         for n, t in dc.items():  # the chunk that landed holds P's bytes, not garbage
             assert torch.equal(t[:, 40].cpu(), saved[n][:, 0].cpu())
-        assert d.pool is not None and p.pool is not None
-
-        def d_settled() -> bool:
-            d.get_finished(set())
-            return d.pool.statistics().leases == 0
-
-        wait_until(d_settled, 10, "the cut load's receive lease back in its pool")
+        leases_come_back(d)  # the cut load's receive lease, once its landed chunk's copy ran
 
         saved = {n: t[:, [7, 8, 9]].clone() for n, t in pc.items()}
         load(d, "after", [50, 51, 52], cached=0)
@@ -330,12 +325,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
             assert torch.equal(t[:, [50, 51, 52]].cpu(), saved[n].cpu())
         assert p.nccl is not None and d.nccl is not None
         assert d.nccl.cache.statistics().created == 2 and p.nccl.cache.statistics().created == 2
-
-        def settled() -> bool:
-            d.get_finished(set())
-            return p.pool.statistics().leases == 0 and d.pool.statistics().leases == 0
-
-        wait_until(settled, 20, "every staging and receive lease back in its pool")
+        leases_come_back(p, d, timeout=20)
     finally:
         p.close()
         d.close()

@@ -174,7 +174,12 @@ class NcclLink:
                 raise TransferFailed(transfer_id,
                                      f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
             if landed is not None:
-                landed(b0, b1, len(parts) - 1 - k)
+                try:
+                    landed(b0, b1, len(parts) - 1 - k)
+                except BaseException:
+                    if k < len(parts) - 1:  # later chunks' ops are posted: they would pair with the next transfer's
+                        self.cache.discard(peer)
+                    raise
 
     def close(self) -> None:
         self.cache.close()

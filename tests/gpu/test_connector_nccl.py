@@ -285,19 +285,23 @@ def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: 
         d.close()
 
 
+@pytest.mark.parametrize("cut", ["cancel", "raise"])
 def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, cut: str
 ) -> None:
-    """D's receive is cut short after its first chunk was scattered (the op cancelled, as
-    a give-up does): the load fails with all its blocks reported, its lease goes back
-    only after that chunk's scatter has run, and the next transfer is whole, on new
-    communicators."""
+    """D's receive is cut short after its first chunk was scattered: the op cancelled (as
+    a give-up does), or the scatter of the next chunk failing (its later chunks' receives
+    still posted). The load fails with all its blocks reported, its lease goes back only
+    after the landed chunk's scatter has run, and the next transfer is whole, on new
+    communicators (none of the cut transfer's ops pairs with the next one's)."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     real_land = consumer.ConsumerSide._land
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
+        if load.transfer_id == "cut" and b0 == 1 and cut == "raise":
+            raise RuntimeError("the scatter could not be launched")
         real_land(self, load, b0, b1, left)
-        if load.transfer_id == "cut" and b0 == 0:
+        if load.transfer_id == "cut" and b0 == 0 and cut == "cancel":
             assert self.w.nccl is not None
             self.w.nccl.cancel(load.source, load.transfer_id)
 

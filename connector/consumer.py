@@ -36,7 +36,6 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -80,30 +79,12 @@ class _Load:
     scope: anyio.CancelScope | None = None
     # True once the broker knows the transfer ended (it aborted it, or we told it).
     settled: bool = False
-    # Scattered as it arrived (`_land`): the event after the last chunk's copy (a
-    # `_HostCopy` on the CPU) and the blocks done; on a GPU also the compute stream's
-    # point at start_load_kv and the target block ids on the GPU.
-    scattered: torch.cuda.Event | _HostCopy | None = None
-    landed_blocks: int = 0
+    # nccl with the copy kernel (`_land`): the compute stream's point at start_load_kv,
+    # the target block ids on the GPU, and the event after the last chunk scattered.
     allocated: torch.cuda.Event | None = None
     targets: torch.Tensor | None = None
-
-
-class _HostCopy:
-    """A scatter into CPU caches running in a worker thread (`ConsumerSide._land`): to
-    its waiters what a CUDA event is to a scatter on a GPU."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-
-    def set(self) -> None:
-        self._done.set()
-
-    def query(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float) -> bool:
-        return self._done.wait(timeout)
+    scattered: torch.cuda.Event | None = None
+    landed_blocks: int = 0
 
 
 class ConsumerSide:
@@ -187,8 +168,8 @@ class ConsumerSide:
                     load.state, load.reason = "failed", error
             if load.scattered is not None and not scattered:
                 # Failed after some chunks were scattered: whatever uses these blocks next
-                # runs after those copies.
-                self._after(load)
+                # on the compute stream runs after those copies.
+                torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             if load.lease is not None:
                 # scattered (or some chunks were): the room goes back once that ran; else at once
                 self._give_back(load.lease, scattered or load.scattered is not None)
@@ -320,9 +301,9 @@ class ConsumerSide:
             if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
                 self._inject_fault(load.transfer_id, load.lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if load.scattered is not None:  # scattered as it arrived (`_land`)
+            if load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
-                self._after(load)
+                torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
             else:
@@ -344,18 +325,6 @@ class ConsumerSide:
             skipped_blocks=spec.num_cached_blocks,
         )
         return None
-
-    def _after(self, load: _Load) -> None:
-        """Whatever the engine does next with the load's blocks comes after the copies
-        `_land` made into them: on a GPU the compute stream waits for the last one's
-        event (no host wait); on the CPU this waits for the copy thread."""
-        copied = load.scattered
-        if isinstance(copied, _HostCopy):
-            if not copied.wait(self.w.config.load_timeout_s):
-                self.w.log.error("transfer.scatter_stuck", transfer_id=load.transfer_id, phase="scatter",
-                                 reason=f"a copy into its blocks still runs after {self.w.config.load_timeout_s:g} s")
-        elif copied is not None:
-            torch.cuda.current_stream(copied.device).wait_event(copied)
 
     def _faulty(self, load: _Load) -> bool:
         cfg = self.w.config
@@ -529,10 +498,7 @@ class ConsumerSide:
         transport's receiver does (`SCATTER_PROGRAMS`): at full width it would slow the
         receive it overlaps."""
         w = self.w
-        if w.paged is None:
-            self._land_on_host(load, b0, b1)
-            return
-        assert load.allocated is not None
+        assert w.paged is not None and load.allocated is not None
         with w.lock:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
             if load.state != "receiving" or load.lease is None:
                 return
@@ -554,27 +520,6 @@ class ConsumerSide:
                 event.record(stream)
             load.scattered, load.landed_blocks = event, b1
 
-    def _land_on_host(self, load: _Load, b0: int, b1: int) -> None:
-        """`_land` for caches the transport's kernel does not copy (the CPU's): the copy
-        runs in this thread, and a `_HostCopy` holds the lease and the blocks for it."""
-        w, spec = self.w, load.spec
-        copy = _HostCopy()
-        with w.lock:
-            if load.state != "receiving" or load.lease is None:
-                return
-            lease, load.scattered = load.lease, copy
-        try:
-            count = len(spec.block_ids) - spec.num_cached_blocks
-            staging = staging_view(lease.tensor, count, len(w.layers), w.block_nbytes)[b0:b1]
-            if self._faulty(load):
-                self._inject_fault(load.transfer_id, staging)
-            targets = tail(spec.block_ids, spec.num_cached_blocks)[b0:b1]
-            for name, idx in w.layers.items():
-                scatter_layer_from_staging(staging, idx, w.caches[name], w.layouts[name], targets)
-            load.landed_blocks = b1
-        finally:
-            copy.set()
-
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""
         w, tid = self.w, msg.transfer_id
@@ -592,13 +537,6 @@ class ConsumerSide:
                 )
                 await completion.wait()
                 expecting = False
-            # Into D's blocks now, in a worker thread, not in `get_finished` on the engine's
-            # main thread: the step that reports the request only checks it is done.
-            try:
-                await anyio.to_thread.run_sync(self._land, load, 0, nbytes // (len(w.layers) * w.block_nbytes))
-            except Exception as exc:  # a bad layout, say: this load fails, the worker goes on
-                w.log.exception("transfer.scatter_failed", transfer_id=tid, phase="scatter")
-                return f"scatter failed: {exc}"
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:

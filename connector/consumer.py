@@ -30,8 +30,9 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
    the request is reported, so vLLM's ``kv_load_failure_policy`` applies ("recompute"
-   or "fail"). Nothing is scattered from a failed load, and D's prefix-cached blocks
-   are never written.
+   or "fail"). Only bytes that arrived whole from the producer are ever scattered (over
+   nccl a load can fail after some of its chunks were; its blocks are all reported),
+   and D's prefix-cached blocks are never written.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import msgspec
 
 from protocols.logs import configure_logging
 
+from .timeline import phase_steps, read_events
+
 
 @click.group()
 def main() -> None:
@@ -160,20 +162,8 @@ def keygen(out_dir: str, name: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the matching JSON lines.")
 def trace(transfer_id: str, logs: tuple[str, ...], as_json: bool) -> None:
     """One transfer's timeline across processes, from their JSON log files."""
-    events = []
-    for path in logs or ("-",):
-        stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
-        with stream:
-            for line in stream:
-                if transfer_id not in line:
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict) and event.get("transfer_id") == transfer_id:
-                    event.setdefault("source", Path(path).name)
-                    events.append(event)
+    events = [e for e in read_events(logs or ("-",), lambda line: transfer_id in line)
+              if e.get("transfer_id") == transfer_id]
     if not events:
         raise click.ClickException(f"no log line carries transfer_id {transfer_id}; pass the JSON log files of every process")
     events.sort(key=lambda e: str(e.get("timestamp", "")))
@@ -185,6 +175,21 @@ def trace(transfer_id: str, logs: tuple[str, ...], as_json: bool) -> None:
         who = f"{e.get('role', '?')}/{e.get('instance', e.get('source'))}"
         click.echo(f"{e.get('timestamp', '?'):32} {who:24} {e.get('event', '?'):24} {json.dumps(extra, default=str)}")
 
+
+@main.command()
+@click.argument("logs", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--prefix", default="", help="Only the transfers whose id starts with this.")
+def phases(logs: tuple[str, ...], prefix: str) -> None:
+    """Where transfers spend their time: for each event of a transfer and the next one,
+    how long that took over every transfer in the JSON log files (median and 90th
+    percentile, in the order the steps usually come). Pass every process's log."""
+    events = (e for e in read_events(logs or ("-",)) if str(e["transfer_id"]).startswith(prefix))
+    steps, whole = phase_steps(events)
+    if whole is None:
+        raise click.ClickException("no transfer with two or more events in these logs; pass the JSON log files of every process")
+    click.echo(f"{'from':28} {'to':28} {'transfers':>9} {'median ms':>10} {'p90 ms':>9} {'at ms':>8}")
+    for s in [*steps, whole]:
+        click.echo(f"{s.first:28} {s.then:28} {s.transfers:9d} {s.median_ms:10.3f} {s.p90_ms:9.3f} {s.at_ms:8.3f}")
 
 if __name__ == "__main__":
     main()

@@ -256,6 +256,14 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
             capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
         )
         assert missing.returncode != 0 and "no log line carries transfer_id nope" in missing.stderr
+        phases = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "phases", str(broker.log_path), "--prefix", "p0-"],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert phases.returncode == 0, phases.stderr
+        rows = [line.split() for line in phases.stdout.splitlines()[1:]]
+        assert [r[:3] for r in rows] == [["transfer.offered", "transfer.done", "3"], ["first", "event", "last"]]
+        assert rows[1][3] == "3" and float(rows[0][3]) >= 0
     finally:
         assert broker.stop() == 0
 

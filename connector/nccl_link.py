@@ -31,6 +31,7 @@ after the scatter that read it has run, see `connector.consumer`).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -46,10 +47,20 @@ from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
 
-__all__ = ["NcclLink", "chunks"]
+__all__ = ["NcclLink", "chunks", "plan"]
 
 # Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
 COMMUNICATORS = 8
+
+
+def plan() -> str:
+    """What `chunks` depends on besides the transfer, as text: P and D must agree on it
+    (an NCCL receive and the send it pairs with must have the same size), so it goes
+    into the compatibility fields a peer registers with (`connector.worker`)."""
+    p = inspect.signature(pipeline_bounds).parameters
+    mib = {k: p[k].default >> 20 for k in ("first_nbytes", "last_nbytes", "cap_nbytes")}
+    return (f"chunks of {mib['first_nbytes']}..{mib['cap_nbytes']} MiB, last {mib['last_nbytes']} MiB, "
+            f"growth {p['growth'].default}/{p['back_growth'].default}")
 
 
 def chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:

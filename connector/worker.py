@@ -49,7 +49,7 @@ from workers.pool import BufferPool
 
 from .config import ConfigError, ConnectorConfig, EngineInfo, read_secret_key
 from .consumer import ConsumerSide
-from .nccl_link import NcclLink
+from .nccl_link import NcclLink, plan
 from .producer import ProducerSide
 from .scheduler import KvBrokerMetadata
 
@@ -62,10 +62,15 @@ ALIGN = 4096
 SEND_TIMEOUT_S = 2.0
 
 
-def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int) -> dict[str, str]:
-    """The fields P and D must agree on, as text, so a refusal can name what differs."""
+def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transport: str) -> dict[str, str]:
+    """The fields P and D must agree on, as text, so a refusal can name what differs.
+    `transport` is the config's; over nccl both sides must also cut a transfer into the
+    same chunks (`connector.nccl_link.plan`)."""
     spec = CacheSpec.from_vllm(info.spec)
+    if transport == "nccl":
+        transport = f"nccl, {plan()}"
     return {
+        "transport": transport,
         "model": info.model,
         "dtype": str(layout.dtype).removeprefix("torch."),
         "kv_cache_dtype": info.kv_cache_dtype,
@@ -155,7 +160,7 @@ class ConnectorWorker:
             )
         first = next(iter(self.layouts.values()))
         self.block_nbytes = first.block_nbytes
-        self.compat = compat_fields(self.info, first, len(self.layers))
+        self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport)
         if nccl:
             self.paged = self._triton_copies(first)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes

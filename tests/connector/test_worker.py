@@ -263,6 +263,23 @@ def test_incompatible_peers_are_refused_naming_the_difference(
         d.close()
 
 
+def test_a_peer_on_another_transport_or_chunk_plan_is_refused_naming_it(broker: BrokerProcess) -> None:
+    """P and D on different transports, or over nccl cutting transfers into different
+    chunks (an NCCL send and the receive it pairs with must be the same size), are
+    refused at registration, naming the difference, not at their first transfer."""
+    from connector.nccl_link import plan
+
+    p = make_worker(broker.endpoint, "p", "p0", make_caches())
+    assert p.compat["transport"] == "tcp"
+    try:
+        for other in ("nccl, " + plan(), "nccl, chunks of 64..1024 MiB, last 16 MiB, growth 4/4"):
+            with pytest.raises(Refused) as info:
+                _Peer(broker.endpoint, "decode", {**p.compat, "transport": other}, {})  # registers, or raises
+            assert f"transport: {other} vs tcp" in str(info.value)
+    finally:
+        p.close()
+
+
 def test_unreachable_broker_names_address_and_what_to_run(tmp_path: Path) -> None:
     address = "tcp://127.0.0.1:9"  # discard port: nothing answers ZMQ there
     with pytest.raises(BrokerUnavailable) as info:

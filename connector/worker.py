@@ -15,14 +15,19 @@ the nccl transport (`connector.nccl_link`) posts and waits on worker threads of 
 loop, and the GPU copies are ordered against the model by CUDA events.
 State shared between threads sits behind `lock`, which is never held across a portal
 call, so neither thread can block the other. KV cache tensors are read and written
-only on the main thread (gather in the layer hooks, scatter between forward passes),
-so nothing races the model.
+on the main thread (gather in the layer hooks, scatter between forward passes), except
+over nccl with the transport's copy kernel: there D scatters each chunk from the
+receiving thread, on a stream of its own ordered after the compute stream's work at
+`start_load_kv`, into blocks no forward pass uses before the request is reported, and
+the compute stream waits for those copies when it is (`connector.consumer`).
 
 Compatibility
 -------------
 P and D must agree on everything that shapes a block's bytes: model, dtype, KV cache
 dtype, block size, layer count, KV heads, head size, layout kind, attention kernel
-variant (the CPU kernel stores K transposed per ISA) and tensor-parallel size. Those
+variant (the CPU kernel stores K transposed per ISA) and tensor-parallel size; and on
+how the bytes travel: the transport and, over nccl, how a transfer is cut into ops
+(`nccl_link.plan`). Those
 fields travel in ``Register.compat`` with their hash; the broker refuses a peer that
 matches no peer of the other role and names the fields that differ
 ("dtype: float16 vs bfloat16").

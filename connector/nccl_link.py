@@ -53,13 +53,18 @@ __all__ = ["NcclLink", "chunks", "plan"]
 COMMUNICATORS = 8
 
 
+# Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
+# parameters: peers of two versions must then be refused at registration (`plan`).
+PLAN_VERSION = 1
+
+
 def plan() -> str:
     """What `chunks` depends on besides the transfer, as text: P and D must agree on it
     (an NCCL receive and the send it pairs with must have the same size), so it goes
     into the compatibility fields a peer registers with (`connector.worker`)."""
     p = inspect.signature(pipeline_bounds).parameters
     mib = {k: p[k].default >> 20 for k in ("first_nbytes", "last_nbytes", "cap_nbytes")}
-    return (f"chunks of {mib['first_nbytes']}..{mib['cap_nbytes']} MiB, last {mib['last_nbytes']} MiB, "
+    return (f"chunks v{PLAN_VERSION} of {mib['first_nbytes']}..{mib['cap_nbytes']} MiB, last {mib['last_nbytes']} MiB, "
             f"growth {p['growth'].default}/{p['back_growth'].default}")
 
 

@@ -272,7 +272,7 @@ def test_a_peer_on_another_transport_or_chunk_plan_is_refused_naming_it(broker: 
     p = make_worker(broker.endpoint, "p", "p0", make_caches())
     assert p.compat["transport"] == "tcp"
     try:
-        for other in ("nccl, " + plan(), "nccl, chunks of 64..1024 MiB, last 16 MiB, growth 4/4"):
+        for other in ("nccl, " + plan(), "nccl, chunks v1 of 64..1024 MiB, last 16 MiB, growth 4/4"):
             with pytest.raises(Refused) as info:
                 _Peer(broker.endpoint, "decode", {**p.compat, "transport": other}, {})  # registers, or raises
             assert f"transport: {other} vs tcp" in str(info.value)

@@ -137,7 +137,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds  # noqa: E402
+from workers.gpu_staging import PagedKv, StagedTransfer, Stager, pipeline_bounds, pipeline_defaults  # noqa: E402
 from workers.pool import BufferPool  # noqa: E402
 from workers.transports.nccl import GATHER_PROGRAMS, SCATTER_PROGRAMS  # noqa: E402
 
@@ -1123,11 +1123,8 @@ TARGETS = {  # (case, tokens, against): at least this
 
 
 def _default_chunking() -> tuple[int, int, int, int]:
-    import inspect
-
-    params = inspect.signature(pipeline_bounds).parameters
-    return (params["first_nbytes"].default >> 20, params["last_nbytes"].default >> 20,
-            params["growth"].default, params["back_growth"].default or params["growth"].default)
+    d = pipeline_defaults()
+    return d["first_nbytes"] >> 20, d["last_nbytes"] >> 20, d["growth"], d["back_growth"] or d["growth"]
 
 
 def _cases(cfg: dict) -> dict[str, Case]:

@@ -31,7 +31,6 @@ after the scatter that read it has run, see `connector.consumer`).
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +41,7 @@ import torch
 
 from protocols.errors import KvBrokerError, TransferFailed
 from workers.client import SyncBrokerClient
-from workers.gpu_staging import pipeline_bounds
+from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
@@ -62,10 +61,10 @@ def plan() -> str:
     """What `chunks` depends on besides the transfer, as text: P and D must agree on it
     (an NCCL receive and the send it pairs with must have the same size), so it goes
     into the compatibility fields a peer registers with (`connector.worker`)."""
-    p = inspect.signature(pipeline_bounds).parameters
-    mib = {k: p[k].default >> 20 for k in ("first_nbytes", "last_nbytes", "cap_nbytes")}
+    d = pipeline_defaults()
+    mib = {k: d[k] >> 20 for k in ("first_nbytes", "last_nbytes", "cap_nbytes")}
     return (f"chunks v{PLAN_VERSION} of {mib['first_nbytes']}..{mib['cap_nbytes']} MiB, last {mib['last_nbytes']} MiB, "
-            f"growth {p['growth'].default}/{p['back_growth'].default}")
+            f"growth {d['growth']}/{d['back_growth']}")
 
 
 def chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:

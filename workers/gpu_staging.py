@@ -45,6 +45,7 @@ asynchronously); it is correct but slow, and meant to be rare.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
@@ -349,6 +350,13 @@ class PagedKv:
     def _triton(self, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool, programs: int | None) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
         self.copy_range(ids, staged, 0, ids.numel(), to_staging=to_staging, programs=programs)
+
+
+def pipeline_defaults() -> dict[str, Any]:
+    """`pipeline_bounds`'s default plan parameters by name: what a benchmark sweeps
+    around and what both sides of a transfer must share (`connector.nccl_link.plan`)."""
+    return {k: p.default for k, p in inspect.signature(pipeline_bounds).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def pipeline_bounds(

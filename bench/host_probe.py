@@ -50,6 +50,10 @@ def _calls(dev: torch.device) -> dict[str, Callable[[], Any]]:
         "event_new_record": lambda: torch.cuda.Event().record(stream),
         "event_record": lambda: ev.record(stream),
         "event_query": ev.query,
+        "event_object": torch.cuda.Event,
+        # As a chunk's gather is followed by its event: a new event, or one made earlier.
+        "add+event_new": lambda: (x.add_(1), torch.cuda.Event().record(stream)),
+        "add+event_reuse": lambda: (x.add_(1), ev.record(stream)),
         "add_kernel": lambda: x.add_(1),
         "view_slice": lambda: big[1024:2048].view(torch.int32),
         "empty_small": lambda: torch.empty(16, device=dev),

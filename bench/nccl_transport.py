@@ -89,7 +89,8 @@ ahead of the sends (`NcclTransport.gather_and_send`'s lookahead); D's scatters (
 the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N instead; `~eager` rows post P's sends
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
 broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
-helper thread, as a broker client's loop thread would, instead of on P's own.
+helper thread, as a broker client's loop thread would, instead of on P's own; `~gfirst` rows
+enqueue chunk 0's gather before the Offer leaves instead of after it.
 `~nostream` rows (`ours_full` and `ours_data`) copy without the kernel's streaming cache
 hints (`PagedKv.streaming`).
 
@@ -289,6 +290,7 @@ class Case:
     adaptive: bool = True  # P: each later gather's grid sized to the rate it needs (`adaptive_gathers`)
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
+    gather_first: bool = False  # P enqueues chunk 0's gather before its Offer leaves (not after)
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
     side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
     programs: int = 132  # ipc: the copy kernel's grid
@@ -585,6 +587,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
 def _gather_and_send(
     side: _Side, staged: StagedTransfer, bounds: list[int] | None, tid: str, order: str,
     wait: Callable[[], None] | None, clock: _Clock, ready_at: int = 0,
+    first_gathered: Callable[[], None] | None = None,
 ) -> Any:
     """P's pipeline: gathers on the compute stream, each send after its gather's event.
 
@@ -597,6 +600,8 @@ def _gather_and_send(
     tr = side.transport
     if order == "pg":
         side.stager.gather_chunk(staged, ends[0])
+        if first_gathered is not None:
+            first_gathered()
         clock.gpu(f"gather@{ends[0]}")
         clock.mark("gather0_enqueued")
         if wait is not None:
@@ -615,6 +620,8 @@ def _gather_and_send(
     if order == "gf":
         for k, end in enumerate(ends):
             side.stager.gather_chunk(staged, end, programs=None if k == 0 else tr.gather_programs)
+            if k == 0 and first_gathered is not None:
+                first_gathered()
             clock.gpu(f"gather@{end}")
         clock.mark("gathers_enqueued")
         if wait is not None:
@@ -623,6 +630,8 @@ def _gather_and_send(
         return tr.send_staged("D", staged, bounds=ends, transfer_id=tid)
 
     def step(what: str, end: int) -> None:
+        if what == "gather" and end == ends[0] and first_gathered is not None:
+            first_gathered()
         if what == "gather":
             clock.gpu(f"gather@{end}")
         if end == ends[0]:
@@ -690,14 +699,20 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     elif kind in ("full", "expect", "broker", "landing"):
         hs = side.bhs if kind == "broker" else side.hs
         assert hs is not None
-        if case.async_offer:
-            side.offer_async(tid, nbytes)
-        else:
-            hs.offer(tid, nbytes)  # leaves first: the round trip overlaps the gathers
-        clock.mark("offer_sent")
+
+        def offer() -> None:
+            if case.async_offer:
+                side.offer_async(tid, nbytes)
+            else:
+                hs.offer(tid, nbytes)
+            clock.mark("offer_sent")
+
+        if not case.gather_first:
+            offer()  # leaves first: the round trip overlaps the first gather's launch and run
         staged = side.stager.begin(ids)
         wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker", "landing") and not case.eager else None
-        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"))
+        done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"),
+                                first_gathered=offer if case.gather_first else None)
         if kind == "landing" and len(bounds or [0]) == 1:
             hs.wait_ready(tid)  # one chunk: it went without Ready, which is read now
         if kind == "full" and case.eager:
@@ -1091,9 +1106,9 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
                 t3 = time.perf_counter()
                 paged = side.paged
                 _copy_rows_kernel[(32 * LAYERS * paged.pre,)](  # Triton's own launch path, for comparison
-                    paged._layer_ptrs, ids, words, paged.num_blocks, 0, 32 * LAYERS * paged.pre, 0,
+                    paged._layer_ptrs, ids, words, paged.num_blocks, 0, 32 * LAYERS * paged.pre, 0, 0,
                     ROW=paged.row_words, NUM_LAYERS=LAYERS, PRE=paged.pre, BLOCK=paged._block, TO_STAGING=True,
-                    num_warps=8)
+                    STREAM=paged.streaming, ONE_LAYER=False, num_warps=8)
                 t4 = time.perf_counter()
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(side.device))
@@ -1180,6 +1195,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
             continue
         elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
+        elif variant == "gfirst":
+            change = {"gather_first": True}
         else:  # every later gather on the same grid
             change = {"gather_programs": int(variant.removeprefix("cap")) or None, "adaptive": False}
         if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
@@ -1355,7 +1372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="nostream,fixed,cap0,scap0,lowprio,hot",
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, nostream (copies "
-                         "without streaming cache hints), eager, asyncoffer, dup (the same rows again: the spread), "
+                         "without streaming cache hints), eager, asyncoffer, gfirst (chunk 0's gather enqueued before the "
+                         "Offer leaves), dup (the same rows again: the spread), "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")

@@ -16,7 +16,9 @@ pass is only its 32 per-layer gathers.
                `sendall` over a loopback TCP socket into a buffer D reads into.
 * connector    D's request is bound (start_load_kv) and P names D as its decode peer;
                the clock runs from P's bind to D's get_finished reporting the request,
-               with D's scatter done. D's engine steps all along: each step is
+               with D's scatter done. With `--inflight N`, N requests at once: P saves
+               all N in one step, D loads all N, and the clock runs until D has reported
+               the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along: each step is
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
@@ -26,7 +28,7 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--tokens 512,2048,8192] [--iters 20]
-       [--step-ms 1] [--log-format console|json] [--json PATH]
+       [--inflight 1] [--step-ms 1] [--log-format console|json] [--json PATH]
 """
 
 from __future__ import annotations
@@ -171,19 +173,21 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
         if not engine.gpu:
             raw_tcp.connect(port)
         g = torch.Generator().manual_seed(0)
+        k = cfg["inflight"]
         for tok in cfg["tokens"]:
             n = tok // BLOCK
             for it in range(cfg["warmup"] + cfg["iters"]):
-                tid = f"t{tok}-{it}"
-                src = torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist()
+                tids = [f"t{tok}-{it}" if k == 1 else f"t{tok}-{it}.{j}" for j in range(k)]
+                srcs = [torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist() for _ in tids]
                 check = it == cfg["warmup"]
-                conn.send((tid, n, check, {name: engine.blocks(caches[name], src) for name in NAMES[::8]}
+                conn.send((tids, it, n, check, {name: engine.blocks(caches[name], srcs[0]) for name in NAMES[::8]}
                            if check else None))
                 assert conn.recv() == "bound"
                 engine.sync()
                 t0 = time.perf_counter()
-                p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
-                                                             num_tokens=n * BLOCK - 1, decode="d0")}))
+                p.bind(KvBrokerMetadata(saves={
+                    tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
+                    for tid, src in zip(tids, srcs)}))
                 for name in NAMES:
                     p.save_kv_layer(name, caches[name])
                 p.wait_for_save()
@@ -192,13 +196,14 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 assert conn.recv() == "done"
                 # raw: the same bytes once, D's receive ready first
                 assert p.pool is not None
-                data = p.pool.tensor[: n * BLOCK_BYTES]
+                total = k * n * BLOCK_BYTES
+                data = p.pool.tensor[:total]
                 comm = p.nccl.cache.get(d_peer, initiator=True) if p.nccl is not None else None
                 assert conn.recv() == "posted"
                 engine.sync()
                 conn.send(time.perf_counter())
                 if comm is not None and p.nccl is not None:
-                    work = comm.post_range("send", p.pool.tensor, 0, n * BLOCK_BYTES, p.nccl.stream)
+                    work = comm.post_range("send", p.pool.tensor, 0, total, p.nccl.stream)
                     comm.completion([work], p.nccl.stream, "send").wait(time.monotonic() + DEADLINE_S,
                                                                          spin_s=DEADLINE_S)
                 else:
@@ -225,22 +230,26 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         g = torch.Generator().manual_seed(1)
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         while (msg := conn.recv()) is not None:
-            tid, n, check, want = msg
-            tok = n * BLOCK
-            dst = torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist()
-            d.bind(KvBrokerMetadata(loads={tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0,
-                                                         num_tokens=n * BLOCK - 1)}))
+            tids, it, n, check, want = msg
+            tok, k = n * BLOCK, len(tids)
+            free = torch.randperm(cfg["num_blocks"], generator=g)[: k * n].tolist()  # no two loads share a block
+            dsts = [free[j * n : (j + 1) * n] for j in range(k)]
+            d.bind(KvBrokerMetadata(loads={
+                tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1)
+                for tid, dst in zip(tids, dsts)}))
             d.start_load_kv()
             d.clear()
             conn.send("bound")
             t0 = None
             deadline = time.monotonic() + DEADLINE_S
+            waiting = {f"req-{tid}" for tid in tids}
             while True:  # the engine steps all along, before P's step too (as a busy engine does)
                 _, recving = d.get_finished(set())
-                if recving and f"req-{tid}" in recving:
+                waiting -= recving or set()
+                if not waiting:
                     break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"D never finished {tid}: {d.statistics()}")
+                    raise TimeoutError(f"D never finished {sorted(waiting)}: {d.statistics()}")
                 if t0 is None and conn.poll():
                     t0 = conn.recv()
                 engine.step()
@@ -251,14 +260,14 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             took = t1 - (t0 if t0 is not None else conn.recv())
             if check:
                 for name, got in want.items():
-                    assert torch.equal(engine.blocks(caches[name], dst), got), f"{tid}: {name} differs"
+                    assert torch.equal(engine.blocks(caches[name], dsts[0]), got), f"{tids[0]}: {name} differs"
             conn.send("done")
             # raw
             assert d.pool is not None
-            into = d.pool.tensor[: n * BLOCK_BYTES]
+            into = d.pool.tensor[: k * n * BLOCK_BYTES]
             if d.nccl is not None:
                 comm = d.nccl.cache.get(p_peer, initiator=False)
-                work = comm.post_range("recv", d.pool.tensor, 0, n * BLOCK_BYTES, d.nccl.stream)
+                work = comm.post_range("recv", d.pool.tensor, 0, k * n * BLOCK_BYTES, d.nccl.stream)
                 done = comm.completion([work], d.nccl.stream, "recv")
                 conn.send("posted")
                 r0 = conn.recv()
@@ -269,12 +278,13 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 raw_tcp.recv(into)
             raw = time.perf_counter() - r0
             conn.send("done")
-            if int(tid.rsplit("-", 1)[1]) >= cfg["warmup"]:
+            if it >= cfg["warmup"]:
                 times[tok][0].append(took)
                 times[tok][1].append(raw)
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
-            rows.append({"tokens": tok, "MiB": tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
+            rows.append({"tokens": tok, "inflight": cfg["inflight"],
+                         "MiB": cfg["inflight"] * tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
                          "connector_ms": round(c, 3), "connector_min_ms": round(min(conn_s) * 1e3, 3),
                          "connector_max_ms": round(max(conn_s) * 1e3, 3), "vs_raw": round(r / c, 3),
                          "iters": len(conn_s), "stats": d.statistics()})
@@ -292,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="", help="default: 512,2048,8192 (nccl), 512,2048 (tcp)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
@@ -306,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "one_op": args.one_op,
+           "step_ms": args.step_ms, "one_op": args.one_op, "inflight": args.inflight,
            "log_format": args.log_format,
-           "num_blocks": 2 * max(tokens) // BLOCK, "pool": max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
+           "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
+           "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
     broker, endpoint = _start_broker()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -330,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(rows, str):
         print(f"D failed: {rows}", file=sys.stderr)
         return 1
-    print(f"{'tokens':>7}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}")
+    print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}")
     for r in rows:
-        print(f"{r['tokens']:>7}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
+        print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
               f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -294,6 +294,17 @@ class PagedKv:
             return
         self.rows[layer].index_copy_(1, ids, staged[:, layer].permute(1, 0, 2))
 
+    def gather_layer_at(self, layer: int, ids: torch.Tensor, staging: torch.Tensor, offset: int) -> None:
+        """Copy one layer of the blocks `ids` into staged block-major rows that start
+        `offset` words into `staging` (a pool's word view): one Triton kernel, however
+        many requests `ids` joins, as long as their staged bytes lie back to back."""
+        if not self.use_triton:
+            raise RuntimeError("gather_layer_at needs Triton on a CUDA cache; use gather_layer.")
+        n, per_block = ids.numel(), self.num_layers * self.pre
+        if n:
+            self._launch((n * self.pre,),
+                         self._args(ids, staging, 0, n * per_block, offset, to_staging=True, layer=layer))
+
     def _triton_layer(self, layer: int, ids: torch.Tensor, staged: torch.Tensor, *, to_staging: bool) -> None:
         assert staged.is_contiguous() and staged.shape[0] == ids.numel()
         n, per_block = ids.numel(), self.num_layers * self.pre

@@ -279,6 +279,39 @@ class BufferPool:
             woken = self._serve_waiters_locked()
         self._wake(woken)
 
+    def split(self, lease: Lease, sizes: list[int]) -> list[Lease]:
+        """Cut a held lease into adjacent leases of `sizes` bytes, each released on its
+        own; `lease` itself is then spent. The last one keeps whatever the cut leaves
+        of the reservation. One lease cut up gives requests staged together adjacent
+        bytes, so a copy can cover them all at once.
+
+        Raises:
+            ValueError: a size is not positive, one before the last is not a multiple of
+                the alignment, or they add up to more than `lease.nbytes`.
+            InvalidRelease: the lease is not held from this pool.
+        State after an error: unchanged.
+        """
+        if not sizes or any(n <= 0 for n in sizes) or any(n % self.alignment for n in sizes[:-1]):
+            raise ValueError(
+                f"split sizes must be positive, and multiples of the pool's alignment ({self.alignment} B) "
+                f"but for the last; got {sizes}."
+            )
+        if sum(sizes) > lease.nbytes:
+            raise ValueError(f"split sizes add up to {sum(sizes)} B, more than the lease's {lease.nbytes} B.")
+        with self._lock:
+            if lease._pool is not self or self._leases.get(lease.offset) is not lease:
+                raise InvalidRelease(f"{lease!r} is not held from this pool; only a held lease can be split.")
+            del self._leases[lease.offset]
+            lease._released = True
+            parts, at = [], lease.offset
+            for k, n in enumerate(sizes):
+                reserved = n if k < len(sizes) - 1 else lease.offset + lease.reserved - at
+                part = Lease(self, at, n, reserved)
+                self._leases[at] = part
+                parts.append(part)
+                at += n
+            return parts
+
     def statistics(self) -> PoolStats:
         with self._lock:
             return PoolStats(

@@ -155,6 +155,52 @@ def test_two_transfers_of_one_step_to_one_decode_peer(broker: BrokerProcess) -> 
         d.close()
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_step_of_four_saves_is_staged_back_to_back_and_lands_whole(broker: BrokerProcess, mixed: bool) -> None:
+    """Four saves of one step are staged in adjacent leases cut from one (so each layer is
+    gathered for all four by one kernel), sent one by one to one decode peer, and each
+    lands in its own blocks, whatever P writes into its blocks right after the step.
+    `mixed`: one layer is handed over as another view of its cache, so that layer is
+    copied request by request and the others together."""
+    pc, dc = gpu_caches("cuda:0", 5), gpu_caches("cuda:1", 6)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    assert p.paged is not None and p.producer is not None
+    srcs = [[1, 2], [5, 6, 7], [9], [12, 13, 14, 15]]
+    dsts = [[30, 31], [40, 41, 42], [45], [50, 51, 52, 53]]
+    every = [b for s in srcs for b in s]
+    try:
+        for round_ in range(10):
+            tids = [f"s{round_}.{j}" for j in range(len(srcs))]
+            for t in pc.values():  # these prompts' KV, new each round
+                t[:, every] = torch.randn_like(t[:, every])
+            saved = {n: [t[:, s].clone() for s in srcs] for n, t in pc.items()}
+            for tid, dst in zip(tids, dsts):
+                load(d, tid, dst, cached=0)
+            p.bind(KvBrokerMetadata(saves={
+                tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
+                for tid, src in zip(tids, srcs)}))
+            with p.lock:
+                leases = [p.producer._staged[tid].lease for tid in tids]
+            assert [a.offset + a.nbytes for a in leases[:-1]] == [b.offset for b in leases[1:]], "not back to back"
+            for k, name in enumerate(LAYERS):
+                p.save_kv_layer(name, pc[name].view(pc[name].shape) if mixed and k == 0 else pc[name])
+            p.wait_for_save()
+            p.clear()
+            for t in pc.values():  # the next step writes these blocks at once
+                t[:, every] = -7.0
+            _, errors, _ = run_steps(d, {f"req-{tid}" for tid in tids}, timeout=30)
+            assert not errors, d.statistics()
+            torch.cuda.synchronize("cuda:1")
+            for n, t in dc.items():
+                for j, dst in enumerate(dsts):
+                    assert torch.equal(t[:, dst].cpu(), saved[n][j].cpu()), f"round {round_}, save {j}, {n}"
+        leases_come_back(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: BrokerProcess) -> None:
     """A transfer is aborted while D's NCCL receive for it is posted (P's step missed a
     layer after the Go): D's load fails at once, not at its deadline, its communicator is

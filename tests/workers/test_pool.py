@@ -113,6 +113,29 @@ def test_double_release_is_refused_and_changes_nothing() -> None:
     check_invariants(pool, [b])
 
 
+def test_split_gives_adjacent_leases_released_one_by_one() -> None:
+    pool = BufferPool(64 * KiB, alignment=1 * KiB)
+    lease = pool.acquire_nowait(10 * KiB + 100)
+    a, b, c = pool.split(lease, [4 * KiB, 2 * KiB, 4 * KiB + 100])
+    assert (a.offset, b.offset, c.offset) == (lease.offset, lease.offset + 4 * KiB, lease.offset + 6 * KiB)
+    assert lease.released and pool.statistics().leases == 3 and pool.statistics().reserved == 11 * KiB
+    with pytest.raises(InvalidRelease, match="already released"):
+        pool.release(lease)  # the whole one is spent: its parts hold the bytes now
+    pool.release(b)
+    assert pool.statistics().reserved == 9 * KiB
+    check_invariants(pool, [a, c])
+    for bad in ([1536, 1 * KiB], [4 * KiB, 4 * KiB], [0, 4 * KiB]):
+        before = pool.statistics()
+        with pytest.raises(ValueError):
+            pool.split(c, bad)  # unaligned before the last, too many bytes, or empty
+        assert pool.statistics() == before
+    with pytest.raises(InvalidRelease, match="only a held lease"):
+        pool.split(b, [1 * KiB])
+    pool.release(a)
+    pool.release(c)
+    assert pool.free_ranges() == [(0, pool.capacity)]
+
+
 # -- hypothesis: random alloc/free sequences -------------------------------------------
 
 
@@ -135,6 +158,25 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             assert lease.nbytes == nbytes
             self.leases.append(lease)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def split(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.leases) - 1))
+        lease = self.leases[i]
+        whole = lease.nbytes // 256
+        if whole < 1:
+            return
+        cuts = sorted(data.draw(st.sets(st.integers(1, whole), min_size=1, max_size=4)))
+        sizes = [256 * (b - a) for a, b in zip([0, *cuts[:-1]], cuts)]
+        sizes[-1] += lease.nbytes - 256 * cuts[-1]  # the last one takes the unaligned rest
+        before = self.pool.statistics()
+        parts = self.pool.split(self.leases.pop(i), sizes)
+        assert [p.nbytes for p in parts] == sizes
+        assert [p.offset for p in parts] == [lease.offset + sum(sizes[:k]) for k in range(len(sizes))]
+        assert sum(p.reserved for p in parts) == lease.reserved
+        assert self.pool.statistics().reserved == before.reserved
+        self.leases.extend(parts)
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())

@@ -107,10 +107,12 @@ class _Engine:
 
 
 def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
-    if cfg.get("one_op"):  # every transfer as one NCCL op, D scattering it whole once it is in
-        import connector.nccl_link
+    import connector.nccl_link
 
+    if cfg.get("one_op"):  # every transfer as one NCCL op, D scattering it whole once it is in
         connector.nccl_link.chunks = lambda nbytes, block_nbytes: [(0, nbytes // block_nbytes)]
+    if cfg.get("wait_spin_us") is not None:
+        connector.nccl_link.WAIT_SPIN_S = cfg["wait_spin_us"] * 1e-6
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="", help="default: 512,2048,8192 (nccl), 512,2048 (tcp)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--wait-spin-us", type=float, default=None,
+                    help="nccl: how long the link's waits spin before sleeping (default: connector.nccl_link's)")
     ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "one_op": args.one_op, "inflight": args.inflight,
+           "step_ms": args.step_ms, "one_op": args.one_op, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

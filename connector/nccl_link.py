@@ -52,6 +52,11 @@ __all__ = ["NcclLink", "chunks", "plan"]
 COMMUNICATORS = 8
 
 
+# How long a wait for a posted op spins before it sleeps in short steps. A spin holds the
+# GIL (an event query does not release it), so the client's loop thread, which carries
+# the next Ready or Go, waits as long as the spin lasts.
+WAIT_SPIN_S = 0.001
+
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters: peers of two versions must then be refused at registration (`plan`).
 PLAN_VERSION = 1
@@ -184,7 +189,7 @@ class NcclLink:
                                      after if k == 0 else None)  # one NCCL stream: later ops follow the first
                      for k, (b0, b1) in enumerate(parts)]
         for k, (work, (b0, b1)) in enumerate(zip(works, parts)):
-            comm.completion([work], self.stream, op, transfer_id).wait(deadline)
+            comm.completion([work], self.stream, op, transfer_id).wait(deadline, spin_s=WAIT_SPIN_S)
             if comm.closed or comm.broken:  # aborted meanwhile (`cancel`, a timeout): the kernel ended early
                 raise TransferFailed(transfer_id,
                                      f"the NCCL {op} with {peer} was cut short: its communicator was aborted")

@@ -18,6 +18,12 @@ scatter chunk k into its cache while chunk k+1 is still on the wire: `recv` call
 `landed` for each chunk once its receive has ended and the communicator is still
 whole, which is when the chunk's bytes are known to be the producer's.
 
+A communicator is built for one transfer: P names it in its rendezvous data, and D joins
+only a build for the transfer it is receiving (`CommunicatorCache.get`'s `purpose`). D
+may give a transfer up after its Ready and before its receive is posted (its load was
+cancelled); P's send for it may already be building a communicator. Joining that build
+for D's next receive would pair P's send with it, and D would load another request's KV.
+
 A send or receive that misses its deadline aborts its communicator (see
 `workers.transports.nccl_comm.Completion`): an op left posted would otherwise pair with
 the next transfer's. Both sides then build a new one on their next transfer, through
@@ -175,7 +181,10 @@ class NcclLink:
                        after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event,
                        block_nbytes: int, landed: Callable[[int, int, int], None] | None) -> None:
         torch.cuda.set_device(self.device)
-        comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send", cancelled=cancelled)
+        # A communicator built now is for this transfer only: D never joins a build P made
+        # for a transfer D gave up after its Ready, whose send would pair with D's next receive.
+        comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send", cancelled=cancelled,
+                                                              purpose=transfer_id)
         if comm is None or cancelled.is_set():
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0

@@ -71,6 +71,7 @@ class _Staged:
     event: torch.cuda.Event | None = None  # nccl: recorded after the step's gathers; the send waits on it
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
+    sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
 
 
 @dataclass
@@ -367,6 +368,7 @@ class ProducerSide:
                 raise TransferFailed(tid, ours)
             if w.nccl is not None:
                 try:
+                    staged.sending_to = msg.decode
                     await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
                                       time.monotonic() + w.config.load_timeout_s,
                                       block_nbytes=len(w.layers) * w.block_nbytes)
@@ -430,4 +432,12 @@ class ProducerSide:
         self._unstage(msg.transfer_id, "released", on_loop=True)
 
     async def on_abort(self, msg: Abort) -> None:
+        w = self.w
+        with w.lock:
+            staged = self._staged.get(msg.transfer_id)
+            sending_to = staged.sending_to if staged is not None and staged.sends else ""
+        if sending_to and w.nccl is not None:
+            # D gave it up: a send under way would end only at its deadline, or, still
+            # building its communicator, wait that long for D (an abort blocks: off the loop).
+            await anyio.to_thread.run_sync(w.nccl.cancel, sending_to, msg.transfer_id)
         self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)

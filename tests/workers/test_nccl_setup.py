@@ -5,20 +5,72 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
 from protocols.errors import RendezvousError
 from workers.transports import nccl_lib
+from tests.support import wait_until
 from workers.transports.nccl_setup import TORCH_NCCL_QUIET, parse_payload, quiet_torch_nccl, resolve_backend
 
 
 def test_payloads_of_both_backends_parse() -> None:
     uid = bytes(range(128))
     direct = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n1"}).encode())
-    assert direct == {"backend": "direct", "id": uid, "nonce": "n1"}
+    assert direct == {"backend": "direct", "id": uid, "nonce": "n1", "for": ""}
     torch_store = parse_payload(json.dumps({"v": 1, "host": "10.0.0.2", "port": 29500, "nonce": "n2"}).encode())
-    assert torch_store == {"backend": "torch", "host": "10.0.0.2", "port": 29500, "nonce": "n2"}
+    assert torch_store == {"backend": "torch", "host": "10.0.0.2", "port": 29500, "nonce": "n2", "for": ""}
+    built = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n3", "for": "t7"}).encode())
+    assert built["for"] == "t7"
+
+
+def direct_payload(nonce: str, purpose: str | None) -> bytes:
+    info = {"v": 2, "backend": "direct", "id": bytes(128).hex(), "nonce": nonce}
+    if purpose is not None:
+        info["for"] = purpose
+    return json.dumps(info).encode()
+
+
+def test_an_acceptor_joins_only_a_build_for_its_own_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D gave up t0 after its Ready, and P's send for t0 built a communicator: D's receive
+    for t2 must not join that build (P's send for t0 would pair with it), only P's build
+    for t2. A build that names no transfer (an older peer) is joined as before."""
+    import multiprocessing as mp
+
+    from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
+
+    ctx = mp.get_context("spawn")
+    to_d = ctx.Queue()
+    rendezvous = QueueRendezvous(ctx.Queue(), to_d, timeout_s=1)
+    cache = CommunicatorCache("d:0", "cpu", rendezvous, backend="torch")  # the payloads name their backend
+    joined: list[str] = []
+    monkeypatch.setattr(cache, "_connect_direct",  # the NCCL init itself needs GPUs
+                        lambda peer, info, cancelled=None, purpose="": joined.append(info["nonce"]) or info["nonce"])
+    seen: list[str] = []
+    receive = rendezvous.receive
+
+    def receive_seen(*args: object, **kwargs: object) -> bytes:
+        payload = receive(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(parse_payload(payload)["nonce"])
+        return payload
+
+    monkeypatch.setattr(rendezvous, "receive", receive_seen)
+    key = CommunicatorCache.key("p:0", "d:0")
+    to_d.put((key, direct_payload("for-t0", "t0")))
+    got: list[str] = []
+    waiter = threading.Thread(target=lambda: got.append(cache._connect("p:0", False, None, None, "t2")))
+    waiter.start()
+    wait_until(lambda: seen == ["for-t0"], 5, "the build for t0 seen")
+    to_d.put((key, direct_payload("for-t2", "t2")))
+    waiter.join(5)
+    assert got == ["for-t2"] and seen == ["for-t0", "for-t2"]
+    to_d.put((key, direct_payload("untagged", None)))
+    assert cache._connect("p:0", False, None, None, "t3") == "untagged"
+    assert joined == ["for-t2", "untagged"]
+    to_d.put((key, direct_payload("for-t4", "t4")))
+    with pytest.raises(RendezvousError, match="in 1 s"):
+        cache._connect("p:0", False, None, None, "t5")  # only another transfer's build came
 
 
 @pytest.mark.parametrize(

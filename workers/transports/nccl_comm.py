@@ -463,13 +463,18 @@ class CommunicatorCache:
     def key(initiator: str, acceptor: str) -> str:
         return f"nccl/{initiator}>{acceptor}"
 
-    def get(self, peer: str, *, initiator: bool, cancelled: threading.Event | None = None) -> NcclCommunicator:
+    def get(self, peer: str, *, initiator: bool, cancelled: threading.Event | None = None,
+            purpose: str = "") -> NcclCommunicator:
         """The communicator with `peer`, built through the rendezvous if needed.
 
         Args:
             initiator: True on the side that creates the store (the sender).
             cancelled: set it (then `Rendezvous.wake`) to end a wait for the peer's
                 rendezvous data early, with `RendezvousError`.
+            purpose: the transfer a communicator built now is for. The initiator names it
+                in its rendezvous data; the acceptor joins only a build for the same
+                transfer (or one that names none). So a send built for a transfer the
+                acceptor gave up can never pair with the acceptor's next receive.
 
         Raises:
             RendezvousError: the peer's address did not arrive in time or was invalid.
@@ -488,8 +493,9 @@ class CommunicatorCache:
                     comm = None
             if comm is not None and not initiator:
                 payload = self.rendezvous.poll(peer, self.key(peer, self.local_id))
-                if payload is not None and parse_payload(payload)["nonce"] == comm.nonce:
-                    payload = None
+                if payload is not None and (parse_payload(payload)["nonce"] == comm.nonce
+                                            or not _built_for(payload, purpose)):
+                    payload = None  # ours, or a build for another transfer: keep ours
                 if payload is not None:  # the initiator rebuilt: ours is stale
                     self._comms.pop(peer)
                     self._aborted += 1
@@ -503,7 +509,7 @@ class CommunicatorCache:
                     f"all {len(self._comms)} NCCL communicators are busy (capacity {self.capacity}); "
                     "raise the communicator capacity or wait for transfers to finish."
                 )
-        comm = self._connect(peer, initiator, payload, cancelled)
+        comm = self._connect(peer, initiator, payload, cancelled, purpose)
         with self._lock:
             old = self._comms.pop(peer, None)
             self._comms[peer] = comm
@@ -567,19 +573,20 @@ class CommunicatorCache:
         return victims
 
     def _connect(
-        self, peer: str, initiator: bool, payload: bytes | None, cancelled: threading.Event | None
+        self, peer: str, initiator: bool, payload: bytes | None, cancelled: threading.Event | None, purpose: str = "",
     ) -> NcclCommunicator:
         info = None
         if not initiator:
-            if payload is None:
-                payload = self.rendezvous.receive(peer, self.key(peer, self.local_id), cancelled)
+            key = self.key(peer, self.local_id)
+            while payload is None or not _built_for(payload, purpose):  # builds for other transfers are left
+                payload = self.rendezvous.receive(peer, key, cancelled)
             info = parse_payload(payload)
         if (info["backend"] if info is not None else self.backend) == "direct":
-            return self._connect_direct(peer, info, cancelled)
-        return self._connect_torch(peer, info)
+            return self._connect_direct(peer, info, cancelled, purpose)
+        return self._connect_torch(peer, info, purpose)
 
     def _connect_direct(
-        self, peer: str, info: dict[str, Any] | None, cancelled: threading.Event | None = None
+        self, peer: str, info: dict[str, Any] | None, cancelled: threading.Event | None = None, purpose: str = "",
     ) -> NcclCommunicator:
         """Initiator: a unique id through the rendezvous, then the acceptor's ack; acceptor:
         the ack. Then both run ncclCommInitRank and a warm-up exchange under a deadline."""
@@ -593,7 +600,7 @@ class CommunicatorCache:
         if info is None:
             uid, nonce = lib.unique_id(), secrets.token_hex(8)
             self.rendezvous.publish(peer, key, json.dumps(
-                {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce}).encode())
+                {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce, "for": purpose}).encode())
             # ncclCommInitRank blocks until the peer joins: start it once the peer is there.
             while True:
                 ack = self.rendezvous.receive(peer, f"{key}/joined", cancelled)
@@ -612,7 +619,7 @@ class CommunicatorCache:
         return DirectCommunicator(peer=peer, rank=rank, device=self.device, lib=lib, handle=handle, nonce=nonce,
                                   cache=self, mem_bytes=mem)
 
-    def _connect_torch(self, peer: str, info: dict[str, Any] | None) -> NcclCommunicator:
+    def _connect_torch(self, peer: str, info: dict[str, Any] | None, purpose: str = "") -> NcclCommunicator:
         from torch.distributed import PrefixStore, TCPStore
 
         initiator = info is None
@@ -622,7 +629,8 @@ class CommunicatorCache:
             nonce = secrets.token_hex(8)
             self.rendezvous.publish(
                 peer, self.key(self.local_id, peer),
-                json.dumps({"v": 1, "host": self.advertise_host, "port": store.port, "nonce": nonce}).encode(),
+                json.dumps({"v": 1, "host": self.advertise_host, "port": store.port, "nonce": nonce,
+                            "for": purpose}).encode(),
             )
             # ncclCommInitRank has no deadline, so only start it once the peer is there.
             try:
@@ -646,3 +654,10 @@ class CommunicatorCache:
         return NcclCommunicator(
             peer=peer, rank=rank, device=self.device, pg=pg, store=store, nonce=nonce, cache=self, mem_bytes=mem
         )
+
+
+def _built_for(payload: bytes, purpose: str) -> bool:
+    """Whether an initiator's rendezvous data may be joined for the transfer `purpose`:
+    it was built for that transfer, or names none (older peers), or `purpose` is ""."""
+    built = parse_payload(payload)["for"]
+    return not purpose or not built or built == purpose

@@ -125,19 +125,22 @@ def master_store(host: str, timeout: timedelta) -> Any:
 
 
 def parse_payload(payload: bytes) -> dict[str, Any]:
-    """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id."""
+    """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id. Either
+    may name the transfer it was built for ("for"; "" any, as older peers send)."""
     try:
         info = json.loads(payload)
-        if not isinstance(info.get("nonce"), str):
+        if not isinstance(info.get("nonce"), str) or not isinstance(info.get("for", ""), str):
             raise ValueError("bad fields")
+        purpose = info.get("for", "")
         if info.get("v") == 2 and info.get("backend") == "direct":
             uid = bytes.fromhex(info["id"])
             if len(uid) != 128:
                 raise ValueError(f"an NCCL unique id is 128 bytes, not {len(uid)}")
-            return {"backend": "direct", "id": uid, "nonce": info["nonce"]}
+            return {"backend": "direct", "id": uid, "nonce": info["nonce"], "for": purpose}
         if info.get("v") != 1 or not isinstance(info["port"], int):
             raise ValueError("bad fields")
-        return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"]}
+        return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"],
+                "for": purpose}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RendezvousError(f"unusable NCCL rendezvous payload ({exc}): {payload[:120]!r}") from exc
 

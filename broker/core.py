@@ -412,6 +412,8 @@ class Broker:
                         offset=msg.offset,
                         nbytes=msg.nbytes,
                         attempt=t.attempt,
+                        comm=msg.comm,
+                        seq=msg.seq,
                     ),
                 )
             )

@@ -469,20 +469,32 @@ class ConsumerSide:
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
-        """One transfer per producer at a time, from Ready until its receive has ended."""
+        """Lease, ticket, Ready, post, in the producer's turn; then wait for the bytes."""
         w, tid = self.w, msg.transfer_id
         assert w.pool is not None and w.client is not None and w.nccl is not None
         load.source = msg.source
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
+                # The producer's turn is held from the ticket until the receive is posted,
+                # not until it ends: the next transfer's Ready goes while this one is on
+                # the wire, and its receive is posted after this one's (`connector.nccl_link`).
                 async with w.nccl.receiving(msg.source):
                     load.lease = await w.pool.acquire(nbytes)
-                    await w.client.client.ready(tid, nbytes, offset)
-                    w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                               skip_blocks=load.spec.num_cached_blocks, transport="nccl")
-                    await w.nccl.recv(msg.source, tid, load.lease, nbytes, load.deadline,
-                                      block_nbytes=len(w.layers) * w.block_nbytes,
-                                      landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None)
+                    ticket = w.nccl.ticket(msg.source)
+                    posted = None
+                    try:
+                        await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1])
+                        w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                                   skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
+                                   seq=ticket[1])
+                        posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
+                                                        block_nbytes=len(w.layers) * w.block_nbytes)
+                    finally:
+                        if posted is None:  # its Ready may be out: the producer's send must not pair with another
+                            with anyio.CancelScope(shield=True):
+                                await w.nccl.give_up(msg.source)
+                await w.nccl.wait(posted, load.deadline,
+                                  landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None)
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:

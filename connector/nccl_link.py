@@ -2,19 +2,27 @@
 (in a few chunks), posted from a worker thread of the broker client's loop, waited for
 without blocking that loop.
 
-Why one transfer at a time per (P, D) pair: NCCL pairs a sender's ops with the
-receiver's by posting order alone. P posts in the order its Go messages arrive, D in the
-order it sends Ready, and the broker turns each Ready into a Go in order; but two
-handler tasks on either side may reach NCCL in either order (trio schedules tasks in no
-fixed order), and the bytes of one transfer would land in another's buffer. So D holds
-a per-producer lock from its Ready until its receive has ended (`receiving`): a producer
-has at most one Go from a given decode peer outstanding, and both sides post it alone.
-Transfers between different pairs still run at once, each over its own communicator,
-and one transfer already uses the whole link.
+NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
+So the order of one pair's transfers is D's to set, and P follows it:
+
+- D takes a ticket for each receive (`ticket`): the communicator it will post on (its
+  nonce; "" when none is built yet) and the receive's place on it, and names both in its
+  Ready. It holds the producer's turn (`receiving`) from the ticket until the receive is
+  posted, so receives are posted in ticket order, and the next transfer's Ready may go
+  while this one is still on the wire. The broker relays the ticket in the Go.
+- P posts each send only when it is next on the communicator its Go names
+  (`SendOrder`): Go messages are handled by tasks that run in no fixed order, and a
+  transfer's copy may finish after the next one's.
+- A ticket given up without its op posted, on either side, ends the communicator: an op
+  of a later transfer would otherwise pair with its peer's op for this one. Transfers
+  queued behind it on that pair then fail too (D's load fails, vLLM recomputes or fails
+  per its policy), and the next transfer builds a new communicator. A send whose Go
+  names a communicator P no longer has is not posted; P aborts the transfer, so D's
+  load fails and D drops that communicator as well.
 
 A transfer goes as a few ops, one per chunk (`chunks`: the transport's pipeline plan,
 the same on both sides since both know the size and the staged block size), so D can
-scatter chunk k into its cache while chunk k+1 is still on the wire: `recv` calls
+scatter chunk k into its cache while chunk k+1 is still on the wire: `wait` calls
 `landed` for each chunk once its receive has ended and the communicator is still
 whole, which is when the chunk's bytes are known to be the producer's.
 
@@ -25,9 +33,8 @@ cancelled); P's send for it may already be building a communicator. Joining that
 for D's next receive would pair P's send with it, and D would load another request's KV.
 
 A send or receive that misses its deadline aborts its communicator (see
-`workers.transports.nccl_comm.Completion`): an op left posted would otherwise pair with
-the next transfer's. Both sides then build a new one on their next transfer, through
-the broker's `Relay` (`workers.rendezvous.BrokerRendezvous`).
+`workers.transports.nccl_comm.Completion`). Both sides then build a new one on their
+next transfer, through the broker's `Relay` (`workers.rendezvous.BrokerRendezvous`).
 
 Ordering against the model: P's send waits on an event recorded after the step's
 gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands in a
@@ -38,8 +45,10 @@ after the scatter that read it has run, see `connector.consumer`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -52,7 +61,9 @@ from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
 
-__all__ = ["NcclLink", "chunks", "plan"]
+__all__ = ["NcclLink", "RecvOrder", "SendOrder", "chunks", "plan"]
+
+Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
 
 # Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
 COMMUNICATORS = 8
@@ -60,12 +71,14 @@ COMMUNICATORS = 8
 
 # How long a wait for a posted op spins before it sleeps in short steps. A spin holds the
 # GIL (an event query does not release it), so the client's loop thread, which carries
-# the next Ready or Go, waits as long as the spin lasts.
-WAIT_SPIN_S = 0.001
+# the next Ready or Go and posts the next transfer, waits as long as the spin lasts: with
+# 8 transfers of a pair in flight, 1 ms spins cost 10-15% of their rate (docs/RESULTS.md).
+WAIT_SPIN_S = 50e-6
 
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
-# parameters: peers of two versions must then be refused at registration (`plan`).
-PLAN_VERSION = 1
+# parameters, or when the order of a pair's transfers changes: peers of two versions must
+# then be refused at registration (`plan`). 2: a pair's transfers in D's ticket order.
+PLAN_VERSION = 2
 
 
 def plan() -> str:
@@ -88,6 +101,92 @@ def chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
 
 
+class RecvOrder:
+    """D's tickets, per producer (no IO): the communicator its receives go on and the
+    place of the next one there. Kept only while that communicator is the cache's."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[str, int]] = {}  # producer -> (nonce, next place)
+
+    def ticket(self, producer: str, current: str | None) -> Ticket:
+        """The next receive's ticket; `current`: the nonce of the communicator cached
+        with `producer` now (None: none). Another communicator than the one the last
+        receive went on starts over: ("", 0), and the post decides which one it is."""
+        nonce, place = self._at.get(producer, ("", 0))
+        if current is None or current != nonce:
+            self._at.pop(producer, None)
+            return ("", 0)
+        return (nonce, place)
+
+    def posted(self, producer: str, ticket: Ticket, nonce: str) -> None:
+        """The receive of `ticket` was posted on the communicator `nonce`."""
+        self._at[producer] = (nonce, 1 if not ticket[0] else ticket[1] + 1)
+
+    def given_up(self, producer: str) -> None:
+        """A ticket was given up without its receive posted: nothing more on that communicator."""
+        self._at.pop(producer, None)
+
+
+@dataclass
+class _Pair:
+    nonce: str | None = None  # the communicator P last posted to this peer on
+    next: int = 0  # the place the next send takes on it
+    posting: bool = False  # a post is under way (it may build the communicator)
+    gone: set[str] = field(default_factory=set)  # communicators this side no longer posts on
+
+
+@dataclass
+class SendOrder:
+    """P's side of each pair's order (no IO): whether a send whose Go names `ticket` may
+    be posted now ("post"), must wait for an earlier one ("wait"), or can never be
+    posted in order ("stale": it names a communicator this side no longer posts on, or a
+    place already taken). A communicator P has not posted on yet is waited for: D names
+    one only after P's first post on it began, but that Go's task may run later."""
+
+    pairs: dict[str, _Pair] = field(default_factory=dict)
+
+    def verdict(self, peer: str, ticket: Ticket) -> Literal["post", "wait", "stale"]:
+        pair = self.pairs.setdefault(peer, _Pair())
+        if pair.posting:
+            return "wait"
+        nonce, place = ticket
+        if not nonce:
+            return "post"  # D posts on whichever communicator this post builds or finds
+        if nonce in pair.gone or (pair.nonce == nonce and place < pair.next):
+            return "stale"
+        return "post" if pair.nonce == nonce and place == pair.next else "wait"
+
+    def begin(self, peer: str) -> None:
+        self.pairs.setdefault(peer, _Pair()).posting = True
+
+    def posted(self, peer: str, ticket: Ticket, nonce: str) -> None:
+        pair = self.pairs.setdefault(peer, _Pair())
+        if pair.nonce is not None and pair.nonce != nonce:
+            pair.gone.add(pair.nonce)
+        pair.nonce, pair.next, pair.posting = nonce, 1 if not ticket[0] else ticket[1] + 1, False
+
+    def given_up(self, peer: str, also: str | None = None) -> None:
+        """A send that was, or would have been, next is not posted: no later one may go on
+        that communicator (it would pair with D's receive for this one), nor on `also`
+        (one the failed post built)."""
+        pair = self.pairs.setdefault(peer, _Pair())
+        pair.gone.update(n for n in (pair.nonce, also) if n is not None)
+        pair.nonce, pair.next, pair.posting = None, 0, False
+
+
+@dataclass
+class Posted:
+    """A transfer's ops, posted; `NcclLink.wait` sees them end."""
+
+    peer: str
+    op: str
+    transfer_id: str
+    comm: Any
+    completions: list[Any]
+    parts: list[tuple[int, int]]
+    flag: threading.Event
+
+
 class NcclLink:
     """One worker's NCCL communicators and the posts of its transfers.
 
@@ -107,106 +206,218 @@ class NcclLink:
         )
         self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
         self._receiving: dict[str, anyio.Lock] = {}
-        self._inflight: dict[str, tuple[str, threading.Event]] = {}  # per peer: the op's transfer id, cancel flag
+        self._recv_order = RecvOrder()
+        self._send_order = SendOrder()  # touched on the client's loop thread only
+        self._order_changed: dict[str, anyio.Event] = {}
+        self._inflight: dict[str, dict[str, threading.Event]] = {}  # peer -> transfer id -> cancel flag
         self._lock = threading.Lock()
 
+    # -- D ---------------------------------------------------------------------------------
+
     def receiving(self, producer: str) -> anyio.Lock:
-        """D: hold this from Ready until the receive has ended: one transfer in flight per producer."""
+        """D: hold this from `ticket` until `post_recv` has posted (or the ticket is given up)."""
         with self._lock:
             return self._receiving.setdefault(producer, anyio.Lock())
 
+    def ticket(self, producer: str) -> Ticket:
+        """D, holding `receiving(producer)`: where the next receive from `producer` goes;
+        name it in the Ready."""
+        comm = self.cache.current(producer)
+        return self._recv_order.ticket(producer, None if comm is None else comm.nonce)
+
+    async def post_recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float,
+                        ticket: Ticket, *, block_nbytes: int = 0) -> Posted:
+        """D: post the receive of `nbytes` from `producer` into the start of `lease`, in the
+        sender's chunks, on the communicator `ticket` names (Ready sent first: the
+        producer builds a new communicator only once it has the Go).
+
+        Raises:
+            TransferFailed: not posted (no communicator, cancelled, or not the ticket's);
+                the ticket is given up and the communicator dropped.
+        """
+        try:
+            posted = await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline,
+                                      block_nbytes, ticket)
+        except BaseException:
+            self._recv_order.given_up(producer)
+            raise
+        self._recv_order.posted(producer, ticket, posted.comm.nonce)
+        return posted
+
+    async def give_up(self, producer: str) -> None:
+        """D: a ticket whose Ready may have gone out is given up before its receive was
+        posted: drop the communicator, so the producer's send cannot pair with a later
+        transfer's receive."""
+        self._recv_order.given_up(producer)
+        await anyio.to_thread.run_sync(self.cache.discard, producer)  # an abort blocks: off the loop
+
+    # -- P ---------------------------------------------------------------------------------
+
     async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
-                   after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0) -> None:
+                   after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0,
+                   ticket: Ticket = ("", 0)) -> None:
         """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
-        once `after` (the step's gathers) has completed on the GPU; in `chunks` of
-        staged blocks of `block_nbytes` (0: one op).
+        once `after` (the step's gathers) has completed on the GPU, in `chunks` of staged
+        blocks of `block_nbytes` (0: one op), when it is next in `ticket`'s order (the Go's).
 
         Raises:
-            TransferFailed: not sent by `deadline` (a `time.monotonic()` value; the
-                communicator is then aborted), no communicator, or it was aborted.
+            TransferFailed: not in order, not sent by `deadline` (a `time.monotonic()`
+                value; the communicator is then aborted), no communicator, or it was aborted.
         """
-        await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after, deadline,
-                         block_nbytes, None)
+        await self._turn(decode, transfer_id, ticket, deadline)
+        self._send_order.begin(decode)
+        try:
+            posted = await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after,
+                                      deadline, block_nbytes, ticket)
+        except BaseException:
+            built = self.cache.current(decode)
+            self._send_order.given_up(decode, None if built is None else built.nonce)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.cache.discard, decode)
+            self._changed(decode)
+            raise
+        self._send_order.posted(decode, ticket, posted.comm.nonce)
+        self._changed(decode)
+        await self.wait(posted, deadline)
 
-    async def recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float, *,
-                   block_nbytes: int = 0, landed: Callable[[int, int, int], None] | None = None) -> None:
-        """D: receive `nbytes` from `producer` into the start of `lease`, in the same
-        chunks as the sender. Send Ready first: the producer builds a new communicator
-        only once it has the Go. `landed(b0, b1, left)` is called (in a worker thread)
-        as each chunk's blocks have arrived whole, in order; `left`: chunks still to come.
+    def abandon(self, decode: str, ticket: Ticket) -> None:
+        """P, on the client's loop: a Go whose send will not be posted (its copy is gone, or
+        the send was refused). Later sends on that communicator would pair with D's
+        receive for this one: they are not posted either (D, aborted, drops it)."""
+        pair = self._send_order.pairs.get(decode)
+        if ticket[0] and pair is not None and pair.nonce == ticket[0] and ticket[1] >= pair.next:
+            self._send_order.given_up(decode)
+            self._changed(decode)
 
-        Raises:
-            TransferFailed: as `send`; also when `cancel` ended it.
-        """
-        await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline, block_nbytes,
-                         landed)
+    async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
+        with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
+            while (verdict := self._send_order.verdict(decode, ticket)) == "wait":
+                event = self._order_changed.setdefault(decode, anyio.Event())
+                await event.wait()
+            if verdict == "post":
+                return
+            raise TransferFailed(
+                transfer_id, f"its Go names communicator {ticket[0] or '(new)'} place {ticket[1]} with {decode}, "
+                "but that communicator is gone or the place passed: D's receive cannot be paired in order")
+        # The turn never came: an earlier transfer of this pair never posted. Nothing later
+        # may go on this communicator either.
+        self._send_order.given_up(decode)
+        await anyio.to_thread.run_sync(self.cache.discard, decode)
+        self._changed(decode)
+        raise TransferFailed(transfer_id, f"its turn to send to {decode} did not come by the load deadline")
+
+    def _changed(self, peer: str) -> None:
+        event = self._order_changed.pop(peer, None)
+        if event is not None:
+            event.set()
+
+    # -- both ------------------------------------------------------------------------------
 
     def cancel(self, peer: str, transfer_id: str) -> None:
-        """End `transfer_id`'s op with `peer` before its deadline, if it is the one in
-        flight: its communicator is aborted (an op left posted would pair with the next
-        transfer's), or, not yet posted, it is not posted. Its `send`/`recv` then raises.
-        A communicator still being built for it stops waiting for the peer's rendezvous
-        data. A transfer still waiting for its turn is left to its caller's cancel scope."""
+        """End `transfer_id`'s op with `peer` before its deadline, if it is posted or being
+        posted: its communicator is aborted (an op left posted would pair with the next
+        transfer's, and the ops queued behind it on that pair end too), or, not yet
+        posted, it is not posted. Its `send`/`wait` then raises. A communicator still
+        being built for it stops waiting for the peer's rendezvous data. A transfer still
+        waiting for its turn is left to its caller's cancel scope."""
         with self._lock:
-            inflight = self._inflight.get(peer)
-            if inflight is None or inflight[0] != transfer_id:
+            flag = self._inflight.get(peer, {}).get(transfer_id)
+            if flag is None:
                 return
-            inflight[1].set()
+            flag.set()
         self.rendezvous.wake()  # a communicator still being built for it stops waiting for the peer
         self.cache.discard(peer)
 
-    async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                    after: torch.cuda.Event | None, deadline: float, block_nbytes: int,
-                    landed: Callable[[int, int, int], None] | None) -> None:
-        # In a worker thread: building a communicator blocks (its rendezvous goes through
-        # this loop) and the wait spins. Not abandoned on cancellation: the op must have
-        # ended before the caller frees the lease or lets the next transfer post; `cancel`
-        # ends it early.
-        flag = threading.Event()
-        with self._lock:
-            self._inflight[peer] = (transfer_id, flag)
+    async def wait(self, posted: Posted, deadline: float,
+                   landed: Callable[[int, int, int], None] | None = None) -> None:
+        """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
+        thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
+        to come.
+
+        Raises:
+            TransferFailed: not ended by `deadline` (the communicator is then aborted), or
+                cut short (the communicator was aborted: `cancel`, a timeout).
+        """
         try:
-            await anyio.to_thread.run_sync(self._post_and_wait, peer, op, transfer_id, lease, start, nbytes, after,
-                                           deadline, flag, block_nbytes, landed)
+            # Shielded: the ops read or write the lease until they end, so no caller may
+            # go on (and free it) before; `cancel` or the deadline end them early.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._wait_posted, posted, deadline, landed)
         except TransferFailed:
             raise
-        except (KvBrokerError, RuntimeError) as exc:  # no communicator (rendezvous, NCCL init), or a refused post
-            raise TransferFailed(transfer_id, f"NCCL {op} with {peer} failed: {exc}") from exc
+        except (KvBrokerError, RuntimeError) as exc:  # the op timed out, or the copy after it failed
+            raise TransferFailed(posted.transfer_id, f"NCCL {posted.op} with {posted.peer} failed: {exc}") from exc
         finally:
-            with self._lock:
-                if self._inflight.get(peer, (None, None))[1] is flag:
-                    del self._inflight[peer]
+            self._untrack(posted.peer, posted.transfer_id, posted.flag)
 
-    def _post_and_wait(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                       after: torch.cuda.Event | None, deadline: float, cancelled: threading.Event,
-                       block_nbytes: int, landed: Callable[[int, int, int], None] | None) -> None:
+    async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+                    after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket) -> Posted:
+        # In a worker thread: building a communicator blocks (its rendezvous goes through
+        # this loop). Not abandoned on cancellation: whether the ops were posted must be
+        # known before the caller lets the next transfer post; `cancel` ends it early.
+        flag = threading.Event()
+        with self._lock:
+            self._inflight.setdefault(peer, {})[transfer_id] = flag
+        try:
+            return await anyio.to_thread.run_sync(self._post_ops, peer, op, transfer_id, lease, start, nbytes, after,
+                                                  flag, block_nbytes, ticket)
+        except BaseException as exc:
+            self._untrack(peer, transfer_id, flag)
+            if isinstance(exc, (KvBrokerError, RuntimeError)) and not isinstance(exc, TransferFailed):
+                # no communicator (rendezvous, NCCL init), or a refused post
+                raise TransferFailed(transfer_id, f"NCCL {op} with {peer} failed: {exc}") from exc
+            raise
+
+    def _untrack(self, peer: str, transfer_id: str, flag: threading.Event) -> None:
+        with self._lock:
+            ours = self._inflight.get(peer, {})
+            if ours.get(transfer_id) is flag:
+                del ours[transfer_id]
+
+    def _post_ops(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+                  after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
+                  ticket: Ticket) -> Posted:
         torch.cuda.set_device(self.device)
+        if not ticket[0] and not cancelled.is_set() and self.cache.current(peer) is not None:
+            # D names no communicator: it has none with us, so it joins only a new one,
+            # built for this transfer. Ours is one D dropped; what is on it is lost anyway.
+            self.cache.discard(peer)
         # A communicator built now is for this transfer only: D never joins a build P made
         # for a transfer D gave up after its Ready, whose send would pair with D's next receive.
         comm = None if cancelled.is_set() else self.cache.get(peer, initiator=op == "send", cancelled=cancelled,
                                                               purpose=transfer_id)
         if comm is None or cancelled.is_set():
             raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
+        if ticket[0] and comm.nonce != ticket[0]:
+            raise TransferFailed(transfer_id, f"the communicator with {peer} changed since its Ready "
+                                 f"({ticket[0]} then, {comm.nonce} now): its op cannot be paired in order")
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0
-        if landed is not None and not whole:
-            raise ValueError(f"a receive reported chunk by chunk must be whole blocks of {block_nbytes} B, "
-                             f"not {nbytes} B")
         parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
         step = block_nbytes if whole else nbytes
         with comm.lock:  # the chunks back to back: nothing of another transfer may come between
             works = [comm.post_range(op, lease.base, start + b0 * step, (b1 - b0) * step, self.stream,
                                      after if k == 0 else None)  # one NCCL stream: later ops follow the first
                      for k, (b0, b1) in enumerate(parts)]
-        for k, (work, (b0, b1)) in enumerate(zip(works, parts)):
-            comm.completion([work], self.stream, op, transfer_id).wait(deadline, spin_s=WAIT_SPIN_S)
+            done = [comm.completion([work], self.stream, op, transfer_id) for work in works]
+        return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done,
+                      parts=parts if whole else [], flag=cancelled)
+
+    def _wait_posted(self, posted: Posted, deadline: float, landed: Callable[[int, int, int], None] | None) -> None:
+        comm, peer, op = posted.comm, posted.peer, posted.op
+        if landed is not None and not posted.parts:  # posted whole: nothing may follow it on this communicator
+            self.cache.discard(peer)
+            raise ValueError(f"a receive reported chunk by chunk must be whole blocks, not {posted.transfer_id}'s")
+        for k, done in enumerate(posted.completions):
+            done.wait(deadline, spin_s=WAIT_SPIN_S)
             if comm.closed or comm.broken:  # aborted meanwhile (`cancel`, a timeout): the kernel ended early
-                raise TransferFailed(transfer_id,
+                raise TransferFailed(posted.transfer_id,
                                      f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
             if landed is not None:
+                b0, b1 = posted.parts[k]
                 try:
-                    landed(b0, b1, len(parts) - 1 - k)
+                    landed(b0, b1, len(posted.parts) - 1 - k)
                 except BaseException:
-                    if k < len(parts) - 1:  # later chunks' ops are posted: they would pair with the next transfer's
+                    if k < len(posted.parts) - 1:  # later chunks' ops are posted: they would pair with the next transfer's
                         self.cache.discard(peer)
                     raise
 

@@ -352,11 +352,14 @@ class ProducerSide:
                     waiter = staged.waiter = staged.waiter or anyio.Event()
         if staged is None:
             w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
+            if w.nccl is not None:
+                w.nccl.abandon(msg.decode, (msg.comm, msg.seq))
             return
         endpoint = msg.endpoints.get("tcp")
         t0 = time.monotonic()
         let_go = True  # False: a cancelled send's thread may still read the staging
         ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
+        posting = False  # nccl: the send took its place in the pair's order (or gave it up itself)
         try:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
@@ -369,9 +372,10 @@ class ProducerSide:
             if w.nccl is not None:
                 try:
                     staged.sending_to = msg.decode
+                    posting = True
                     await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
                                       time.monotonic() + w.config.load_timeout_s,
-                                      block_nbytes=len(w.layers) * w.block_nbytes)
+                                      block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq))
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.
@@ -390,6 +394,8 @@ class ProducerSide:
             # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
+            if w.nccl is not None and not posting:
+                w.nccl.abandon(msg.decode, (msg.comm, msg.seq))
             if ours is not None:
                 await self._end(tid, ours)
         except SourceInUse as exc:

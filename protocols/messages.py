@@ -118,6 +118,11 @@ class Ready(_Msg, kw_only=True, tag="ready"):
     # The byte range of the staged transfer that D wants; the head it already holds is skipped.
     offset: Bytes = 0
     nbytes: Bytes
+    # nccl: the communicator D posts this receive on ("" one not built yet) and its place
+    # among D's receives from this producer on it; relayed in Go, so P posts its sends
+    # on the same communicator in the same order (NCCL pairs ops by posting order).
+    comm: OptId = ""
+    seq: Count = 0
 
 
 class Go(_Msg, kw_only=True, tag="go"):
@@ -127,6 +132,8 @@ class Go(_Msg, kw_only=True, tag="go"):
     offset: Bytes = 0
     nbytes: Bytes
     attempt: Count = 0
+    comm: OptId = ""  # Ready's, relayed
+    seq: Count = 0
 
 
 class Done(_Msg, kw_only=True, tag="done"):

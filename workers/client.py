@@ -302,8 +302,8 @@ class BrokerClient:
         self._expects[transfer_id] = msg
         await self.send(msg, tracked=True)
 
-    async def ready(self, transfer_id: str, nbytes: int, offset: int = 0) -> None:
-        await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes))
+    async def ready(self, transfer_id: str, nbytes: int, offset: int = 0, *, comm: str = "", seq: int = 0) -> None:
+        await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes, comm=comm, seq=seq))
 
     async def done(self, transfer_id: str, nbytes: int) -> None:
         await self.send(Done(transfer_id=transfer_id, nbytes=nbytes))

@@ -72,6 +72,18 @@ def test_full_handshake(c: FakeCluster) -> None:
     assert [n.event for n in c.notes][-1] == "transfer.done"
 
 
+def test_go_carries_the_communicator_and_place_d_named_in_ready(c: FakeCluster) -> None:
+    """nccl: D names the communicator its receive is posted on and its place there; P
+    must post its send on the same one in the same order, so the broker relays both."""
+    p, d = c.prefill(), c.decode(pool=100)
+    for k, tid in enumerate(("t1", "t2")):
+        p.send(Offer(transfer_id=tid, nbytes=10))
+        assert d.take_one(Prepare).transfer_id == tid
+        d.send(Ready(transfer_id=tid, nbytes=10, comm="9af0c3", seq=k))
+        go = p.take_one(Go)
+        assert (go.transfer_id, go.comm, go.seq) == (tid, "9af0c3", k)
+
+
 def test_prepare_carries_the_offers_prompt_digest_on_every_delivery(c: FakeCluster) -> None:
     p, d1 = c.prefill(), c.decode("d1", pool=100)
     p.send(Offer(transfer_id="t1", nbytes=10, prompt="9f2c"))

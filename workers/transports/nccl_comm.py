@@ -519,6 +519,13 @@ class CommunicatorCache:
             victim.abort()
         return comm
 
+    def current(self, peer: str) -> NcclCommunicator | None:
+        """The communicator with `peer` now, if one is cached and whole; builds nothing
+        and asks the rendezvous nothing."""
+        with self._lock:
+            comm = self._comms.get(peer)
+        return None if comm is None or comm.closed or comm.broken else comm
+
     def discard(self, peer: str) -> None:
         """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted,
         or an op on it had to be cut short). An acceptor also tells the initiator, whose

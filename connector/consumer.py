@@ -9,8 +9,10 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
 2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
    register the lease with the `TcpReceiver`, and only then send Ready with the byte
    range after D's prefix-cache hit, so P's bytes land straight in the lease. Over
-   nccl (`connector.nccl_link`): one transfer per producer at a time, from Ready until
-   the receive into the lease has ended (NCCL pairs ops by posting order).
+   nccl (`connector.nccl_link`): the Ready names the communicator and place of the
+   receive (a ticket), and the producer's turn is held from the ticket until the
+   receive is posted, so a producer's next transfer is under way while this one is on
+   the wire, and both sides post in ticket order (NCCL pairs ops by posting order).
 3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
    its prefix hit (the cache tensors from `register_kv_caches`; attn_metadata may be
    None in this step), send Done (the bytes are now in D's cache), free the lease and

@@ -23,9 +23,10 @@
    GPU it records an event after the step's gathers; the NCCL send waits on it.
 4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
    at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
-   (returns once D acknowledged all of it), or over NCCL to D's communicator (returns
-   once the send has ended on the GPU). On Release (D has it) or Abort: free the
-   lease, after any send still reading it. A staged copy the broker never settles is
+   (returns once D acknowledged all of it), or over NCCL on the communicator the Go
+   names, when it is next there in D's order (returns once the send has ended on the
+   GPU). On Release (D has it) or Abort: free the lease, after any send still reading
+   it; an Abort also ends an NCCL send still under way. A staged copy the broker never settles is
    freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
    names no endpoint for the transport, or a malformed one) aborts the transfer at the
    broker, so D's load fails at once instead of at its deadline; other failures (no

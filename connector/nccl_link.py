@@ -165,6 +165,16 @@ class SendOrder:
             pair.gone.add(pair.nonce)
         pair.nonce, pair.next, pair.posting = nonce, 1 if not ticket[0] else ticket[1] + 1, False
 
+    def abandon(self, peer: str, ticket: Ticket) -> bool:
+        """A Go whose send will never be posted: if it names P's communicator at or after
+        its next place, nothing more goes on that communicator (`given_up`); False when
+        the ticket changes nothing (a new communicator, or one already gone)."""
+        pair = self.pairs.get(peer)
+        if not ticket[0] or pair is None or pair.nonce != ticket[0] or ticket[1] < pair.next:
+            return False
+        self.given_up(peer)
+        return True
+
     def given_up(self, peer: str, also: str | None = None) -> None:
         """A send that was, or would have been, next is not posted: no later one may go on
         that communicator (it would pair with D's receive for this one), nor on `also`
@@ -271,10 +281,7 @@ class NcclLink:
                                       deadline, block_nbytes, ticket)
         except BaseException:
             built = self.cache.current(decode)
-            self._send_order.given_up(decode, None if built is None else built.nonce)
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.cache.discard, decode)
-            self._changed(decode)
+            await self._end_pair(decode, None if built is None else built.nonce)
             raise
         self._send_order.posted(decode, ticket, posted.comm.nonce)
         self._changed(decode)
@@ -284,9 +291,7 @@ class NcclLink:
         """P, on the client's loop: a Go whose send will not be posted (its copy is gone, or
         the send was refused). Later sends on that communicator would pair with D's
         receive for this one: they are not posted either (D, aborted, drops it)."""
-        pair = self._send_order.pairs.get(decode)
-        if ticket[0] and pair is not None and pair.nonce == ticket[0] and ticket[1] >= pair.next:
-            self._send_order.given_up(decode)
+        if self._send_order.abandon(decode, ticket):
             self._changed(decode)
 
     async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
@@ -301,10 +306,16 @@ class NcclLink:
                 "but that communicator is gone or the place passed: D's receive cannot be paired in order")
         # The turn never came: an earlier transfer of this pair never posted. Nothing later
         # may go on this communicator either.
-        self._send_order.given_up(decode)
-        await anyio.to_thread.run_sync(self.cache.discard, decode)
-        self._changed(decode)
+        await self._end_pair(decode)
         raise TransferFailed(transfer_id, f"its turn to send to {decode} did not come by the load deadline")
+
+    async def _end_pair(self, decode: str, also: str | None = None) -> None:
+        """P: nothing more goes on this pair's communicator (nor on `also`); drop it, and
+        let the sends waiting for their turn see that."""
+        self._send_order.given_up(decode, also)
+        with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
+            await anyio.to_thread.run_sync(self.cache.discard, decode)
+        self._changed(decode)
 
     def _changed(self, peer: str) -> None:
         event = self._order_changed.pop(peer, None)

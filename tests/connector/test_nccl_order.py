@@ -155,6 +155,11 @@ def test_send_order_verdicts() -> None:
     order.posted(PEER, ("c1", 1), "c1")
     assert order.verdict(PEER, ("c1", 1)) == "stale"  # a place already taken
     assert order.verdict(PEER, ("c0", 2)) == "wait"  # not one P posted on: its first post may be under way
+    assert not order.abandon(PEER, ("c1", 1))  # a place already passed: nothing to end
+    assert not order.abandon(PEER, ("", 0))
+    assert order.verdict(PEER, ("c1", 2)) == "post"
+    assert order.abandon(PEER, ("c1", 3))  # a send ahead will never come: c1 ends there
+    assert order.verdict(PEER, ("c1", 2)) == "stale"
     order.given_up(PEER, also="c0")  # a post failed after building c0
     assert order.verdict(PEER, ("c1", 2)) == "stale"  # given up: c1 is gone for good
     assert order.verdict(PEER, ("c0", 2)) == "stale"

@@ -493,8 +493,8 @@ class CommunicatorCache:
                     comm = None
             if comm is not None and not initiator:
                 payload = self.rendezvous.poll(peer, self.key(peer, self.local_id))
-                if payload is not None and (parse_payload(payload)["nonce"] == comm.nonce
-                                            or not _built_for(payload, purpose)):
+                info = None if payload is None else parse_payload(payload)
+                if info is not None and (info["nonce"] == comm.nonce or not _built_for(info, purpose)):
                     payload = None  # ours, or a build for another transfer: keep ours
                 if payload is not None:  # the initiator rebuilt: ours is stale
                     self._comms.pop(peer)
@@ -585,9 +585,9 @@ class CommunicatorCache:
         info = None
         if not initiator:
             key = self.key(peer, self.local_id)
-            while payload is None or not _built_for(payload, purpose):  # builds for other transfers are left
-                payload = self.rendezvous.receive(peer, key, cancelled)
-            info = parse_payload(payload)
+            info = None if payload is None else parse_payload(payload)
+            while info is None or not _built_for(info, purpose):  # builds for other transfers are left
+                info = parse_payload(self.rendezvous.receive(peer, key, cancelled))
         if (info["backend"] if info is not None else self.backend) == "direct":
             return self._connect_direct(peer, info, cancelled, purpose)
         return self._connect_torch(peer, info, purpose)
@@ -663,8 +663,9 @@ class CommunicatorCache:
         )
 
 
-def _built_for(payload: bytes, purpose: str) -> bool:
-    """Whether an initiator's rendezvous data may be joined for the transfer `purpose`:
-    it was built for that transfer, or names none (older peers), or `purpose` is ""."""
-    built = parse_payload(payload)["for"]
+def _built_for(info: dict[str, Any], purpose: str) -> bool:
+    """Whether an initiator's rendezvous data (`parse_payload`'s) may be joined for the
+    transfer `purpose`: it was built for that transfer, or names none (older peers), or
+    `purpose` is ""."""
+    built = info["for"]
     return not purpose or not built or built == purpose

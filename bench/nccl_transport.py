@@ -90,7 +90,9 @@ the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N in
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
 broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
 helper thread, as a broker client's loop thread would, instead of on P's own; `~gfirst` rows
-enqueue chunk 0's gather before the Offer leaves instead of after it.
+enqueue chunk 0's gather before the Offer leaves instead of after it; `~ptrcheck` rows
+(`ours_full` and `ours_data`) launch the copy kernels with tensors rather than their
+pointers as ints, so the launcher asks the driver about each (`_Launcher.int_pointers`).
 `~nostream` rows (`ours_full` and `ours_data`) copy without the kernel's streaming cache
 hints (`PagedKv.streaming`).
 
@@ -121,6 +123,7 @@ import argparse
 import json
 import os
 import queue
+import random
 import shutil
 import statistics
 import subprocess
@@ -296,6 +299,7 @@ class Case:
     programs: int = 132  # ipc: the copy kernel's grid
     splits: int = 1  # raw: the bytes as this many equal ops back to back (NCCL's own per-op cost)
     streaming: bool = True  # gathers and scatters with streaming cache hints (`PagedKv.streaming`)
+    int_pointers: bool = True  # copy kernels launched with pointers as ints (`_Launcher.int_pointers`)
 
 
 class _Side:
@@ -311,7 +315,10 @@ class _Side:
         self.peer = "D" if role == "P" else "P"
         self.device = torch.device("cuda", dev)
         # One cache and transport per backend, each on its own rendezvous queues.
-        self.caches = {b: CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b]), capacity=2,
+        # Payloads drained into memory by a thread, as the broker client's loop does in the
+        # connector, so checking for a rebuild on each use is a dict lookup, not a pipe poll.
+        self.caches = {b: CommunicatorCache(role, self.device, QueueRendezvous(outbox[b], inbox[b], drain_thread=True),
+                                            capacity=2,
                                             backend=b) for b in cfg["backends"]}
         self.transports = {b: NcclTransport(c) for b, c in self.caches.items()}
         self.use(cfg["backends"][0])
@@ -325,6 +332,7 @@ class _Side:
             for _ in range(LAYERS)
         ]
         self.paged = PagedKv(self.kv)
+        self.paged.precompile()  # else D's first scatter may compile while P waits for D at a barrier
         cap = max(cfg["max_blocks"] * self.paged.staged_block_nbytes, 1 << 20)
         self.pool = BufferPool(cap, device=self.device)
         self.stager = Stager(self.paged, self.pool)
@@ -410,8 +418,9 @@ def _install_profile(side: _Side) -> None:
     import workers.transports.nccl_comm as nc
 
     for cls, names in ((gs.Stager, ("begin", "gather_chunk")), (gs.PagedKv, ("copy_range",)),
+                       (gs._Launcher, ("__call__",)), (nc.CommunicatorCache, ("get",)),
                        (nt.NcclTransport, ("send_staged", "recv_staged")),
-                       (nc.DirectCommunicator, ("post", "completion")), (PipeHandshake, ("offer", "wait_ready",
+                       (nc.DirectCommunicator, ("post", "post_range", "completion")), (PipeHandshake, ("offer", "wait_ready",
                                                                                          "accept", "ready"))):
         for name in names:
             setattr(cls, name, _profiled(getattr(cls, name), f"{cls.__name__}.{name}"))
@@ -549,10 +558,10 @@ def _bounds(side: _Side, case: Case, n: int) -> list[int] | None:
 
 
 def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bool) -> dict[str, list[dict]]:
-    """Run `cases` for one prompt length in rounds (each round runs every case once, the
-    order rotated by one each round), so drift of the machine over the run, and what
-    the case before leaves behind, fall on all cases alike; returns each case's
-    per-iteration stamps on this side."""
+    """Run `cases` for one prompt length in rounds (each round runs every case once, in
+    an order shuffled anew each round, the same on both sides), so drift of the machine
+    over the run, and what the case before leaves behind, fall on all cases alike;
+    returns each case's per-iteration stamps on this side."""
     n = tokens // BLOCK
     p_ids = side.paged.block_ids(_ids(side, n, 1))
     d_ids = side.paged.block_ids(_ids(side, n, 2))
@@ -561,14 +570,19 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
     out: dict[str, list[dict]] = {case.label: [] for case in cases}
     warmup = 0 if tracing else side.cfg["warmup"]
     for it in range(warmup + iters):
-        # Each round starts one case later: no case always runs right after the same one.
-        for case in cases[it % len(cases):] + cases[: it % len(cases)]:
+        # A new order each round, seeded alike on both sides: a rotation would keep every
+        # case right after the same one, and `ours_full` always ran right after `raw`.
+        order = list(cases)
+        random.Random(tokens * 100_003 + it).shuffle(order)
+        for case in order:
             side.use(case.backend)
             side.transport.gather_programs = case.gather_programs
             side.transport.lookahead = case.lookahead
             side.transport.scatter_programs = case.scatter_programs
             side.transport.adaptive_gathers = case.adaptive
             side.paged.streaming = case.streaming
+            if side.paged._launch is not None:
+                side.paged._launch.int_pointers = case.int_pointers
             _nccl_priority(side, case.high_priority)
             side.hs.spin = case.hot
             clock = _Clock(side, tracing)
@@ -1197,11 +1211,13 @@ def _cases(cfg: dict) -> dict[str, Case]:
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
         elif variant == "gfirst":
             change = {"gather_first": True}
+        elif variant == "ptrcheck":
+            change = {"int_pointers": False}
         else:  # every later gather on the same grid
             change = {"gather_programs": int(variant.removeprefix("cap")) or None, "adaptive": False}
         if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
             continue  # the default already
-        both = variant in ("lowprio", "nostream") or variant.startswith("scap")
+        both = variant in ("lowprio", "nostream", "ptrcheck") or variant.startswith("scap")
         for name in ("ours_full", "ours_data") if both else ("ours_full",):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
@@ -1243,6 +1259,10 @@ def _merge_trace(case: Case, tokens: int, p: list[dict], d: list[dict], chunk_en
 
 
 def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: Any, results: Any, cfg: dict) -> None:
+    if os.environ.get("KVB_BENCH_DUMP_S"):  # a run that hangs shows where each side waits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["KVB_BENCH_DUMP_S"]), exit=True)
     try:
         side = _Side(role, dev, outbox, inbox, conn, barrier, cfg)
         side.connect()
@@ -1290,12 +1310,15 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                                  "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
         for cache in side.caches.values():
             cache.close()
+            cache.rendezvous.close()
         if side.bhs is not None:
             side.bhs.sync.close()
         if cfg.get("ipc"):
             extra["ipc_checksum_mismatches"] = side.ipc_bad
         results.put((role, {"rows": rows, "traces": traces, **extra}))
     except BaseException:
+        # Printed at once too: the other side may now wait forever for this one.
+        print(f"{role} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         results.put((role, {"error": traceback.format_exc()}))
 
 
@@ -1373,7 +1396,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, nostream (copies "
                          "without streaming cache hints), eager, asyncoffer, gfirst (chunk 0's gather enqueued before the "
-                         "Offer leaves), dup (the same rows again: the spread), "
+                         "Offer leaves), ptrcheck (copy kernels launched with tensors, whose pointers the launcher checks), "
+                         "dup (the same rows again: the spread), "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",
                     help="also time ours_broker and ours_overlap: the handshake through a real `kvbroker serve` process")

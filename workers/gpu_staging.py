@@ -156,6 +156,10 @@ class _Launcher:
     then goes through Triton).
     """
 
+    # The compiled launcher takes a pointer argument as a plain int without asking the
+    # driver about it; a tensor costs it a `cuPointerGetAttribute` each (three a launch).
+    int_pointers = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
@@ -163,14 +167,17 @@ class _Launcher:
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
+        ptrs = (args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr())
         # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
         # of the two tensors that vary, and whether the int arguments need 64 bits.
-        key = (bool(args[12]), bool(args[13]), bool(args[14]), args[1].data_ptr() % 16 == 0,
-               args[2].data_ptr() % 16 == 0, max(args[3], args[5], args[6]) >= 1 << 31)
+        key = (bool(args[12]), bool(args[13]), bool(args[14]), ptrs[1] % 16 == 0, ptrs[2] % 16 == 0,
+               max(args[3], args[5], args[6]) >= 1 << 31)
         kernel = self.compiled.get(key)
         if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
-            kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+            # The tensors stay alive in the caller until the launch returns, as with Triton's own.
+            kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *(ptrs if self.int_pointers else args[:3]), *args[3:])
             return
         kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10], BLOCK=args[11],
                                          TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14], num_warps=8)
@@ -245,10 +252,38 @@ class PagedKv:
         # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
         self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
-            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-            one = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
-            per_block = self.num_layers * self.pre
-            self._launch.check(self._args(ids, one, 0, per_block, 0, to_staging=True))
+            self._launch.check(self._one_block_args(to_staging=True))
+
+    def precompile(self) -> None:
+        """Compile every variant of the copy a transfer may launch (gather and scatter,
+        whole blocks and one layer, with and without cache hints) now, on the current
+        GPU, which must be the cache's. Compiling loads a module, and a first scatter on
+        D compiled while a receive it had just posted was still waiting for its sender;
+        where that sender waited for D in turn (a benchmark's barrier), both hung. Block
+        0 of every layer goes out and back unchanged, in stream order: call this before
+        the cache is in use."""
+        if self._launch is None:
+            return
+        streaming = self.streaming
+        one = None
+        try:
+            for hints in (False, True):
+                self.streaming = hints
+                for layer in (None, 0):
+                    for to_staging in (True, False):  # the scatter puts back what the gather took
+                        args = self._one_block_args(to_staging=to_staging, layer=layer, staging=one)
+                        one = args[2]
+                        self._launch((1,), args)
+        finally:
+            self.streaming = streaming
+
+    def _one_block_args(self, *, to_staging: bool, layer: int | None = None,
+                        staging: torch.Tensor | None = None) -> tuple[Any, ...]:
+        """A copy of block 0 (of `layer`, or every layer) to or from `staging` (default: new)."""
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if staging is None:
+            staging = torch.empty(self.num_layers * self.pre * self.row_words, dtype=self.word, device=self.device)
+        return self._args(ids, staging, 0, self.num_layers * self.pre, 0, to_staging=to_staging, layer=layer)
 
     @property
     def block_nbytes(self) -> int:

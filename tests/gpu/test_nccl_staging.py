@@ -188,6 +188,33 @@ def test_triton_and_per_layer_gather_agree(streaming: bool) -> None:
     print(f"triton gather used: {fast.use_triton}, compiled-kernel launch: {fast._launch and fast._launch.fast}")
 
 
+@pytest.mark.gpu
+@one_gpu
+def test_precompile_compiles_every_copy_and_leaves_the_cache_alone() -> None:
+    """`precompile` compiles each copy a transfer launches (gather and scatter, whole
+    blocks and one layer, with and without cache hints): a first compile loads a module,
+    which on D waited for a receive posted just before it. Block 0 goes out and back."""
+    kv = _cache("cuda")
+    before = [t.clone() for t in kv]
+    paged = PagedKv(kv)
+    if not paged.use_triton:
+        pytest.skip("no Triton here")
+    paged.precompile()
+    assert paged.streaming
+    assert all(torch.equal(a, b) for a, b in zip(before, kv))
+    assert len(paged._launch.compiled) >= 8, paged._launch.compiled.keys()
+    known = set(paged._launch.compiled)
+    ids = paged.block_ids(REQ_P)
+    staging = torch.empty(len(REQ_P) * paged.staged_block_nbytes, dtype=torch.uint8, device="cuda")
+    paged.gather(ids, paged.staging_view(staging, len(REQ_P)))
+    paged.scatter(ids, paged.staging_view(staging, len(REQ_P)), programs=64)
+    paged.gather_layer(3, ids, paged.staging_view(staging, len(REQ_P)))
+    paged.scatter_layer(3, ids, paged.staging_view(staging, len(REQ_P)))
+    torch.cuda.synchronize()
+    assert set(paged._launch.compiled) == known  # nothing new compiled on the transfer's path
+    assert all(torch.equal(a, b) for a, b in zip(before, kv))
+
+
 # -- two GPUs ---------------------------------------------------------------------------
 
 

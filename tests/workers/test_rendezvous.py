@@ -101,3 +101,30 @@ def test_a_cancelled_wait_for_rendezvous_data_ends_at_once(tmp_path: Path) -> No
     finally:
         d_client.close()
         assert broker.stop() == 0
+
+
+def test_queue_rendezvous_with_a_drain_thread_delivers_polls_and_closes() -> None:
+    """With `drain_thread`, payloads land in memory as they arrive (as a broker client's
+    loop delivers Relay messages): `receive` waits on a condition, `poll` takes what has
+    arrived without touching the queue, and `close` ends the thread."""
+    from workers.transports.nccl_comm import QueueRendezvous
+
+    a_to_b, b_to_a = queue.Queue(), queue.Queue()
+    a = QueueRendezvous(a_to_b, b_to_a, timeout_s=30)
+    b = QueueRendezvous(b_to_a, a_to_b, timeout_s=30, drain_thread=True)
+    try:
+        assert b.poll("a", "k") is None
+        a.publish("b", "k", b"one")
+        assert b.receive("a", "k") == b"one"
+        assert b.poll("a", "k") is None  # taken
+        a.publish("b", "early", b"x")
+        a.publish("b", "k", b"two")
+        assert b.receive("a", "k") == b"two"
+        assert b.poll("a", "early") == b"x"  # it came before "k", so it is in memory by now
+        exc, seconds = _cancelled_while_waiting(lambda flag: b.receive("a", "never", flag), b.wake)
+        assert isinstance(exc, RendezvousError) and "cancelled" in str(exc) and seconds < 5
+        thread = b._thread
+        assert thread is not None and thread.is_alive()
+    finally:
+        b.close()
+    assert not thread.is_alive() and b._thread is None

@@ -242,13 +242,18 @@ class NcclTransport:
         """
         ends = list(bounds) if bounds else [staged.num_blocks]
         ahead = self.lookahead if lookahead is None else lookahead
+        # Chunk 0's gather first: the wire waits for it, and finding the communicator (its
+        # rendezvous check) can run while it copies. No op is posted before the lock below.
+        stager.gather_chunk(staged, ends[0])
+        if on_step is not None:
+            on_step("gather", ends[0])
         comm = self.cache.get(peer, initiator=True)
         # Staged on the GPU, each chunk's send is one lean post on a byte range of the
         # staging buffer; spilled, `send_staged` brings each chunk back through a bounce.
         data = staged.lease.base if staged.on_gpu else None  # the pool; the transfer starts at the lease's offset
         at = staged.lease.offset
         step = staged.paged.staged_block_nbytes
-        done, start, gathered, works, earlier = None, 0, 0, [], []
+        done, start, gathered, works, earlier = None, 0, 1, [], []
         with comm.lock:
             for k, end in enumerate(ends):
                 while gathered < min(len(ends), k + 1 + ahead):

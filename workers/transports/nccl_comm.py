@@ -56,46 +56,80 @@ class QueueRendezvous:
         outbox: where this side's published payloads go, as ``(key, payload)``.
         inbox: where the other side's arrive.
         timeout_s: how long `receive` waits.
+        drain_thread: move arriving payloads into memory on a thread of its own, as the
+            broker client's loop does for `workers.rendezvous.BrokerRendezvous`, so that
+            `poll` (on every use of a communicator) is a dict lookup, not a pipe poll.
+            `close()` ends the thread.
     """
 
-    def __init__(self, outbox: Any, inbox: Any, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, outbox: Any, inbox: Any, *, timeout_s: float = 60.0, drain_thread: bool = False) -> None:
         self._out, self._in, self._timeout_s = outbox, inbox, timeout_s
         self._unread: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if drain_thread:
+            self._thread = threading.Thread(target=self._drain_forever, name="rendezvous-drain", daemon=True)
+            self._thread.start()
 
     def publish(self, peer: str, key: str, payload: bytes) -> None:
         self._out.put((key, payload))
+
+    def _drain_forever(self) -> None:
+        while (item := self._in.get()) is not None:
+            with self._cond:
+                self._unread[item[0]] = item[1]
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """End the drain thread, if any (the sentinel goes through our own inbox)."""
+        if self._thread is not None:
+            self._in.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
 
     def _drain(self, block_until: float | None) -> None:
         while True:
             try:
                 if block_until is None:
-                    key, payload = self._in.get_nowait()
+                    item = self._in.get_nowait()
                 else:
-                    key, payload = self._in.get(timeout=max(0.0, block_until - time.monotonic()))
+                    item = self._in.get(timeout=max(0.0, block_until - time.monotonic()))
             except queue.Empty:
                 return
-            self._unread[key] = payload
+            with self._cond:
+                self._unread[item[0]] = item[1]
             block_until = None
 
     def receive(self, peer: str, key: str, cancelled: threading.Event | None = None) -> bytes:
         deadline = time.monotonic() + self._timeout_s
-        while key not in self._unread:
+        while True:
+            with self._cond:
+                if key in self._unread:
+                    break
             if cancelled is not None and cancelled.is_set():
                 raise RendezvousError(f"the wait for rendezvous data under {key!r} from {peer} was cancelled.")
             if time.monotonic() >= deadline:
                 raise RendezvousError(f"no rendezvous data under {key!r} from {peer} in {self._timeout_s} s.")
             # A queue cannot be woken: look at `cancelled` every 50 ms.
-            self._drain(deadline if cancelled is None else min(deadline, time.monotonic() + 0.05))
-        self._drain(None)  # take the newest, if several generations queued up
-        return self._unread.pop(key)
+            wait_until = deadline if cancelled is None else min(deadline, time.monotonic() + 0.05)
+            if self._thread is not None:
+                with self._cond:
+                    self._cond.wait_for(lambda: key in self._unread, max(0.0, wait_until - time.monotonic()))
+            else:
+                self._drain(wait_until)
+        if self._thread is None:
+            self._drain(None)  # take the newest, if several generations queued up
+        with self._cond:
+            return self._unread.pop(key)
 
     def wake(self) -> None:
         pass  # `receive` looks at its cancel flag on its own
 
     def poll(self, peer: str, key: str) -> bytes | None:
-        if not self._in.empty():  # one pipe poll, not the queue's lock: this runs before every receive
+        if self._thread is None and not self._in.empty():  # one pipe poll, not the queue's lock
             self._drain(None)
-        return self._unread.pop(key, None)
+        with self._cond:
+            return self._unread.pop(key, None)
 
 
 _PENDING_PRUNE_AT = 16

@@ -104,7 +104,11 @@ median time after P's clock start at which each step happened: host steps as tak
 GPU steps from timing events mapped onto the host clock through an anchor event
 synchronized before the barrier (good to about 10 us). Traced runs are separate from
 the timed ones. For each prompt length the cases run in rounds, every case once per
-round, so the machine's drift over a run (seen at +-5%) falls on all of them alike.
+round in an order shuffled anew each round, so the machine's drift over a run (seen at
++-5%) and what the case before leaves behind fall on all of them alike. The
+`after N tokens:` lines split raw's and ours_full's iterations by the kind of case that
+ran just before (a forward pass of matmuls, the per-layer pattern, torch's backend, a
+plain transfer; `after` in each JSON row): where one kind moves ours more than raw.
 
 The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip over
 a multiprocessing pipe, each message a few bytes. `--profile` adds to the trace lines
@@ -569,6 +573,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
     bounds = {case.label: _bounds(side, case, n) for case in cases}
     out: dict[str, list[dict]] = {case.label: [] for case in cases}
     warmup = 0 if tracing else side.cfg["warmup"]
+    prev: str | None = None  # the case run just before (its label): `_by_predecessor`
     for it in range(warmup + iters):
         # A new order each round, seeded alike on both sides: a rotation would keep every
         # case right after the same one, and `ours_full` always ran right after `raw`.
@@ -593,7 +598,10 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
                 _d_iter(side, case, d_ids, nbytes, bounds[case.label], tid, clock)
             stamps = clock.collect()
             if it >= warmup:
+                if not tracing:  # timed stamps are read for t0 and t1 only
+                    stamps["prev"] = prev  # type: ignore[assignment]
                 out[case.label].append(stamps)
+            prev = case.label
     side.use(None)
     return out
 
@@ -1303,11 +1311,15 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                         ms = [m - side.forward_ms for m in ms]
                     if case.kind in ("layerwise", "raw_layerwise"):  # beyond the forward pass alone
                         ms = [m - side.layers_ms for m in ms]
+                    after: dict[str, list[float]] = {}
+                    for m, p in zip(ms, stamps):
+                        after.setdefault(_prev_class(p.get("prev")), []).append(m)
                     rows.append({"case": case.label, "tokens": tokens,
                                  "MiB": tokens * 2 * LAYERS * HEADS * DIM * 2 / 2**20,
                                  "chunks": len(bounds) if bounds else 1,
                                  "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
-                                 "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3)})
+                                 "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3),
+                                 "after": {k: [len(v), round(statistics.median(v), 3)] for k, v in sorted(after.items())}})
         for cache in side.caches.values():
             cache.close()
             cache.rendezvous.close()
@@ -1359,6 +1371,36 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
                 verdict = "met" if got[key] >= want else "MISSED"
                 lines.append(f"target {label} {tokens} tokens {key} >= {want}: {got[key]} ({verdict})")
     return "\n".join(lines), summary
+
+
+def _prev_class(label: Any) -> str:
+    """What kind of case ran just before: one that ran a forward pass of matmuls, the
+    per-layer pattern, one over torch's backend, or a plain transfer."""
+    if not isinstance(label, str):
+        return "none"
+    if "layerwise" in label or "overlap" in label:
+        return "forward"
+    if label == "per_layer":
+        return "per_layer"
+    return "torch" if label.endswith("~torch") else "transfer"
+
+
+def _by_predecessor(rows: list[dict]) -> str:
+    """raw and ours_full by the kind of case that ran just before each iteration: the
+    median ms of each, and their ratio, where both have one of that kind."""
+    by = {(r["case"], r["tokens"]): r for r in rows}
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        raw, ours = by.get(("raw", tokens)), by.get(("ours_full", tokens))
+        if raw is None or ours is None or len(raw.get("after", {})) < 2:
+            continue
+        parts = []
+        for kind in sorted(set(raw["after"]) & set(ours["after"])):
+            (n_raw, ms_raw), (n_ours, ms_ours) = raw["after"][kind], ours["after"][kind]
+            parts.append(f"{kind}: raw {ms_raw:.3f} ms (n={n_raw}), ours_full {ms_ours:.3f} ms (n={n_ours}), "
+                         f"x raw {ms_raw / ms_ours:.3f}")
+        out.append(f"after {tokens} tokens: " + "; ".join(parts))
+    return "\n".join(out)
 
 
 def _trace_lines(traces: list[dict]) -> str:
@@ -1488,6 +1530,7 @@ def _run(cfg: dict, args: argparse.Namespace) -> int:
                 p.kill()
     table, summary = _table(out["P"]["rows"])
     print(table)
+    print(_by_predecessor(out["P"]["rows"]))
     print(_trace_lines(out["P"]["traces"]))
     skip = ("rows", "traces")
     print(json.dumps({k: v for k, v in out["P"].items() if k not in skip}))

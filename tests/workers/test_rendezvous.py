@@ -103,13 +103,18 @@ def test_a_cancelled_wait_for_rendezvous_data_ends_at_once(tmp_path: Path) -> No
         assert broker.stop() == 0
 
 
-def test_queue_rendezvous_with_a_drain_thread_delivers_polls_and_closes() -> None:
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_queue_rendezvous_with_a_drain_thread_delivers_polls_and_closes(kind: str) -> None:
     """With `drain_thread`, payloads land in memory as they arrive (as a broker client's
     loop delivers Relay messages): `receive` waits on a condition, `poll` takes what has
-    arrived without touching the queue, and `close` ends the thread."""
+    arrived without touching the queue, and `close` ends the thread. `kind`: the queues
+    of threads, or of processes (what the GPU benchmark passes)."""
+    import multiprocessing
+
     from workers.transports.nccl_comm import QueueRendezvous
 
-    a_to_b, b_to_a = queue.Queue(), queue.Queue()
+    make = queue.Queue if kind == "thread" else multiprocessing.get_context("spawn").Queue
+    a_to_b, b_to_a = make(), make()
     a = QueueRendezvous(a_to_b, b_to_a, timeout_s=30)
     b = QueueRendezvous(b_to_a, a_to_b, timeout_s=30, drain_thread=True)
     try:

@@ -110,7 +110,8 @@ class QueueRendezvous:
                 raise RendezvousError(f"the wait for rendezvous data under {key!r} from {peer} was cancelled.")
             if time.monotonic() >= deadline:
                 raise RendezvousError(f"no rendezvous data under {key!r} from {peer} in {self._timeout_s} s.")
-            # A queue cannot be woken: look at `cancelled` every 50 ms.
+            # A queue cannot be woken: look at `cancelled` every 50 ms (`wake` ends a wait
+            # on the drain thread's condition at once).
             wait_until = deadline if cancelled is None else min(deadline, time.monotonic() + 0.05)
             if self._thread is not None:
                 with self._cond:
@@ -123,7 +124,10 @@ class QueueRendezvous:
             return self._unread.pop(key)
 
     def wake(self) -> None:
-        pass  # `receive` looks at its cancel flag on its own
+        # A wait on the drain thread's condition looks at its cancel flag now; a wait on
+        # the queue itself does within 50 ms.
+        with self._cond:
+            self._cond.notify_all()
 
     def poll(self, peer: str, key: str) -> bytes | None:
         if self._thread is None and not self._in.empty():  # one pipe poll, not the queue's lock

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
 # communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
-# (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu).
+# (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu), and with
+# PACK=1 into one archive there instead, $OUT/gpu-run.tar.gz (for a copy back that takes few files).
 #   bash bench/run_gpu.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit
@@ -65,4 +66,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   else
     echo "pytest (torch backend) skipped: ${left} s left"
   fi
+fi
+if [ "${PACK:-0}" = 1 ]; then
+  ( cd "$OUT" && files=$(ls -A | grep -v '^gpu-run.tar.gz$') \
+      && tar -czf gpu-run.tar.gz $files && rm -rf $files ) && echo "packed into $OUT/gpu-run.tar.gz"
 fi

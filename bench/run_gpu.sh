@@ -2,7 +2,7 @@
 # The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
 # communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
 # (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu), and with
-# PACK=1 into one archive there instead, $OUT/gpu-run.tar.gz (for a copy back that takes few files).
+# PACK=1 into one archive there instead, $OUT/gpu-run.tar.gz (one file to move or keep).
 #   bash bench/run_gpu.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=$PWD:/tmp/site || exit

@@ -109,6 +109,9 @@ round in an order shuffled anew each round, so the machine's drift over a run (s
 `after N tokens:` lines split raw's and ours_full's iterations by the kind of case that
 ran just before (a forward pass of matmuls, the per-layer pattern, torch's backend, a
 plain transfer; `after` in each JSON row): where one kind moves ours more than raw.
+The `quarters N tokens:` lines give ours_full against raw over each quarter of the
+rounds (each JSON row keeps its iterations in round order, `ms_each`): whether the
+ratio drifts within a run.
 
 The handshake here is a pluggable `Handshake`; `PipeHandshake` is one round trip over
 a multiprocessing pipe, each message a few bytes. `--profile` adds to the trace lines
@@ -1319,7 +1322,8 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, conn: Any, barrier: An
                                  "chunks": len(bounds) if bounds else 1,
                                  "ms": round(statistics.median(ms), 3), "ms_min": round(min(ms), 3),
                                  "ms_p90": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3),
-                                 "after": {k: [len(v), round(statistics.median(v), 3)] for k, v in sorted(after.items())}})
+                                 "after": {k: [len(v), round(statistics.median(v), 3)] for k, v in sorted(after.items())},
+                                 "ms_each": [round(m, 4) for m in ms]})  # in round order: drift within the run
         for cache in side.caches.values():
             cache.close()
             cache.rendezvous.close()
@@ -1400,6 +1404,22 @@ def _by_predecessor(rows: list[dict]) -> str:
             parts.append(f"{kind}: raw {ms_raw:.3f} ms (n={n_raw}), ours_full {ms_ours:.3f} ms (n={n_ours}), "
                          f"x raw {ms_raw / ms_ours:.3f}")
         out.append(f"after {tokens} tokens: " + "; ".join(parts))
+    return "\n".join(out)
+
+
+def _by_quarter(rows: list[dict]) -> str:
+    """ours_full against raw over each quarter of the rounds (medians of each): whether
+    the ratio drifts within the run, e.g. slower early on a machine just started."""
+    by = {(r["case"], r["tokens"]): r for r in rows}
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        raw, ours = by.get(("raw", tokens)), by.get(("ours_full", tokens))
+        if raw is None or ours is None or len(raw["ms_each"]) < 8:
+            continue
+        q = len(raw["ms_each"]) // 4
+        ratios = [statistics.median(raw["ms_each"][k * q:(k + 1) * q]) / statistics.median(ours["ms_each"][k * q:(k + 1) * q])
+                  for k in range(4)]
+        out.append(f"quarters {tokens} tokens: ours_full x raw " + " ".join(f"{r:.3f}" for r in ratios))
     return "\n".join(out)
 
 
@@ -1531,6 +1551,7 @@ def _run(cfg: dict, args: argparse.Namespace) -> int:
     table, summary = _table(out["P"]["rows"])
     print(table)
     print(_by_predecessor(out["P"]["rows"]))
+    print(_by_quarter(out["P"]["rows"]))
     print(_trace_lines(out["P"]["traces"]))
     skip = ("rows", "traces")
     print(json.dumps({k: v for k, v in out["P"].items() if k not in skip}))

@@ -236,13 +236,11 @@ class ConnectorWorker:
                           reason="no Triton" if not paged.use_triton else "the block sizes disagree")
             return None
         # Every copy compiled now, not in the first transfer (a D's first scatter would
-        # compile while its receive is posted). Only where this thread's GPU is the
-        # cache's, as in a vLLM worker: compiling for a cache on another GPU goes wrong.
-        if paged.device.index == torch.cuda.current_device():
-            try:
-                paged.precompile()
-            except Exception as exc:  # noqa: BLE001 - each copy then compiles on first use, as before
-                self.log.warning("connector.precompile_failed", phase="register", reason=repr(exc))
+        # compile while its receive is posted).
+        try:
+            paged.precompile()
+        except Exception as exc:  # noqa: BLE001 - each copy then compiles on first use, as before
+            self.log.warning("connector.precompile_failed", phase="register", reason=repr(exc))
         return paged
 
     def close(self) -> None:

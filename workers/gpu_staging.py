@@ -252,12 +252,13 @@ class PagedKv:
         # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
         self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
-            self._launch.check(self._one_block_args(to_staging=True))
+            with torch.cuda.device(self.device):  # whichever GPU the registering thread has current
+                self._launch.check(self._one_block_args(to_staging=True))
 
     def precompile(self) -> None:
         """Compile every variant of the copy a transfer may launch (gather and scatter,
-        whole blocks and one layer, with and without cache hints) now, on the current
-        GPU, which must be the cache's. Compiling loads a module, and a first scatter on
+        whole blocks and one layer, with and without cache hints) now, on the cache's
+        GPU whichever is current. Compiling loads a module, and a first scatter on
         D compiled while a receive it had just posted was still waiting for its sender;
         where that sender waited for D in turn (a benchmark's barrier), both hung. Block
         0 of every layer goes out and back unchanged, in stream order: call this before
@@ -267,13 +268,14 @@ class PagedKv:
         streaming = self.streaming
         one = None
         try:
-            for hints in (False, True):
-                self.streaming = hints
-                for layer in (None, 0):
-                    for to_staging in (True, False):  # the scatter puts back what the gather took
-                        args = self._one_block_args(to_staging=to_staging, layer=layer, staging=one)
-                        one = args[2]
-                        self._launch((1,), args)
+            with torch.cuda.device(self.device):
+                for hints in (False, True):
+                    self.streaming = hints
+                    for layer in (None, 0):
+                        for to_staging in (True, False):  # the scatter puts back what the gather took
+                            args = self._one_block_args(to_staging=to_staging, layer=layer, staging=one)
+                            one = args[2]
+                            self._launch((1,), args)
         finally:
             self.streaming = streaming
 

@@ -215,6 +215,37 @@ def test_precompile_compiles_every_copy_and_leaves_the_cache_alone() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, kv))
 
 
+@pytest.mark.gpu
+@two_gpus
+def test_a_cache_registered_from_another_gpus_thread_compiles_for_its_own_gpu() -> None:
+    """Two workers in one process (cuda:0 current while D's cache on cuda:1 is made and
+    precompiled): the check and every compile run on the cache's GPU, the fast launch
+    is on, the cache is unchanged, and a transfer's copies there compile nothing new and
+    stage the same bytes as torch's."""
+    torch.cuda.set_device(0)
+    kv = _cache("cuda:1")
+    before = [t.clone() for t in kv]
+    paged = PagedKv(kv)
+    if not paged.use_triton:
+        pytest.skip("no Triton here")
+    paged.precompile()
+    assert torch.cuda.current_device() == 0
+    assert paged._launch.fast
+    assert all(torch.equal(a, b) for a, b in zip(before, kv))
+    known = set(paged._launch.compiled)
+    ids = paged.block_ids(REQ_P)
+    with torch.cuda.device(1):
+        staging = torch.empty(len(REQ_P) * paged.staged_block_nbytes, dtype=torch.uint8, device="cuda:1")
+        paged.gather(ids, paged.staging_view(staging, len(REQ_P)))
+        torch.cuda.synchronize()
+    assert set(paged._launch.compiled) == known
+    reference = PagedKv(kv, use_triton=False)
+    expect = torch.empty_like(staging)
+    reference.gather(ids, reference.staging_view(expect, len(REQ_P)))
+    torch.cuda.synchronize(1)
+    assert torch.equal(staging, expect)
+
+
 # -- two GPUs ---------------------------------------------------------------------------
 
 

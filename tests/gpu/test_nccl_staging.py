@@ -188,18 +188,24 @@ def test_triton_and_per_layer_gather_agree(streaming: bool) -> None:
     print(f"triton gather used: {fast.use_triton}, compiled-kernel launch: {fast._launch and fast._launch.fast}")
 
 
+def _precompiled(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor], PagedKv]:
+    """A cache on `device`, a copy of it as it was, and its `PagedKv` after `precompile`."""
+    kv = _cache(device)
+    before = [t.clone() for t in kv]
+    paged = PagedKv(kv)
+    if not paged.use_triton:
+        pytest.skip("no Triton here")
+    paged.precompile()
+    return kv, before, paged
+
+
 @pytest.mark.gpu
 @one_gpu
 def test_precompile_compiles_every_copy_and_leaves_the_cache_alone() -> None:
     """`precompile` compiles each copy a transfer launches (gather and scatter, whole
     blocks and one layer, with and without cache hints): a first compile loads a module,
     which on D waited for a receive posted just before it. Block 0 goes out and back."""
-    kv = _cache("cuda")
-    before = [t.clone() for t in kv]
-    paged = PagedKv(kv)
-    if not paged.use_triton:
-        pytest.skip("no Triton here")
-    paged.precompile()
+    kv, before, paged = _precompiled("cuda")
     assert paged.streaming
     assert all(torch.equal(a, b) for a, b in zip(before, kv))
     assert len(paged._launch.compiled) >= 8, paged._launch.compiled.keys()
@@ -223,12 +229,7 @@ def test_a_cache_registered_from_another_gpus_thread_compiles_for_its_own_gpu() 
     is on, the cache is unchanged, and a transfer's copies there compile nothing new and
     stage the same bytes as torch's."""
     torch.cuda.set_device(0)
-    kv = _cache("cuda:1")
-    before = [t.clone() for t in kv]
-    paged = PagedKv(kv)
-    if not paged.use_triton:
-        pytest.skip("no Triton here")
-    paged.precompile()
+    kv, before, paged = _precompiled("cuda:1")
     assert torch.cuda.current_device() == 0
     assert paged._launch.fast
     assert all(torch.equal(a, b) for a, b in zip(before, kv))

@@ -256,7 +256,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                     t0 = conn.recv()
                 engine.step()
             if d.get_block_ids_with_load_errors():
-                raise RuntimeError(f"{tid} failed to load: {d.statistics()}")
+                raise RuntimeError(f"{', '.join(tids)} failed to load: {d.statistics()}")
             engine.sync()  # the scatter get_finished enqueued
             t1 = time.perf_counter()
             took = t1 - (t0 if t0 is not None else conn.recv())

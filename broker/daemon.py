@@ -8,7 +8,6 @@ holds the receive loop, the lease timer and the status snapshot for metrics.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -106,10 +105,9 @@ class BrokerDaemon:
             tg.start_soon(self._timer, chan)
             log.info("broker.serving", endpoint=self.endpoint, metrics_port=self.config.metrics_port)
             if self.config.port_file:
-                tmp = f"{self.config.port_file}.tmp"
-                with open(tmp, "w") as f:
-                    f.write(self.endpoint)
-                os.replace(tmp, self.config.port_file)
+                tmp = anyio.Path(f"{self.config.port_file}.tmp")
+                await tmp.write_text(self.endpoint)
+                await tmp.replace(self.config.port_file)  # whole or absent: a reader never sees half
             task_status.started(self.endpoint)
             try:
                 await self._receive_loop(chan)

@@ -179,8 +179,10 @@ class _Launcher:
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *(ptrs if self.int_pointers else args[:3]), *args[3:])
             return
-        kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10], BLOCK=args[11],
-                                         TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14], num_warps=8)
+        with torch.cuda.device(self.index):  # Triton launches on the current GPU: make it the cache's
+            kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10],
+                                             BLOCK=args[11], TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14],
+                                             num_warps=8)
         self.compiled.setdefault(key, kernel)
 
     def check(self, args: tuple[Any, ...]) -> None:
@@ -189,10 +191,11 @@ class _Launcher:
         staging = args[2]
         want, got = torch.full_like(staging, -1), torch.full_like(staging, -2)
         try:
-            self((1,), (*args[:2], want, *args[3:]))
-            self.fast = True
-            self((1,), (*args[:2], got, *args[3:]))
-            torch.cuda.current_stream(self.index).synchronize()
+            with torch.cuda.device(self.index):  # the fast path runs only with the cache's GPU current
+                self((1,), (*args[:2], want, *args[3:]))
+                self.fast = True
+                self((1,), (*args[:2], got, *args[3:]))
+                torch.cuda.current_stream(self.index).synchronize()
             self.fast = torch.equal(want, got)
         except Exception as exc:  # another Triton's launcher: keep Triton's path
             self.fast = False
@@ -252,8 +255,7 @@ class PagedKv:
         # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
         self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
-            with torch.cuda.device(self.device):  # whichever GPU the registering thread has current
-                self._launch.check(self._one_block_args(to_staging=True))
+            self._launch.check(self._one_block_args(to_staging=True))
 
     def precompile(self) -> None:
         """Compile every variant of the copy a transfer may launch (gather and scatter,
@@ -268,14 +270,13 @@ class PagedKv:
         streaming = self.streaming
         one = None
         try:
-            with torch.cuda.device(self.device):
-                for hints in (False, True):
-                    self.streaming = hints
-                    for layer in (None, 0):
-                        for to_staging in (True, False):  # the scatter puts back what the gather took
-                            args = self._one_block_args(to_staging=to_staging, layer=layer, staging=one)
-                            one = args[2]
-                            self._launch((1,), args)
+            for hints in (False, True):
+                self.streaming = hints
+                for layer in (None, 0):
+                    for to_staging in (True, False):  # the scatter puts back what the gather took
+                        args = self._one_block_args(to_staging=to_staging, layer=layer, staging=one)
+                        one = args[2]
+                        self._launch((1,), args)
         finally:
             self.streaming = streaming
 

@@ -139,7 +139,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -1389,14 +1389,21 @@ def _prev_class(label: Any) -> str:
     return "torch" if label.endswith("~torch") else "transfer"
 
 
+def _raw_and_ours(rows: list[dict]) -> Iterator[tuple[int, dict, dict]]:
+    """(tokens, raw's row, ours_full's row) for each prompt length that has both."""
+    by = {(r["case"], r["tokens"]): r for r in rows}
+    for tokens in sorted({r["tokens"] for r in rows}):
+        raw, ours = by.get(("raw", tokens)), by.get(("ours_full", tokens))
+        if raw is not None and ours is not None:
+            yield tokens, raw, ours
+
+
 def _by_predecessor(rows: list[dict]) -> str:
     """raw and ours_full by the kind of case that ran just before each iteration: the
     median ms of each, and their ratio, where both have one of that kind."""
-    by = {(r["case"], r["tokens"]): r for r in rows}
     out = []
-    for tokens in sorted({r["tokens"] for r in rows}):
-        raw, ours = by.get(("raw", tokens)), by.get(("ours_full", tokens))
-        if raw is None or ours is None or len(raw.get("after", {})) < 2:
+    for tokens, raw, ours in _raw_and_ours(rows):
+        if len(raw.get("after", {})) < 2:
             continue
         parts = []
         for kind in sorted(set(raw["after"]) & set(ours["after"])):
@@ -1410,11 +1417,9 @@ def _by_predecessor(rows: list[dict]) -> str:
 def _by_quarter(rows: list[dict]) -> str:
     """ours_full against raw over each quarter of the rounds (medians of each): whether
     the ratio drifts within the run, e.g. slower early on a machine just started."""
-    by = {(r["case"], r["tokens"]): r for r in rows}
     out = []
-    for tokens in sorted({r["tokens"] for r in rows}):
-        raw, ours = by.get(("raw", tokens)), by.get(("ours_full", tokens))
-        if raw is None or ours is None or len(raw["ms_each"]) < 8:
+    for tokens, raw, ours in _raw_and_ours(rows):
+        if len(raw["ms_each"]) < 8:
             continue
         q = len(raw["ms_each"]) // 4
         ratios = [statistics.median(raw["ms_each"][k * q:(k + 1) * q]) / statistics.median(ours["ms_each"][k * q:(k + 1) * q])

@@ -90,7 +90,9 @@ the last two chunks') are capped too (`SCATTER_PROGRAMS`), `~scapN` rows at N in
 without waiting for Ready (a send posted first waits on the GPU for its receive; the
 broker would have to pin the route for that), `~asyncoffer` rows send P's Offer from a
 helper thread, as a broker client's loop thread would, instead of on P's own; `~gfirst` rows
-enqueue chunk 0's gather before the Offer leaves instead of after it; `~ptrcheck` rows
+enqueue chunk 0's gather before the Offer leaves instead of after it; `~lateoffer` rows
+(`ours_landing` and its sweeps) send P's Offer only after chunk 0's send is posted, so
+no message is on the first chunk's path (D needs the Offer for chunk 1 on); `~ptrcheck` rows
 (`ours_full` and `ours_data`) launch the copy kernels with tensors rather than their
 pointers as ints, so the launcher asks the driver about each (`_Launcher.int_pointers`).
 `~nostream` rows (`ours_full` and `ours_data`) copy without the kernel's streaming cache
@@ -301,6 +303,7 @@ class Case:
     eager: bool = False  # P posts its sends without waiting for Ready (reads it afterwards)
     async_offer: bool = False  # P's Offer leaves from a helper thread, as a broker client's would
     gather_first: bool = False  # P enqueues chunk 0's gather before its Offer leaves (not after)
+    late_offer: bool = False  # landing: P's Offer leaves after chunk 0's send is posted (D needs it for chunk 1 on)
     hot: bool = False  # both sides spin between and inside iterations instead of sleeping (`_Side.meet`)
     side_gathers: bool = True  # layerwise: each layer's gather on the stager's side stream (False: compute stream)
     programs: int = 132  # ipc: the copy kernel's grid
@@ -612,7 +615,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
 def _gather_and_send(
     side: _Side, staged: StagedTransfer, bounds: list[int] | None, tid: str, order: str,
     wait: Callable[[], None] | None, clock: _Clock, ready_at: int = 0,
-    first_gathered: Callable[[], None] | None = None,
+    first_gathered: Callable[[], None] | None = None, first_sent: Callable[[], None] | None = None,
 ) -> Any:
     """P's pipeline: gathers on the compute stream, each send after its gather's event.
 
@@ -661,6 +664,8 @@ def _gather_and_send(
             clock.gpu(f"gather@{end}")
         if end == ends[0]:
             clock.mark("gather0_enqueued" if what == "gather" else "send0_posted")
+        if what == "send" and end == ends[0] and first_sent is not None:
+            first_sent()
 
     def ready() -> None:
         if wait is not None:
@@ -732,12 +737,13 @@ def _p_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
                 hs.offer(tid, nbytes)
             clock.mark("offer_sent")
 
-        if not case.gather_first:
+        if not case.gather_first and not case.late_offer:
             offer()  # leaves first: the round trip overlaps the first gather's launch and run
         staged = side.stager.begin(ids)
         wait = (lambda: hs.wait_ready(tid)) if kind in ("full", "broker", "landing") and not case.eager else None
         done = _gather_and_send(side, staged, bounds, tid, case.order, wait, clock, ready_at=int(kind == "landing"),
-                                first_gathered=offer if case.gather_first else None)
+                                first_gathered=offer if case.gather_first else None,
+                                first_sent=offer if case.late_offer else None)
         if kind == "landing" and len(bounds or [0]) == 1:
             hs.wait_ready(tid)  # one chunk: it went without Ready, which is read now
         if kind == "full" and case.eager:
@@ -1220,6 +1226,10 @@ def _cases(cfg: dict) -> dict[str, Case]:
             continue
         elif variant in ("eager", "asyncoffer", "eager+asyncoffer"):
             change = {"eager": "eager" in variant, "async_offer": "asyncoffer" in variant}
+        elif variant == "lateoffer":  # every ours_landing row (and its sweeps): the Offer after send 0
+            for name in [n for n in cases if n.startswith("ours_landing")]:
+                cases[f"{name}~lateoffer"] = replace(cases[name], label=f"{name}~lateoffer", late_offer=True)
+            continue
         elif variant == "gfirst":
             change = {"gather_first": True}
         elif variant == "ptrcheck":
@@ -1246,7 +1256,7 @@ def _plan(cfg: dict) -> tuple[list[Case], list[Case]]:
         cases = {name: c for name, c in cases.items() if name.split("~")[0].split("@")[0] in cfg["only"]}
     traced = [c for name, c in cases.items()
               if name.split("~")[0].split("@")[0] in TRACED
-              and (name in TRACED or name.startswith(("raw~", "raw@", "ours_full~", "ours_data~")))]
+              and (name in TRACED or name.startswith(("raw~", "raw@", "ours_full~", "ours_data~", "ours_landing~")))]
     return list(cases.values()), traced
 
 
@@ -1463,7 +1473,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="ours_full/ours_data variants: fixed (later gathers all at the cap), capN (all on N programs, "
                          "0: full), scapN, aheadN (N gathers enqueued ahead of the sends), lowprio, nostream (copies "
                          "without streaming cache hints), eager, asyncoffer, gfirst (chunk 0's gather enqueued before the "
-                         "Offer leaves), ptrcheck (copy kernels launched with tensors, whose pointers the launcher checks), "
+                         "Offer leaves), lateoffer (ours_landing: the Offer after chunk 0's send), ptrcheck (copy kernels launched with tensors, whose pointers the launcher checks), "
                          "dup (the same rows again: the spread), "
                          "hot (both sides spin; with raw~hot)")
     ap.add_argument("--broker", action="store_true",

@@ -45,6 +45,13 @@ def finish(proc: subprocess.Popen[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+async def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m broker.cli ARGS` from an async test, without blocking its event loop."""
+    with anyio.fail_after(30):
+        done = await anyio.run_process([sys.executable, "-m", "broker.cli", *args], check=False, env=env(), cwd=ROOT)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
 def structure(status: dict) -> dict:
     """Status without the fields that move with the clock or count rejected frames."""
     peers = [{k: v for k, v in p.items() if k != "lease_left_s"} for p in status["peers"]]
@@ -307,27 +314,18 @@ async def test_curve_clients_admits_listed_keys_only(tmp_path: Path, anyio_backe
             tg.cancel_scope.cancel()
         refused = [json.loads(line) for line in broker.log_path.read_text().splitlines() if "peer.refused_key" in line]
         assert refused and refused[0]["client_key"] == (keys / "stranger.key").read_text().strip()
-        out = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "status", "--broker", broker.endpoint, "--json",
-             "--curve-server-key", server, "--curve-client-secret-file", str(keys / "p0.key_secret")],
-            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-        )
+        out = await cli("status", "--broker", broker.endpoint, "--json", "--curve-server-key", server,
+                        "--curve-client-secret-file", str(keys / "p0.key_secret"))
         assert out.returncode == 0, out.stderr
     finally:
         assert broker.stop() == 0
-    no_secret = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0", "--curve-clients", str(listed)],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-    )
+    no_secret = await cli("serve", "--bind", "tcp://127.0.0.1:0", "--curve-clients", str(listed))
     assert no_secret.returncode == 2 and "--curve-clients needs --curve-secret-file" in no_secret.stderr
 
 
 @pytest.mark.anyio
 async def test_curve_broker_serves_keyed_clients_only(tmp_path: Path, anyio_backend: str) -> None:
-    keygen = subprocess.run(
-        [sys.executable, "-m", "broker.cli", "keygen", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-    )
+    keygen = await cli("keygen", "--out", str(tmp_path))
     assert keygen.returncode == 0, keygen.stderr
     assert oct((tmp_path / "broker.key_secret").stat().st_mode & 0o777) == "0o600"
     public = (tmp_path / "broker.key").read_text().strip()
@@ -343,10 +341,7 @@ async def test_curve_broker_serves_keyed_clients_only(tmp_path: Path, anyio_back
             with pytest.raises(BrokerUnavailable, match="did not answer"):
                 await plain.run()
             tg.cancel_scope.cancel()
-        out = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "status", "--broker", broker.endpoint, "--json", "--curve-server-key", public],
-            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-        )
+        out = await cli("status", "--broker", broker.endpoint, "--json", "--curve-server-key", public)
         assert out.returncode == 0 and json.loads(out.stdout)["peers"][0]["peer_id"] == "p0:0", out.stderr
     finally:
         broker.stop()

@@ -123,6 +123,7 @@ more; in vLLM it overlaps the forward pass unless the prompt is short.
 Usage: python bench/nccl_transport.py [--tokens 512,2048,8192] [--iters 60] [--backends auto|direct,torch]
        [--gather-programs N] [--variants nostream,fixed,cap0,scap0,lowprio,hot] [--sweep F/L/G,...] [--diag]
        [--host-costs] [--profile] [--broker] [--ipc 132,...] [--raw-splits 2,4] [--cases raw,ours_full,...]
+       [--repeat N]
        [--json PATH]
 """
 
@@ -579,6 +580,7 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
     bounds = {case.label: _bounds(side, case, n) for case in cases}
     out: dict[str, list[dict]] = {case.label: [] for case in cases}
     warmup = 0 if tracing else side.cfg["warmup"]
+    repeat = max(1, side.cfg.get("repeat", 1))  # --repeat: each case this many times in a row, the last kept
     prev: str | None = None  # the case run just before (its label): `_by_predecessor`
     for it in range(warmup + iters):
         # A new order each round, seeded alike on both sides: a rotation would keep every
@@ -596,16 +598,17 @@ def _rounds(side: _Side, cases: list[Case], tokens: int, iters: int, tracing: bo
                 side.paged._launch.int_pointers = case.int_pointers
             _nccl_priority(side, case.high_priority)
             side.hs.spin = case.hot
-            clock = _Clock(side, tracing)
-            tid = f"{case.label}-{it}"
-            if side.role == "P":
-                _p_iter(side, case, p_ids, nbytes, bounds[case.label], tid, clock)
-            else:
-                _d_iter(side, case, d_ids, nbytes, bounds[case.label], tid, clock)
+            for rep in range(repeat):  # the last run is the one kept
+                clock = _Clock(side, tracing)
+                tid = f"{case.label}-{it}-{rep}"
+                if side.role == "P":
+                    _p_iter(side, case, p_ids, nbytes, bounds[case.label], tid, clock)
+                else:
+                    _d_iter(side, case, d_ids, nbytes, bounds[case.label], tid, clock)
             stamps = clock.collect()
             if it >= warmup:
                 if not tracing:  # timed stamps are read for t0 and t1 only
-                    stamps["prev"] = prev  # type: ignore[assignment]
+                    stamps["prev"] = prev if repeat == 1 else case.label  # type: ignore[assignment]
                 out[case.label].append(stamps)
             prev = case.label
     side.use(None)
@@ -1482,6 +1485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ipc", default="", help="also time the CUDA IPC comparison with these grids, e.g. 132,528")
     ap.add_argument("--raw-splits", default="", help="also time raw as N equal ops back to back, e.g. 2,4,6")
     ap.add_argument("--cases", default="", help="time only these cases (and their ~variants), e.g. raw,ours_full")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each case N times in a row within a round and keep the last: its code and buffers "
+                         "just used, as in an engine that moves a transfer every step (default 1: each case once)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -1506,7 +1512,7 @@ def main(argv: list[str] | None = None) -> int:
            "ipc": [int(g) for g in args.ipc.split(",") if g],
            "raw_splits": [int(n) for n in args.raw_splits.split(",") if n],
            "diag": args.diag, "diag_orders": [o for o in args.diag_orders.split(",") if o],
-           "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
+           "repeat": args.repeat, "host_costs": args.host_costs, "forward_ms": args.forward_ms, "profile": args.profile, "max_blocks": max(tokens) // BLOCK, "cache_blocks": max(2 * max(tokens) // BLOCK, 64)}
     broker = _start_broker() if args.broker else None
     try:
         if broker is not None:

@@ -1242,7 +1242,8 @@ def _cases(cfg: dict) -> dict[str, Case]:
         if all(getattr(cases["ours_full"], k) == v for k, v in change.items()):
             continue  # the default already
         both = variant in ("lowprio", "nostream", "ptrcheck") or variant.startswith("scap")
-        for name in ("ours_full", "ours_data") if both else ("ours_full",):
+        swept = [n for n in cases if n.startswith("ours_full@") and "~" not in n]  # --sweep's plans too
+        for name in ("ours_full", "ours_data", *swept) if both else ("ours_full", *swept):
             cases[f"{name}~{variant}"] = replace(cases[name], label=f"{name}~{variant}", **change)
     if cfg["diag"]:
         for other in cfg["diag_orders"]:

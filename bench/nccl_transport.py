@@ -99,7 +99,7 @@ pointers as ints, so the launcher asks the driver about each (`_Launcher.int_poi
 hints (`PagedKv.streaming`).
 
 `ours_full@F/L/G[/B]` rows use other chunkings (first chunk F MiB, last chunk L MiB,
-growth G, back ramp growth B; `pipeline_bounds`); `~gf` rows enqueue every chunk's gather before P waits for Ready
+growth G, back ramp growth B; `pipeline_bounds`; `--variants` apply to them too); `~gf` rows enqueue every chunk's gather before P waits for Ready
 and then post all sends (the default interleaves gathers and sends, one chunk at a
 time, after the first). The trace lines give, per case, the
 median time after P's clock start at which each step happened: host steps as taken,

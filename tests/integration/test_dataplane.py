@@ -326,6 +326,10 @@ def test_kill_9_of_the_prefill_worker_ends_the_decode_wait_with_a_load_error(
     cluster.wait_line(d, "ready", 60)
     p = cluster.prefill("p1", "--prompts", "3", "--distinct", "3", "--min-blocks", "4", "--max-blocks", "6", "--stall-after", "0")
     cluster.wait_line(p, "stalled", 60)  # a Go arrived: D has sent Ready and waits for bytes
+    # The first Go can come before P has offered its other prompts; D learns of a transfer
+    # only through its Prepare, so all three must have reached D (a Go sent) before P dies.
+    wait_until(lambda: [t["state"] for t in status(broker)["transfers"]] == ["sending"] * 3, 30,
+               "all three transfers to have their Go sent")
     killed = time.monotonic()
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.wait(10)

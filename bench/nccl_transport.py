@@ -11,6 +11,9 @@ different polling delay.
 
 * raw          one NCCL send/recv of the same bytes as one contiguous tensor, the
                receive posted before the clock starts: the ceiling.
+* raw_sendrecv the same send/recv with both sides posting after the barrier, as two
+               processes that call ncclSend and ncclRecv at the same moment do: the
+               clock also holds D's post, as it does in every ours_* row.
 * ours_full    END TO END, nothing done before the clock: P sends the Offer, then
                enqueues the first chunk's gather out of its paged cache (one kernel)
                while the Offer travels; D takes the Offer, leases pool room, sends
@@ -311,6 +314,7 @@ class Case:
     splits: int = 1  # raw: the bytes as this many equal ops back to back (NCCL's own per-op cost)
     streaming: bool = True  # gathers and scatters with streaming cache hints (`PagedKv.streaming`)
     int_pointers: bool = True  # copy kernels launched with pointers as ints (`_Launcher.int_pointers`)
+    recv_on_clock: bool = False  # raw: D posts its receive after the barrier, as P its send (not before)
 
 
 class _Side:
@@ -792,7 +796,7 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
     posted: list[Any] = []
     if kind == "raw" and case.splits > 1:
         done = _raw_split(side, "recv", nbytes, case.splits, tid)
-    elif kind in ("raw", "raw_overlap", "raw_layerwise"):
+    elif kind in ("raw", "raw_overlap", "raw_layerwise") and not case.recv_on_clock:
         done = tr.recv_tensors("P", [side.raw[:nbytes]])
     elif kind == "data":
         lease = side.pool.acquire_nowait(nbytes)
@@ -813,6 +817,9 @@ def _d_iter(side: _Side, case: Case, ids: torch.Tensor, nbytes: int, bounds: Any
         torch.cuda.synchronize()
     side.meet(case.hot)
     clock.mark("barrier_left")
+    if kind == "raw" and case.recv_on_clock:
+        done = tr.recv_tensors("P", [side.raw[:nbytes]])
+        clock.mark("all_posted")
     if kind == "per_layer":
         _per_layer_d(side, ids)
     elif kind == "ipc":
@@ -1161,8 +1168,7 @@ def _host_costs(side: _Side, rounds: int = 8) -> dict[str, Any]:
 
 # -- driver ------------------------------------------------------------------------------
 
-MAIN = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_full_1", "per_layer"]
-TRACED = ["raw", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
+TRACED = ["raw", "raw_sendrecv", "ours_full", "ours_expect", "ours_staged", "ours_data", "ours_broker", "ours_landing",
           "ours_overlap", "raw_overlap", "ours_layerwise", "raw_layerwise"]
 TARGETS = {  # (case, tokens, against): at least this
     ("ours_full", 2048, "vs_raw"): 0.90,
@@ -1181,6 +1187,7 @@ def _cases(cfg: dict) -> dict[str, Case]:
     cap = cfg["gather_programs"]
     cases = {
         "raw": Case("raw", "raw"),
+        "raw_sendrecv": Case("raw", "raw_sendrecv", recv_on_clock=True),
         "ours_full": Case("full", "ours_full", chunk, cfg["order"], gather_programs=cap),
         "ours_expect": Case("expect", "ours_expect", chunk, cfg["order"], gather_programs=cap),
         "ours_staged": Case("staged", "ours_staged", chunk, gather_programs=cap),
@@ -1381,6 +1388,11 @@ def _table(rows: list[dict]) -> tuple[str, list[dict]]:
             if (case, tokens) in by:
                 s[f"{case}_vs_raw"] = by[(case, tokens)]["vs_raw"]
                 s[f"{case}_vs_per_layer"] = by[(case, tokens)]["vs_per_layer"]
+        both = by.get(("raw_sendrecv", tokens))
+        for case in ("raw", "ours_full") if both else ():  # against a send/recv both sides post on the clock
+            if (case, tokens) in by:
+                s[f"{case}_vs_raw_sendrecv"] = round(both["ms"] / by[(case, tokens)]["ms"], 3)
+                lines.append(f"{case} {tokens} tokens against raw_sendrecv: {s[f'{case}_vs_raw_sendrecv']}")
         summary.append(s)
     for (case, tokens, key), want in TARGETS.items():
         for label in (case, f"{case}~hot") + (("ours_layerwise",) if case == "ours_full" else ()):

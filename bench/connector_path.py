@@ -6,7 +6,7 @@ them (bind, save_kv_layer, wait_for_save on P; bind, start_load_kv, get_finished
 P and D in processes of their own, Llama-3-8B-shaped KV (32 layers, 8 KV heads, head
 128, bf16, block 16), through a real `kvbroker serve` (Offer, Prepare, Ready, Go, Done,
 Release, and for nccl the communicators' rendezvous). No vLLM and no model: P's forward
-pass is only its 32 per-layer gathers.
+pass is only its 32 per-layer gathers, unless `--prefill-ms` gives it GPU time of its own.
 
 `--transport nccl` (2 GPUs): P's KV on cuda:0, D's on cuda:1, flash-attn shaped.
 `--transport tcp`: both on the CPU, vLLM CPU backend shaped (``[blocks, H, bs, 2D]``).
@@ -23,12 +23,19 @@ pass is only its 32 per-layer gathers.
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
                seen within one step.
+* after prefill  (with `--prefill-ms X`, nccl) P's forward pass takes X ms of GPU time
+               before its gathers, spread over the 32 layers (each layer's share, then
+               its save_kv_layer), as a real prefill does; the row's `after_prefill_ms`
+               is the connector's time less that forward pass's measured GPU time: what
+               the transfer adds to the request once the prefill is done (the gathers
+               included), against raw. The Offer, Prepare, Ready and Go, and the
+               communicators' lookups, overlap the forward pass there, as in vLLM.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--tokens 512,2048,8192] [--iters 20]
-       [--inflight 1] [--step-ms 1] [--log-format console|json] [--json PATH]
+       [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--json PATH]
 """
 
 from __future__ import annotations
@@ -71,19 +78,36 @@ class Spec:
 class _Engine:
     """One side's device work: where its caches live, its syncs and its engine step."""
 
-    def __init__(self, transport: str, role: str, step_ms: float) -> None:
+    def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0) -> None:
         self.gpu = transport == "nccl"
         self.device = ("cuda:0" if role == "p" else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
-        self.cycles = 0
+        self.cycles = self.layer_cycles = 0
+        self.prefill_ms = 0.0  # the forward pass's GPU time, as measured (`forward`)
         if self.gpu:
             torch.cuda.set_device(self.device)
+            per_ms = 1_000_000 / self._timed(lambda: torch.cuda._sleep(1_000_000))
+            self.cycles = int(per_ms * step_ms)
+            if prefill_ms > 0:
+                self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
+                self.prefill_ms = self._timed(lambda: [torch.cuda._sleep(self.layer_cycles) for _ in NAMES])
+
+    def _timed(self, work: Any) -> float:
+        """Milliseconds of GPU time `work` enqueues (the median of three)."""
+        took = []
+        for _ in range(3):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            torch.cuda._sleep(1_000_000)
+            work()
             end.record()
             end.synchronize()
-            self.cycles = int(1_000_000 * step_ms / begin.elapsed_time(end))
+            took.append(begin.elapsed_time(end))
+        return statistics.median(took)
+
+    def layer(self) -> None:
+        """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
+        if self.layer_cycles:
+            torch.cuda._sleep(self.layer_cycles)
 
     def sync(self) -> None:
         if self.gpu:
@@ -165,12 +189,12 @@ class _RawTcp:
 
 def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     """P: for each request, tell D, wait until D holds it, then run the step."""
-    engine = _Engine(cfg["transport"], "p", cfg["step_ms"])
+    engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"])
     configure_logging(cfg["log_format"])
     p, caches = _worker(endpoint, "p", engine, cfg)
     raw_tcp = _RawTcp()
     try:
-        conn.send(_peer_of(p))
+        conn.send((_peer_of(p), engine.prefill_ms))
         d_peer, port = conn.recv()
         if not engine.gpu:
             raw_tcp.connect(port)
@@ -191,6 +215,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
                     for tid, src in zip(tids, srcs)}))
                 for name in NAMES:
+                    engine.layer()
                     p.save_kv_layer(name, caches[name])
                 p.wait_for_save()
                 p.clear()
@@ -224,7 +249,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
     raw_tcp = _RawTcp()
     rows: list[dict[str, Any]] = []
     try:
-        p_peer = conn.recv()
+        p_peer, prefill_ms = conn.recv()
         port = 0 if engine.gpu else raw_tcp.listen()
         conn.send((_peer_of(d), port))
         if not engine.gpu:
@@ -285,7 +310,10 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 times[tok][1].append(raw)
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
-            rows.append({"tokens": tok, "inflight": cfg["inflight"],
+            after = c - prefill_ms  # what the transfer adds once P's forward pass is done
+            rows.append({"tokens": tok, "inflight": cfg["inflight"], "prefill_ms": round(prefill_ms, 3),
+                         "after_prefill_ms": round(after, 3),
+                         "after_prefill_vs_raw": round(r / after, 3) if after > 0 else None,
                          "MiB": cfg["inflight"] * tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
                          "connector_ms": round(c, 3), "connector_min_ms": round(min(conn_s) * 1e3, 3),
                          "connector_max_ms": round(max(conn_s) * 1e3, 3), "vs_raw": round(r / c, 3),
@@ -308,12 +336,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="nccl: how long the link's waits spin before sleeping (default: connector.nccl_link's)")
     ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
+    ap.add_argument("--prefill-ms", type=float, default=0.0,
+                    help="nccl: P's forward pass, ms of GPU time spread over its layers before each save_kv_layer")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
     ap.add_argument("--one-op", action="store_true",
                     help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if args.prefill_ms and args.transport != "nccl":
+        print("--prefill-ms needs --transport nccl (its forward pass is GPU time)", file=sys.stderr)
+        return 2
     if args.transport == "nccl" and torch.cuda.device_count() < 2:
         print("--transport nccl needs 2 CUDA GPUs (--transport tcp runs on the CPU)", file=sys.stderr)
         return 2
@@ -321,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "one_op": args.one_op, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
@@ -346,10 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(rows, str):
         print(f"D failed: {rows}", file=sys.stderr)
         return 1
-    print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}")
+    print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}"
+          f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}")
     for r in rows:
         print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
-              f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}")
+              f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}"
+              f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "rows": rows, "torch": torch.__version__,

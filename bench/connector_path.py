@@ -256,6 +256,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             raw_tcp.accept()
         g = torch.Generator().manual_seed(1)
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        tails: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
             tok, k = n * BLOCK, len(tids)
@@ -271,7 +272,9 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
             while True:  # the engine steps all along, before P's step too (as a busy engine does)
+                g0 = time.perf_counter()
                 _, recving = d.get_finished(set())
+                g1 = time.perf_counter()
                 waiting -= recving or set()
                 if not waiting:
                     break
@@ -308,6 +311,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             if it >= cfg["warmup"]:
                 times[tok][0].append(took)
                 times[tok][1].append(raw)
+                tails[tok][0].append(g1 - g0)  # the get_finished that reported the last request
+                tails[tok][1].append(t1 - g1)  # then D's compute stream catching up with the scatter
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             after = c - prefill_ms  # what the transfer adds once P's forward pass is done
@@ -317,7 +322,9 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "MiB": cfg["inflight"] * tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
                          "connector_ms": round(c, 3), "connector_min_ms": round(min(conn_s) * 1e3, 3),
                          "connector_max_ms": round(max(conn_s) * 1e3, 3), "vs_raw": round(r / c, 3),
-                         "iters": len(conn_s), "stats": d.statistics()})
+                         "iters": len(conn_s), "stats": d.statistics(),
+                         "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
+                         "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3)})
         results.put(rows)
     except BaseException as exc:
         results.put(repr(exc))

@@ -340,10 +340,11 @@ class NcclLink:
         self.cache.discard(peer)
 
     async def wait(self, posted: Posted, deadline: float,
-                   landed: Callable[[int, int, int], None] | None = None) -> None:
+                   landed: Callable[[int, int, int], None] | None = None,
+                   before: Callable[[], None] | None = None) -> None:
         """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
         thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
-        to come.
+        to come. `before()` is called in that thread before the first chunk is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
@@ -353,7 +354,7 @@ class NcclLink:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._wait_posted, posted, deadline, landed)
+                await anyio.to_thread.run_sync(self._wait_posted, posted, deadline, landed, before)
         except TransferFailed:
             raise
         except (KvBrokerError, RuntimeError) as exc:  # the op timed out, or the copy after it failed
@@ -413,11 +414,14 @@ class NcclLink:
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done,
                       parts=parts if whole else [], flag=cancelled)
 
-    def _wait_posted(self, posted: Posted, deadline: float, landed: Callable[[int, int, int], None] | None) -> None:
+    def _wait_posted(self, posted: Posted, deadline: float, landed: Callable[[int, int, int], None] | None,
+                     before: Callable[[], None] | None = None) -> None:
         comm, peer, op = posted.comm, posted.peer, posted.op
         if landed is not None and not posted.parts:  # posted whole: nothing may follow it on this communicator
             self.cache.discard(peer)
             raise ValueError(f"a receive reported chunk by chunk must be whole blocks, not {posted.transfer_id}'s")
+        if before is not None:
+            before()
         for k, done in enumerate(posted.completions):
             done.wait(deadline, spin_s=WAIT_SPIN_S)
             if comm.closed or comm.broken:  # aborted meanwhile (`cancel`, a timeout): the kernel ended early

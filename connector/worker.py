@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any
 
 import anyio
@@ -201,7 +200,7 @@ class ConnectorWorker:
             pool_free=None if self.is_producer else (lambda: pool.statistics().free),
         )
         try:
-            self.client = SyncBrokerClient(client)
+            self.client = SyncBrokerClient(client, on_task_error=self._task_failed)
             if nccl:
                 self.nccl = NcclLink(self.client, device, connect_timeout_s=self.config.load_timeout_s)
         except BaseException:
@@ -333,15 +332,12 @@ class ConnectorWorker:
             self.log.warning("connector.not_connected", task=getattr(fn, "__name__", "?"))
             return
         try:
-            future = client.portal.start_task_soon(fn, *args)
+            client.spawn(fn, *args)  # returns at once: vLLM's thread never waits for the loop thread
         except Exception as exc:  # the loop has stopped (shutdown): never fail vLLM's step
             self.log.error("connector.task_not_started", task=getattr(fn, "__name__", "?"), error=repr(exc))
-            return
-        future.add_done_callback(self._report)
 
-    def _report(self, future: Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            self.log.error("connector.task_failed", error=repr(future.exception()))
+    def _task_failed(self, name: str, exc: Exception) -> None:
+        self.log.error("connector.task_failed", task=name, error=repr(exc))
 
     async def send_bounded(self, what: str, tid: str, send: Callable[..., Awaitable[None]], *args: Any) -> bool:
         """Await ``send(*args)`` for at most SEND_TIMEOUT_S (shielded, so cleanup code may use it).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
@@ -45,6 +46,7 @@ from protocols.messages import (
     Relay,
     Release,
 )
+from workers.waker import Spawner
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -318,17 +320,38 @@ class BrokerClient:
 
 
 class SyncBrokerClient:
-    """A `BrokerClient` on a background event-loop thread, for synchronous code."""
+    """A `BrokerClient` on a background event-loop thread, for synchronous code.
 
-    def __init__(self, client: BrokerClient, backend: str = "asyncio") -> None:
+    Args:
+        on_task_error: called on the loop with a task's name and exception when a task
+            handed over by `spawn` raises (default: logged).
+    """
+
+    def __init__(self, client: BrokerClient, backend: str = "asyncio",
+                 on_task_error: Callable[[str, Exception], None] | None = None) -> None:
         self.client = client
         self._portal_cm = anyio.from_thread.start_blocking_portal(backend)
         self.portal = self._portal_cm.__enter__()
+        self._spawner = Spawner(on_task_error or _log_task_error)
+        spawner: Future[None] | None = None
         try:
+            spawner, _ = self.portal.start_task(self._spawner.run, name="kvbroker-spawner")
             self._future, self.registered = self.portal.start_task(client.run, name="kvbroker-client")
         except BaseException:
+            if spawner is not None:
+                spawner.cancel()  # else the portal would wait for it forever
             self._portal_cm.__exit__(None, None, None)
             raise
+        self._spawner_future = spawner
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Start ``fn(*args)`` on the loop and return at once, without waiting for the loop
+        thread (`portal.start_task_soon` waits for it).
+
+        Raises:
+            RuntimeError: the loop has stopped.
+        """
+        self._spawner.spawn(fn, *args)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.portal.call(fn, *args)
@@ -349,8 +372,13 @@ class SyncBrokerClient:
         try:
             self.portal.call(self.client.goodbye)
         finally:
+            self._spawner_future.cancel()
             self._future.cancel()
             self._portal_cm.__exit__(None, None, None)
+
+
+def _log_task_error(name: str, exc: Exception) -> None:
+    log.error("client.task_failed", task=name, error=repr(exc))
 
     def __enter__(self) -> SyncBrokerClient:
         return self

@@ -68,6 +68,7 @@ class _Staged:
     ids: torch.Tensor | None = None  # on a GPU with Triton: the block ids on the GPU, for `PagedKv`
     sends: int = 0
     dead: bool = False
+    dropped: str = ""  # why it was aborted or expired, once it was (`_unstage`)
     complete: bool = False  # every layer copied (wait_for_save); a Go before that waits
     event: torch.cuda.Event | None = None  # nccl: recorded after the step's gathers; the send waits on it
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
@@ -281,12 +282,20 @@ class ProducerSide:
         w = self.w
         if w.client is None:  # the worker closed before this task ran
             return
+        with w.lock:
+            dropped = staged.dropped if self._staged.get(tid) is not staged else ""
         client = w.client.client
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
         nbytes = staged.lease.nbytes
         spec = staged.spec
         if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
+        if dropped:
+            # Aborted before its Offer left: the Abort sent then named a transfer the broker
+            # did not know yet. Abort it again behind its Offer, so D's load fails now, not
+            # at its deadline; no byte of it is ever sent (a Go finds nothing staged).
+            await self.w.send_bounded("abort", tid, client.abort, tid, dropped)
+            return
         w.count("offered")
         w.log.info(
             "transfer.offered",
@@ -323,6 +332,8 @@ class ProducerSide:
             if staged is None:
                 return
             staged.dead = True
+            if phase != "released":
+                staged.dropped = reason or phase
             free_now = staged.sends == 0
             waiter = staged.waiter
         if waiter is not None:  # a Go waiting for the copy gives up

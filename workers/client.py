@@ -376,12 +376,12 @@ class SyncBrokerClient:
             self._future.cancel()
             self._portal_cm.__exit__(None, None, None)
 
-
-def _log_task_error(name: str, exc: Exception) -> None:
-    log.error("client.task_failed", task=name, error=repr(exc))
-
     def __enter__(self) -> SyncBrokerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_task_error(name: str, exc: Exception) -> None:
+    log.error("client.task_failed", task=name, error=repr(exc))

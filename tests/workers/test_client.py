@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import anyio
@@ -10,8 +11,9 @@ import zmq
 
 from protocols.codec import Codec
 from protocols.messages import Go, Goodbye, Prepare, Register, Registered
-from tests.support import BrokerProcess
-from workers.client import BrokerClient, ClientConfig, NullHandler
+from broker.status import fetch_status
+from tests.support import BrokerProcess, wait_until
+from workers.client import BrokerClient, ClientConfig, NullHandler, SyncBrokerClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -122,5 +124,41 @@ async def test_an_offer_made_while_the_broker_is_down_goes_out_once(tmp_path: Pa
             counters = broker.status()["counters"]
             assert (counters["offered"], counters["repeated"], counters["errors"]) == (1, 0, 0), counters
             tg.cancel_scope.cancel()
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_sync_client_runs_spawned_tasks_and_reports_their_failures(tmp_path: Path, backend: str) -> None:
+    """`SyncBrokerClient` as a context manager: `spawn` runs a coroutine on the client's
+    loop (here an Offer the broker then lists), a raising one reaches `on_task_error`,
+    and leaving the block says goodbye and stops the loop."""
+    broker = BrokerProcess(tmp_path)
+    broker.start()
+    failures: list[tuple[str, str]] = []
+    failed = threading.Event()
+
+    def on_error(name: str, exc: Exception) -> None:
+        failures.append((name, str(exc)))
+        failed.set()
+
+    async def broken() -> None:
+        raise ValueError("boom")
+
+    try:
+        reg = Register(role="prefill", instance_id="p", compat_hash="h")
+        with SyncBrokerClient(BrokerClient(ClientConfig(broker=broker.endpoint), reg, NullHandler()), backend,
+                              on_task_error=on_error) as sync:
+            sync.spawn(sync.client.offer, "t-spawned", 1024)
+            sync.spawn(broken)
+            assert failed.wait(10), "the failing task was never reported"
+            def offered() -> bool:
+                status = anyio.run(fetch_status, broker.endpoint)
+                return "t-spawned" in {t.transfer_id for t in status.transfers}
+
+            wait_until(offered, 10, "the spawned Offer at the broker")
+        assert failures == [("broken", "boom")]
+        with pytest.raises(RuntimeError):
+            sync.spawn(broken)  # the loop has stopped
     finally:
         broker.stop()

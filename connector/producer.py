@@ -131,6 +131,19 @@ class ProducerSide:
             # back while the layers are being copied. Not awaited: a step never waits on it.
             self.w.spawn(self._offer_all, offers)
 
+    async def _offer_aborted(self, tid: str, spec: SaveSpec, nbytes: int, reason: str) -> None:
+        """A save that will never be sent (not staged, or dropped before its Offer left):
+        offered and aborted right behind it. The broker ignores an Abort for a transfer it
+        does not know, so without the Offer D's load would wait load_timeout_s; this way
+        it fails now and vLLM recomputes. No byte is sent: a Go finds nothing staged."""
+        w = self.w
+        if w.client is None:  # the worker closed before this task ran
+            return
+        client = w.client.client
+        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(spec.block_ids))
+        if await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
+            await w.send_bounded("abort", tid, client.abort, tid, reason)
+
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
         `save_kv_layer` gathers each layer for all of them with one kernel: a step of N
@@ -191,6 +204,7 @@ class ProducerSide:
                 else:  # the client's loop is gone or failed
                     reason = f"waiting for staging room failed: {exc!r}"
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", nbytes=nbytes, reason=reason)
+                w.spawn(self._offer_aborted, tid, spec, nbytes, f"the prefill instance could not stage it: {reason}")
                 return None
         staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
         try:
@@ -282,20 +296,16 @@ class ProducerSide:
         w = self.w
         if w.client is None:  # the worker closed before this task ran
             return
+        nbytes, spec = staged.lease.nbytes, staged.spec
         with w.lock:
             dropped = staged.dropped if self._staged.get(tid) is not staged else ""
+        if dropped:  # its own Abort may have left first, for a transfer the broker did not know yet
+            await self._offer_aborted(tid, spec, nbytes, dropped)
+            return
         client = w.client.client
-        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(staged.spec.block_ids))
-        nbytes = staged.lease.nbytes
-        spec = staged.spec
+        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(spec.block_ids))
         if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
-        if dropped:
-            # Aborted before its Offer left: the Abort sent then named a transfer the broker
-            # did not know yet. Abort it again behind its Offer, so D's load fails now, not
-            # at its deadline; no byte of it is ever sent (a Go finds nothing staged).
-            await self.w.send_bounded("abort", tid, client.abort, tid, dropped)
-            return
         w.count("offered")
         w.log.info(
             "transfer.offered",

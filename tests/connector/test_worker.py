@@ -397,6 +397,29 @@ def test_full_staging_pool_stalls_a_step_once_not_once_per_save(broker: BrokerPr
         p.close()
 
 
+def test_a_save_without_staging_room_fails_its_decode_load_at_once(broker: BrokerProcess) -> None:
+    """P cannot stage a save (its staging pool stays full): D's load of it fails within
+    seconds, so vLLM recomputes, instead of waiting its whole load_timeout_s for an Offer
+    that will never come."""
+    pc, dc = make_caches(seed=22), make_caches(seed=23)
+    block = len(LAYERS) * 2 * 32 * 128 * 2  # one block, every layer: heads x block x 2*head x bf16
+    p = make_worker(broker.endpoint, "p", "p0", pc, staging_bytes=4 * block, load_timeout_s=1.0)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60.0)
+    try:
+        stage(p, pc, "t-full", [1, 2, 3, 4])  # fills P's staging pool; no decode peer takes it
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-nostage", [30, 31], cached=0)
+        stage(p, pc, "t-nostage", [5, 6], decode="d0")  # waits 1 s for room, then gives up
+        _, errors, _ = run_steps(d, {"req-t-nostage"}, 15)  # D's own deadline is 60 s
+        assert errors == {30, 31}
+        for n in LAYERS:
+            assert torch.equal(dc[n], before[n])
+        assert d.statistics()["failed"] == 1 and d.statistics()["loaded"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def test_transfer_id_reused_for_another_prompt_is_aborted(broker: BrokerProcess) -> None:
     """A proxy retry (same prompt) keeps the staged copy; another prompt must never get it."""
     pc, dc = make_caches(seed=12), make_caches(seed=13)

@@ -131,19 +131,6 @@ class ProducerSide:
             # back while the layers are being copied. Not awaited: a step never waits on it.
             self.w.spawn(self._offer_all, offers)
 
-    async def _offer_aborted(self, tid: str, spec: SaveSpec, nbytes: int, reason: str) -> None:
-        """A save that will never be sent (not staged, or dropped before its Offer left):
-        offered and aborted right behind it. The broker ignores an Abort for a transfer it
-        does not know, so without the Offer D's load would wait load_timeout_s; this way
-        it fails now and vLLM recomputes. No byte is sent: a Go finds nothing staged."""
-        w = self.w
-        if w.client is None:  # the worker closed before this task ran
-            return
-        client = w.client.client
-        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(spec.block_ids))
-        if await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
-            await w.send_bounded("abort", tid, client.abort, tid, reason)
-
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
         `save_kv_layer` gathers each layer for all of them with one kernel: a step of N
@@ -316,6 +303,19 @@ class ProducerSide:
             blocks=len(staged.spec.block_ids),
             decode=staged.spec.decode or None,
         )
+
+    async def _offer_aborted(self, tid: str, spec: SaveSpec, nbytes: int, reason: str) -> None:
+        """A save that will never be sent (not staged, or dropped before its Offer left):
+        offered and aborted right behind it. The broker ignores an Abort for a transfer it
+        does not know, so without the Offer D's load would wait load_timeout_s; this way
+        it fails now and vLLM recomputes. No byte is sent: a Go finds nothing staged."""
+        w = self.w
+        if w.client is None:  # the worker closed before this task ran
+            return
+        client = w.client.client
+        layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(spec.block_ids))
+        if await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
+            await w.send_bounded("abort", tid, client.abort, tid, reason)
 
     def _expire(self) -> None:
         """Free staged copies that outlived staging_ttl_s (only when the broker is gone)."""

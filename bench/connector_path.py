@@ -48,6 +48,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,7 @@ class _Engine:
         self.device = ("cuda:0" if role == "p" else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
         self.cycles = self.layer_cycles = 0
-        self.prefill_ms = 0.0  # the forward pass's GPU time, as measured (`forward`)
+        self.prefill_ms = 0.0  # the forward pass's GPU time (`layer` x the layers), measured once here
         if self.gpu:
             torch.cuda.set_device(self.device)
             per_ms = 1_000_000 / self._timed(lambda: torch.cuda._sleep(1_000_000))
@@ -92,7 +93,7 @@ class _Engine:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
                 self.prefill_ms = self._timed(lambda: [torch.cuda._sleep(self.layer_cycles) for _ in NAMES])
 
-    def _timed(self, work: Any) -> float:
+    def _timed(self, work: Callable[[], object]) -> float:
         """Milliseconds of GPU time `work` enqueues (the median of three)."""
         took = []
         for _ in range(3):

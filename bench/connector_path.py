@@ -23,7 +23,8 @@ pass is only its 32 per-layer gathers, unless `--prefill-ms` gives it GPU time o
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
                seen within one step.
-* after prefill  (with `--prefill-ms X`, nccl) P's forward pass takes X ms of GPU time
+* after prefill  (with `--prefill-ms X`) P's forward pass takes X ms of GPU time (on
+               tcp, X ms of sleep that leaves the GIL free, as torch's CPU kernels do)
                before its gathers, spread over the 32 layers (each layer's share, then
                its save_kv_layer), as a real prefill does; the row's `after_prefill_ms`
                is the connector's time less that forward pass's measured GPU time: what
@@ -85,6 +86,7 @@ class _Engine:
         self.step_s = step_ms / 1e3
         self.cycles = self.layer_cycles = 0
         self.prefill_ms = 0.0  # the forward pass's GPU time (`layer` x the layers), measured once here
+        self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
             torch.cuda.set_device(self.device)
             per_ms = 1_000_000 / self._timed(lambda: torch.cuda._sleep(1_000_000))
@@ -92,6 +94,12 @@ class _Engine:
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
                 self.prefill_ms = self._timed(lambda: [torch.cuda._sleep(self.layer_cycles) for _ in NAMES])
+        elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
+            self.layer_s = prefill_ms / 1e3 / LAYERS
+            t0 = time.perf_counter()
+            for _ in NAMES:
+                self.layer()
+            self.prefill_ms = (time.perf_counter() - t0) * 1e3
 
     def _timed(self, work: Callable[[], object]) -> float:
         """Milliseconds of GPU time `work` enqueues (the median of three)."""
@@ -109,6 +117,8 @@ class _Engine:
         """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
         if self.layer_cycles:
             torch.cuda._sleep(self.layer_cycles)
+        elif self.layer_s:
+            time.sleep(self.layer_s)
 
     def sync(self) -> None:
         if self.gpu:
@@ -345,16 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
     ap.add_argument("--prefill-ms", type=float, default=0.0,
-                    help="nccl: P's forward pass, ms of GPU time spread over its layers before each save_kv_layer")
+                    help="P's forward pass, ms spread over its layers before each save_kv_layer (GPU time on nccl; "
+                         "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
     ap.add_argument("--one-op", action="store_true",
                     help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    if args.prefill_ms and args.transport != "nccl":
-        print("--prefill-ms needs --transport nccl (its forward pass is GPU time)", file=sys.stderr)
-        return 2
     if args.transport == "nccl" and torch.cuda.device_count() < 2:
         print("--transport nccl needs 2 CUDA GPUs (--transport tcp runs on the CPU)", file=sys.stderr)
         return 2

@@ -78,13 +78,16 @@ class _Staged:
 
 @dataclass
 class _Group:
-    """A step's saves staged back to back in one cut-up lease (GPU with Triton): each
-    layer is gathered for all of them by one kernel, not one launch per request."""
+    """A step's saves staged back to back in one cut-up lease: each layer is gathered
+    for all of them by one copy (one kernel on a GPU with Triton, one torch call
+    otherwise), not one per request."""
 
-    ids: torch.Tensor  # every member's block ids, in member order, on the GPU
-    words: torch.Tensor  # the staging pool as words
-    offset: int  # the first member's staged bytes, in words into `words`
+    block_ids: list[int]  # every member's block ids, in member order
+    staging: torch.Tensor  # the members' staging as one, block-major (`staging_view`)
     members: list[_Staged]
+    ids: torch.Tensor | None = None  # with `PagedKv`: `block_ids` on the GPU
+    words: torch.Tensor | None = None  # with `PagedKv`: the staging pool as words
+    offset: int = 0  # with `PagedKv`: the first member's staged bytes, in words into `words`
 
 
 class ProducerSide:
@@ -133,38 +136,48 @@ class ProducerSide:
 
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
-        `save_kv_layer` gathers each layer for all of them with one kernel: a step of N
-        requests then costs 32 launches instead of 32 x N (each 10-20 us of host time).
-        Only on a GPU with Triton and with room now; {} otherwise, and each save is
-        leased on its own (waiting for room if need be)."""
+        `save_kv_layer` gathers each layer for all of them with one copy: a step of N
+        requests then costs 32 copies instead of 32 x N (each 10-20 us of host time, a
+        kernel launch on a GPU, torch's indexing on a CPU). Only with room now and every
+        block id inside the cache; {} otherwise, and each save is leased on its own
+        (waiting for room if need be)."""
         w = self.w
-        if w.paged is None or w.pool is None or not w.pool.tensor.is_cuda:
+        if w.pool is None or not w.layouts:
             return {}
         with w.lock:
             if any(tid in self._staged for tid in saves):
                 return {}  # a duplicate: `_lease` decides what to do with it
         num_layers = len(w.layers)
         sizes = [len(spec.block_ids) * num_layers * w.block_nbytes for spec in saves.values()]
-        word = w.paged.word.itemsize
-        if any(n % w.pool.alignment for n in sizes[:-1]) or w.pool.capacity % word:
-            return {}
+        block_ids = [b for spec in saves.values() for b in spec.block_ids]
+        num_blocks = min(layout.num_blocks for layout in w.layouts.values())
+        if any(n % w.pool.alignment for n in sizes[:-1]) or not all(0 <= b < num_blocks for b in block_ids):
+            return {}  # ids outside the cache: the copy of the save that holds them names them
+        paged = w.paged
+        if paged is not None and w.pool.capacity % paged.word.itemsize:
+            paged = None
         try:
-            ids = w.paged.block_ids([b for spec in saves.values() for b in spec.block_ids])
+            ids = paged.block_ids(block_ids) if paged is not None else None
             lease = w.pool.acquire_nowait(sum(sizes))
-        except (ValueError, PoolError):  # ids outside the cache, or no room now: one by one
+        except (ValueError, PoolError):  # no room now: one by one
             return {}
         parts = w.pool.split(lease, sizes)
-        if self._pool_words is None:
-            self._pool_words = w.pool.tensor.view(w.paged.word)
         out: dict[str, _Staged] = {}
         at = 0
         for (tid, spec), part in zip(saves.items(), parts):
             n = len(spec.block_ids)
             out[tid] = _Staged(spec=spec, lease=part, staging=staging_view(part.tensor, n, num_layers, w.block_nbytes),
-                               created=time.monotonic(), ids=ids[at : at + n], grouped=True)
+                               created=time.monotonic(), ids=None if ids is None else ids[at : at + n], grouped=True)
             at += n
-        self._group = _Group(ids=ids, words=self._pool_words, offset=parts[0].offset // word,
-                             members=list(out.values()))
+        whole = w.pool.tensor[parts[0].offset : parts[0].offset + sum(sizes)]
+        group = _Group(block_ids=block_ids, staging=staging_view(whole, len(block_ids), num_layers, w.block_nbytes),
+                       members=list(out.values()))
+        if paged is not None:
+            assert ids is not None
+            if self._pool_words is None:
+                self._pool_words = w.pool.tensor.view(paged.word)
+            group.ids, group.words, group.offset = ids, self._pool_words, parts[0].offset // paged.word.itemsize
+        self._group = group
         return out
 
     def _lease(self, tid: str, spec: SaveSpec, deadline: float) -> _Staged | None:
@@ -230,7 +243,7 @@ class ProducerSide:
         # The registered cache on a GPU: the transport's kernel, about ten times the rate
         # of an index_select into the strided staging rows (`ConnectorWorker._triton_copies`).
         paged = self.w.paged if kv_layer is self.w.caches.get(layer_name) else None
-        group = self._group if paged is not None else None
+        group = self._group
         for _tid, staged in self._step:
             if group is not None and staged.grouped:
                 continue  # below, with the rest of its group
@@ -241,8 +254,10 @@ class ProducerSide:
                 gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
             staged.layers_done.add(idx)
         if group is not None:
-            assert paged is not None
-            paged.gather_layer_at(idx, group.ids, group.words, group.offset)
+            if paged is not None and group.ids is not None and group.words is not None:
+                paged.gather_layer_at(idx, group.ids, group.words, group.offset)
+            else:  # the CPU, or this layer handed over as another tensor than the one registered
+                gather_layer_into_staging(group.staging, idx, kv_layer, layout, group.block_ids)
             for staged in group.members:
                 staged.layers_done.add(idx)
 

@@ -373,6 +373,54 @@ def test_kv_of_another_prompt_is_refused_by_the_decode_side(broker: BrokerProces
         d.close()
 
 
+def test_a_step_of_several_saves_is_staged_together_and_each_arrives_whole(broker: BrokerProcess) -> None:
+    """A step's saves share one cut-up lease, so each layer is copied once for all of them;
+    every request still reaches D intact, and its staging goes back on its own Release."""
+    pc, dc = make_caches(seed=31), make_caches(seed=32)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        plan = {"t-g0": ([5, 9, 2], [40, 41, 42]), "t-g1": ([17], [43]), "t-g2": ([30, 31], [44, 45])}
+        for tid, (_, dst) in plan.items():
+            load(d, tid, dst, cached=0)
+        saves = {tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
+                 for tid, (src, _) in plan.items()}
+        p.bind(KvBrokerMetadata(saves=saves))
+        assert p.producer is not None and p.producer._group is not None
+        assert p.producer._group.members == [p.producer._staged[tid] for tid in plan]
+        leases = [p.producer._staged[tid].lease for tid in plan]
+        assert [lease.offset + lease.nbytes for lease in leases[:-1]] == [lease.offset for lease in leases[1:]]
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        p.clear()
+        _, errors, _ = run_steps(d, {f"req-{tid}" for tid in plan}, 10)
+        assert errors == set()
+        for name in LAYERS:
+            for src, dst in plan.values():
+                assert torch.equal(dc[name][dst], pc[name][src]), (name, src, dst)
+        wait_until(lambda: p.pool is not None and p.pool.statistics().reserved == 0, 10, "P's staging released")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_step_naming_a_block_outside_the_cache_is_staged_one_by_one(broker: BrokerProcess) -> None:
+    """One save's bad block id must not take its step's other saves with it: the step is
+    staged one save at a time, and the copy names the bad id."""
+    pc = make_caches(seed=33)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    try:
+        saves = {"t-ok": SaveSpec(req_id="req-ok", block_ids=[1, 2], num_tokens=59),
+                 "t-bad": SaveSpec(req_id="req-bad", block_ids=[3, 999], num_tokens=59)}
+        p.bind(KvBrokerMetadata(saves=saves))
+        assert p.producer is not None and p.producer._group is None
+        with pytest.raises(ValueError, match="block id 999 is outside"):
+            p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+    finally:
+        p.close()
+
+
 def test_full_staging_pool_stalls_a_step_once_not_once_per_save(broker: BrokerProcess) -> None:
     """Backpressure on prefill is bounded per step: with the staging pool full (nothing
     is ever released: no decode peer), a step of three saves waits load_timeout_s in

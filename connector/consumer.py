@@ -50,7 +50,7 @@ import torch
 
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
-from workers.layout import scatter_layer_from_staging, staging_view, tail, tail_range
+from workers.layout import scatter_layers_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
 from workers.transports.nccl import SCATTER_PROGRAMS
 from workers.transports.tcp import TcpReceiver, TcpTransportError
@@ -311,8 +311,7 @@ class ConsumerSide:
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
             else:
                 staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
-                for name, idx in w.layers.items():
-                    scatter_layer_from_staging(staging, idx, w.caches[name], w.layouts[name], targets)
+                scatter_layers_from_staging(staging, w.staged_layers, targets)
         except Exception as exc:
             w.log.exception("transfer.scatter_failed", transfer_id=load.transfer_id, phase="scatter")
             return f"scatter failed: {exc}"

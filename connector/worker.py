@@ -109,6 +109,7 @@ class ConnectorWorker:
         self.layers: dict[str, int] = {}  # layer name -> index in the staged bytes
         self.layouts: dict[str, LayerLayout] = {}
         self.caches: dict[str, torch.Tensor] = {}
+        self.staged_layers: list[tuple[torch.Tensor, LayerLayout]] = []  # (cache, layout) in staged order
         self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
         self.compat: dict[str, str] = {}
@@ -164,6 +165,7 @@ class ConnectorWorker:
             )
         first = next(iter(self.layouts.values()))
         self.block_nbytes = first.block_nbytes
+        self.staged_layers = [(self.caches[name], self.layouts[name]) for name in self.layers]
         self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport)
         if nccl:
             self.paged = self._triton_copies(first)

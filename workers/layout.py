@@ -52,7 +52,7 @@ never written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
 import torch
@@ -70,6 +70,7 @@ __all__ = [
     "gather_layer_into_staging",
     "scatter",
     "scatter_layer_from_staging",
+    "scatter_layers_from_staging",
     "staging_view",
     "tail",
     "tail_range",
@@ -253,6 +254,36 @@ def scatter_layer_from_staging(
     src = _staging_slice(staging, layer_idx, len(idx), layout)
     rows, data = _as_words(dst, src.view(len(idx), *dst.shape[1:]))
     rows.index_copy_(0, idx, data)
+
+
+def scatter_layers_from_staging(
+    staging: torch.Tensor, layers: Sequence[tuple[torch.Tensor, LayerLayout]], block_ids: BlockIds
+) -> None:
+    """`scatter_layer_from_staging` for every layer of one transfer, layer i of `staging`
+    into ``layers[i]``: the ids are checked and indexed once, and the widest word found
+    once, not per layer. A per-layer call costs 10-15 us of host time on a CPU, which D
+    spends in the engine's step, so a request's 32 layers cost 0.4-0.5 ms before a byte moved."""
+    if not layers:
+        return
+    if staging.dim() != 3 or staging.shape[1] != len(layers):
+        raise LayoutError(f"staging {list(staging.shape)} does not hold {len(layers)} layers.")
+    first_cache, first = layers[0]
+    bound = min(layout.num_blocks for _, layout in layers)
+    idx = _index(block_ids, replace(first, num_blocks=bound), first_cache.device, unique=True)
+    word: torch.dtype | None = None
+    for i, (cache, layout) in enumerate(layers):
+        dst = _blocks(cache, layout)
+        src = _staging_slice(staging, i, len(idx), layout).view(len(idx), *dst.shape[1:])
+        if word is not None and layout == first:
+            try:
+                rows, data = dst.view(word), src.view(word)
+            except RuntimeError:  # a stride this word does not fit: work it out for this layer
+                rows, data = _as_words(dst, src)
+        else:
+            rows, data = _as_words(dst, src)
+            if layout == first:
+                word = rows.dtype
+        rows.index_copy_(0, idx, data)
 
 
 def tail(block_ids: Sequence[int], num_cached_blocks: int) -> Sequence[int]:

@@ -19,6 +19,7 @@ from workers.layout import (
     gather_layer_into_staging,
     scatter,
     scatter_layer_from_staging,
+    scatter_layers_from_staging,
     staging_view,
     tail,
     tail_range,
@@ -257,6 +258,56 @@ def test_staging_round_trip_skips_prefix_cached_blocks(kind: str, num_cached: in
                 assert after[b] == block_bytes(p_caches[layer], layout_p, src_block)
             else:  # prefix-cached and unrelated blocks are byte-identical to before
                 assert after[b] == before[layer][b]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    dtype=st.sampled_from(DTYPES),
+    num_layers=st.integers(1, 4),
+    ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+    views=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_every_layer_at_once_writes_what_one_layer_at_a_time_does(
+    kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int
+) -> None:
+    """`scatter_layers_from_staging` is the per-layer scatter, run for every layer: the same
+    bytes land, whether the layers are tensors of their own or views of one allocation."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = spec_for(kind)
+    shape = shape_for(kind, 12, spec)
+    if views:  # like vLLM's CPU backend: layers are views of one allocation
+        whole = random_cache((num_layers, *shape), dtype, gen)
+        caches = [whole[i] for i in range(num_layers)]
+    else:
+        caches = [random_cache(shape, dtype, gen) for _ in range(num_layers)]
+    layout = detect_layout(caches[0], spec, hint=None if kind != "mla3d" else "mla")
+    want = [c.clone() for c in caches]
+    buf = torch.randint(0, 256, (len(ids) * num_layers * layout.block_nbytes,), dtype=torch.uint8, generator=gen)
+    staging = staging_view(buf, len(ids), num_layers, layout.block_nbytes)
+    for layer, cache in enumerate(want):
+        scatter_layer_from_staging(staging, layer, cache, layout, ids)
+    scatter_layers_from_staging(staging, [(c, layout) for c in caches], ids)
+    for got, expected in zip(caches, want, strict=True):
+        assert got.view(torch.uint8).numpy().tobytes() == expected.view(torch.uint8).numpy().tobytes()
+
+
+def test_every_layer_at_once_checks_ids_and_layers() -> None:
+    spec = spec_for("cpu")
+    small = torch.zeros(shape_for("cpu", 4, spec), dtype=torch.float16)
+    large = torch.zeros(shape_for("cpu", 8, spec), dtype=torch.float16)
+    layers = [(large, detect_layout(large, spec)), (small, detect_layout(small, spec))]
+    bn = layers[0][1].block_nbytes
+    staging = staging_view(torch.zeros(3 * bn, dtype=torch.uint8), 1, 3, bn)
+    with pytest.raises(LayoutError, match="does not hold 2 layers"):
+        scatter_layers_from_staging(staging, layers, [0])
+    staging = staging_view(torch.zeros(2 * bn, dtype=torch.uint8), 1, 2, bn)
+    with pytest.raises(LayoutError, match="block id 5 is outside the cache's 4 blocks"):
+        scatter_layers_from_staging(staging, layers, [5])  # fits the first layer, not the second
+    with pytest.raises(LayoutError, match="must be distinct"):
+        scatter_layers_from_staging(staging_view(torch.zeros(4 * bn, dtype=torch.uint8), 2, 2, bn), layers, [1, 1])
+    assert not large.any() and not small.any()
 
 
 def test_tail_helpers_validate() -> None:

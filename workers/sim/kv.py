@@ -24,7 +24,7 @@ from workers.layout import (
     LayerLayout,
     detect_layout,
     gather_layer_into_staging,
-    scatter_layer_from_staging,
+    scatter_layers_from_staging,
     staging_view,
     wire_layout,
 )
@@ -160,8 +160,7 @@ class PagedCache:
         """Scatter block-major staged bytes `src` into the blocks (the inverse of `stage`)."""
         g = self.geometry
         staging = staging_view(src, len(block_ids), g.num_layers, self.layer_layout.block_nbytes)
-        for layer, cache in enumerate(self.layers):
-            scatter_layer_from_staging(staging, layer, cache, self.layer_layout, block_ids)
+        scatter_layers_from_staging(staging, [(cache, self.layer_layout) for cache in self.layers], block_ids)
 
     def verify(self, seed: int, block_ids: list[int]) -> int:
         """Compare the blocks with the prompt's content; return the number of wrong layers (0: exact)."""

@@ -175,7 +175,7 @@ class ConsumerSide:
                 torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             if load.lease is not None:
                 # scattered (or some chunks were): the room goes back once that ran; else at once
-                self._give_back(load.lease, scattered or load.scattered is not None)
+                self._give_back(load.lease, scattered, load.scattered)
                 load.lease = None
             finished.add(load.spec.req_id)
             if load.state != "failed":
@@ -198,9 +198,14 @@ class ConsumerSide:
             self.w.spawn(self._finish, dones, aborts)
         return finished
 
-    def _give_back(self, lease: Lease, scattered: bool) -> None:
-        """Return `lease` to the pool; on a GPU after the scatter that reads it has run."""
-        if scattered and lease.base.is_cuda:
+    def _give_back(self, lease: Lease, scattered: bool, landed: torch.cuda.Event | None) -> None:
+        """Return `lease` to the pool; on a GPU after the scatter that reads it has run:
+        `landed` where `_land` scattered it chunk by chunk (its own stream's last event),
+        else an event after the scatter just enqueued on the compute stream."""
+        if landed is not None:
+            with self.w.lock:
+                self._draining.append((landed, lease))
+        elif scattered and lease.base.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(lease.base.device))
             with self.w.lock:

@@ -148,6 +148,8 @@ def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[Conne
         connector.nccl_link.chunks = lambda nbytes, block_nbytes: [(0, nbytes // block_nbytes)]
     if cfg.get("wait_spin_us") is not None:
         connector.nccl_link.WAIT_SPIN_S = cfg["wait_spin_us"] * 1e-6
+    if cfg.get("land_each"):
+        connector.nccl_link.COALESCE_LANDINGS = False
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
@@ -359,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
+    ap.add_argument("--land-each", action="store_true",
+                    help="nccl: D lands every chunk on its own, even those that ended while it was busy")
     ap.add_argument("--one-op", action="store_true",
                     help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
     ap.add_argument("--json", default="")
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

@@ -75,6 +75,10 @@ COMMUNICATORS = 8
 # 8 transfers of a pair in flight, 1 ms spins cost 10-15% of their rate (docs/RESULTS.md).
 WAIT_SPIN_S = 50e-6
 
+# Whether D lands the chunks that ended while it was busy as one copy (`_wait_posted`);
+# False lands every chunk on its own, for comparison (`bench/connector_path.py`).
+COALESCE_LANDINGS = True
+
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters, or when the order of a pair's transfers changes: peers of two versions must
 # then be refused at registration (`plan`). 2: a pair's transfers in D's ticket order.
@@ -422,19 +426,31 @@ class NcclLink:
             raise ValueError(f"a receive reported chunk by chunk must be whole blocks, not {posted.transfer_id}'s")
         if before is not None:
             before()
-        for k, done in enumerate(posted.completions):
-            done.wait(deadline, spin_s=WAIT_SPIN_S)
+        done, n = posted.completions, len(posted.completions)
+        k = 0
+        while k < n:
+            done[k].wait(deadline, spin_s=WAIT_SPIN_S)
+            last = k
+            if landed is not None and COALESCE_LANDINGS:
+                # Chunks whose ops ended meanwhile land with this one, as one copy: a thread
+                # that fell behind the wire (several transfers in flight, a busy host)
+                # catches up instead of paying a launch for each chunk.
+                while last + 1 < n and done[last + 1].done():
+                    last += 1
+                    done[last].wait(deadline)  # ended: returns at once, and lets go of what the op kept
+            # After seeing the ops end: an abort ends a kernel early, and is seen here.
             if comm.closed or comm.broken:  # aborted meanwhile (`cancel`, a timeout): the kernel ended early
                 raise TransferFailed(posted.transfer_id,
                                      f"the NCCL {op} with {peer} was cut short: its communicator was aborted")
             if landed is not None:
-                b0, b1 = posted.parts[k]
+                b0, b1 = posted.parts[k][0], posted.parts[last][1]
                 try:
-                    landed(b0, b1, len(posted.parts) - 1 - k)
+                    landed(b0, b1, n - 1 - last)
                 except BaseException:
-                    if k < len(posted.parts) - 1:  # later chunks' ops are posted: they would pair with the next transfer's
+                    if last < n - 1:  # later chunks' ops are posted: they would pair with the next transfer's
                         self.cache.discard(peer)
                     raise
+            k = last + 1
 
     def close(self) -> None:
         self.cache.close()

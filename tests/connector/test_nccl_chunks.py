@@ -55,10 +55,16 @@ def test_sizes_that_are_not_whole_blocks_go_in_one_op(nbytes: int, block_nbytes:
 
 
 class _Done:
-    """A chunk's op completion that ends when the test says (`wait` returns at once)."""
+    """A chunk's op completion that ends when the test says (`wait` returns at once);
+    `done()` is true only for chunks the test says ended before anyone waited for them."""
 
-    def __init__(self, k: int, log: list[str], comm: Any, abort_at: int | None) -> None:
-        self.k, self.log, self.comm, self.abort_at = k, log, comm, abort_at
+    def __init__(self, k: int, log: list[str], comm: Any, abort_at: int | None, early: set[int]) -> None:
+        self.k, self.log, self.comm, self.abort_at, self.early = k, log, comm, abort_at, early
+
+    def done(self) -> bool:
+        if self.k in self.early and self.k == self.abort_at:
+            self.comm.broken = True
+        return self.k in self.early
 
     def wait(self, deadline: float, *, spin_s: float = 0.0) -> None:
         self.log.append(f"ended {self.k}")
@@ -66,11 +72,11 @@ class _Done:
             self.comm.broken = True
 
 
-def _posted(n: int, log: list[str], abort_at: int | None = None) -> Posted:
+def _posted(n: int, log: list[str], abort_at: int | None = None, early: frozenset[int] = frozenset()) -> Posted:
     comm = SimpleNamespace(closed=False, broken=False)
     parts = chunks(n * LLAMA_BLOCK, LLAMA_BLOCK)
     return Posted(peer="p0:0", op="recv", transfer_id="t", comm=comm,
-                  completions=[_Done(k, log, comm, abort_at) for k in range(len(parts))], parts=parts,
+                  completions=[_Done(k, log, comm, abort_at, set(early)) for k in range(len(parts))], parts=parts,
                   flag=threading.Event())
 
 
@@ -92,6 +98,25 @@ def test_a_receive_sets_up_before_any_chunk_ends_then_lands_each_chunk_in_order(
                          before=lambda: log.append("before"))
     assert log == ["before", "ended 0", "landed 0-48 left 3", "ended 1", "landed 48-96 left 2",
                    "ended 2", "landed 96-120 left 1", "ended 3", "landed 120-128 left 0"]
+
+
+def test_chunks_that_ended_while_the_receiver_was_busy_land_as_one_copy() -> None:
+    """A receiving thread behind the wire finds the next chunks' ops ended too: they land
+    with the chunk it waited for, as one range, still in order and with the right count
+    of chunks to come; a chunk not ended yet is waited for on its own."""
+    log: list[str] = []
+    posted = _posted(128, log, early=frozenset({1, 2}))
+    _link()._wait_posted(posted, deadline=float("inf"),
+                         landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1} left {left}"))
+    assert log == ["ended 0", "ended 1", "ended 2", "landed 0-120 left 1", "ended 3", "landed 120-128 left 0"]
+
+
+def test_an_abort_seen_among_ended_chunks_lands_none_of_them() -> None:
+    log: list[str] = []
+    with pytest.raises(TransferFailed, match="cut short"):
+        _link()._wait_posted(_posted(128, log, abort_at=2, early=frozenset({1, 2})), deadline=float("inf"),
+                             landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1}"))
+    assert not [line for line in log if line.startswith("landed")]
 
 
 def test_a_chunk_cut_short_by_an_abort_never_lands_and_the_communicator_is_not_reused() -> None:

@@ -9,6 +9,7 @@ rendezvous) and NCCL. The KV is flash-attn shaped (``[2, num_blocks, bs, H, D]``
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -285,14 +286,19 @@ def _one_block_chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
     return [(k, k + 1) for k in range(nbytes // block_nbytes)]
 
 
-def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("coalesce", [False, True], ids=["each", "coalesced"])
+def test_chunks_are_scattered_as_each_lands(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, coalesce: bool
+) -> None:
     """A transfer in several chunks (one NCCL op each, both sides): D scatters each chunk
     into its blocks as its receive ends, on a stream of its own, ordered after the
     compute stream's point at start_load_kv. 30 transfers of 6 blocks, every other one
     with a two-block prefix hit; P's blocks overwritten right after each step. D's blocks
     after its hit hold exactly what P saved, its prefix-cached blocks are never written,
-    every chunk went through `_land`, and every lease goes back to its pool."""
+    every chunk went through `_land` (on its own, or with the chunks that ended while D
+    was busy: in order, each block once), and every lease goes back to its pool."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
+    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", coalesce)
     landed: list[tuple[str, int, int]] = []
     real_land = consumer.ConsumerSide._land
 
@@ -322,9 +328,12 @@ def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: 
             for n, t in dc.items():
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
                 assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
-            assert [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"] == [
-                (k, k + 1) for k in range(len(dst) - cached)
-            ]
+            ranges = [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"]
+            if coalesce:
+                assert ranges[0][0] == 0 and ranges[-1][1] == len(dst) - cached, ranges
+                assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
+            else:
+                assert ranges == [(k, k + 1) for k in range(len(dst) - cached)]
         leases_come_back(p, d)
     finally:
         p.close()

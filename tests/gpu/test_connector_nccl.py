@@ -348,8 +348,10 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     a give-up does), or the scatter of the next chunk failing (its later chunks' receives
     still posted). The load fails with all its blocks reported, its lease goes back only
     after the landed chunk's scatter has run, and the next transfer is whole, on new
-    communicators (none of the cut transfer's ops pairs with the next one's)."""
+    communicators (none of the cut transfer's ops pairs with the next one's). Each chunk
+    lands on its own here, so the cut comes between two chunks whatever the timing."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
+    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", False)
     real_land = consumer.ConsumerSide._land
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:

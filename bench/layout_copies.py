@@ -8,7 +8,12 @@ the bytes as uint8, as they were first written.
 
 Layouts: vLLM's CPU cache ``[blocks, H, bs, 2D]`` and the GPU ``kv_first`` shape
 ``[2, blocks, bs, H, D]`` (held on the CPU here), 8 KV heads, head 128, block 16, bf16.
-Prints a table (median of `--reps`); `--json PATH` writes the rows.
+
+A second table times D's scatter of a short request (1 and 8 blocks of 32 layers, the
+CPU layout), where the host's cost per call outweighs the bytes: every layer at once
+(`scatter_layers_from_staging`, what D runs) against a call per layer, in the same run.
+
+Prints both tables (median of `--reps`); `--json PATH` writes the rows.
 
 Usage: python bench/layout_copies.py [--layers 8] [--blocks 128] [--reps 7] [--json PATH]
 """
@@ -32,6 +37,7 @@ from workers.layout import (  # noqa: E402
     detect_layout,
     gather_layer_into_staging,
     scatter_layer_from_staging,
+    scatter_layers_from_staging,
     staging_view,
 )
 from workers.layout import _blocks, _staging_slice  # noqa: E402  (the baseline's views)
@@ -46,6 +52,32 @@ def _timed(fn: Callable[[], None], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _short_scatters(spec: CacheSpec, reps: int, layers: int = 32) -> list[dict[str, Any]]:
+    """D's scatter of a request of a few blocks: every layer at once against a call per layer."""
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.randn((64, HEADS, BLOCK, 2 * DIM), generator=g).to(torch.bfloat16) for _ in range(layers)]
+    lay = detect_layout(caches[0], spec)
+    out = []
+    for n in (1, 8):
+        staging = staging_view(torch.empty(n * layers * lay.block_nbytes, dtype=torch.uint8), n, layers,
+                               lay.block_nbytes)
+        ids = torch.randperm(64, generator=g)[:n].tolist()
+
+        def at_once() -> None:
+            scatter_layers_from_staging(staging, [(c, lay) for c in caches], ids)
+
+        def per_layer() -> None:
+            for i, c in enumerate(caches):
+                scatter_layer_from_staging(staging, i, c, lay, ids)
+
+        at_once()
+        per_layer()
+        t_once, t_each = _timed(at_once, reps), _timed(per_layer, reps)
+        out.append({"blocks": n, "layers": layers, "at_once_ms": round(t_once * 1e3, 3),
+                    "per_layer_ms": round(t_each * 1e3, 3), "x_per_layer": round(t_each / t_once, 2)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['layout']:<10}{r['op']:<9}{r['MiB']:>6.0f}{r['words_ms']:>10.2f}{r['uint8_ms']:>10.2f}"
               f"{r['words_GBps']:>12.2f}{r['x_uint8']:>9.2f}")
+    short = _short_scatters(spec, args.reps * 5)
+    print(f"\n{'blocks':>6}{'layers':>7}{'at once ms':>12}{'per layer ms':>14}{'x per layer':>13}")
+    for r in short:
+        print(f"{r['blocks']:>6}{r['layers']:>7}{r['at_once_ms']:>12.3f}{r['per_layer_ms']:>14.3f}{r['x_per_layer']:>13.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "threads": torch.get_num_threads(), "torch": torch.__version__}, f, indent=1)
+            json.dump({"rows": rows, "short_scatters": short, "threads": torch.get_num_threads(),
+                       "torch": torch.__version__}, f, indent=1)
     return 0
 
 

@@ -244,22 +244,45 @@ class ProducerSide:
         # of an index_select into the strided staging rows (`ConnectorWorker._triton_copies`).
         paged = self.w.paged if kv_layer is self.w.caches.get(layer_name) else None
         group = self._group
-        for _tid, staged in self._step:
+        failed: list[tuple[str, Exception]] = []  # never raised into vLLM's forward pass
+        for tid, staged in self._step:
             if group is not None and staged.grouped:
                 continue  # below, with the rest of its group
-            if paged is not None and staged.ids is not None:
-                words = paged.staging_view(staged.lease.tensor, len(staged.spec.block_ids))
-                paged.gather_layer(idx, staged.ids, words)
-            else:
-                gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
+            try:
+                if paged is not None and staged.ids is not None:
+                    words = paged.staging_view(staged.lease.tensor, len(staged.spec.block_ids))
+                    paged.gather_layer(idx, staged.ids, words)
+                else:
+                    gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
+            except Exception as exc:
+                failed.append((tid, exc))
+                continue
             staged.layers_done.add(idx)
         if group is not None:
-            if paged is not None and group.ids is not None and group.words is not None:
-                paged.gather_layer_at(idx, group.ids, group.words, group.offset)
-            else:  # the CPU, or this layer handed over as another tensor than the one registered
-                gather_layer_into_staging(group.staging, idx, kv_layer, layout, group.block_ids)
-            for staged in group.members:
-                staged.layers_done.add(idx)
+            try:
+                if paged is not None and group.ids is not None and group.words is not None:
+                    paged.gather_layer_at(idx, group.ids, group.words, group.offset)
+                else:  # the CPU, or this layer handed over as another tensor than the one registered
+                    gather_layer_into_staging(group.staging, idx, kv_layer, layout, group.block_ids)
+            except Exception as exc:
+                failed += [(tid, exc) for tid, staged in self._step if staged in group.members]
+                self._group = None
+            else:
+                for staged in group.members:
+                    staged.layers_done.add(idx)
+        if failed:
+            self._copy_failed(layer_name, failed)
+
+    def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
+        """Saves whose layer could not be copied (a block id outside the cache, a layer
+        tensor of another shape) leave the step and are aborted, so their decode loads fail
+        now; the step's other saves, and the forward pass, go on."""
+        gone = {tid for tid, _ in failed}
+        self._step = [(tid, staged) for tid, staged in self._step if tid not in gone]
+        for tid, exc in failed:
+            reason = f"its KV of layer {layer_name} could not be copied: {exc}"
+            self.w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
+            self._drop(tid, "aborted", reason)
 
     def wait_for_save(self) -> None:
         w = self.w

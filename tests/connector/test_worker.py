@@ -405,20 +405,62 @@ def test_a_step_of_several_saves_is_staged_together_and_each_arrives_whole(broke
         d.close()
 
 
-def test_a_step_naming_a_block_outside_the_cache_is_staged_one_by_one(broker: BrokerProcess) -> None:
-    """One save's bad block id must not take its step's other saves with it: the step is
-    staged one save at a time, and the copy names the bad id."""
-    pc = make_caches(seed=33)
+def test_a_save_naming_a_block_outside_the_cache_fails_alone(broker: BrokerProcess) -> None:
+    """One save's bad block id (a scheduler bug, a cache of another size) must not take
+    its step's other saves, or the forward pass, with it: the step is staged one save at
+    a time, the bad save is aborted naming the id, so its decode load fails at once, and
+    the other save arrives whole."""
+    pc, dc = make_caches(seed=33), make_caches(seed=34)
     p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
     try:
-        saves = {"t-ok": SaveSpec(req_id="req-ok", block_ids=[1, 2], num_tokens=59),
-                 "t-bad": SaveSpec(req_id="req-bad", block_ids=[3, 999], num_tokens=59)}
+        load(d, "t-ok", [20, 21], cached=0)
+        load(d, "t-bad", [22, 23], cached=0)
+        saves = {"t-ok": SaveSpec(req_id="req-t-ok", block_ids=[1, 2], num_tokens=59, decode="d0"),
+                 "t-bad": SaveSpec(req_id="req-t-bad", block_ids=[3, 999], num_tokens=59, decode="d0")}
         p.bind(KvBrokerMetadata(saves=saves))
         assert p.producer is not None and p.producer._group is None
-        with pytest.raises(ValueError, match="block id 999 is outside"):
-            p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])  # raises nothing into the forward pass
+        p.wait_for_save()
+        p.clear()
+        _, errors, took = run_steps(d, {"req-t-ok", "req-t-bad"}, 10)
+        assert errors == {22, 23} and took < 10
+        for name in LAYERS:
+            assert torch.equal(dc[name][[20, 21]], pc[name][[1, 2]])
+        aborted = [json.loads(line) for line in broker.log_path.read_text().splitlines() if "transfer.aborted" in line]
+        assert any("block id 999 is outside" in a.get("reason", "") for a in aborted), aborted
+        wait_until(lambda: p.pool is not None and p.pool.statistics().reserved == 0, 10, "P's staging released")
     finally:
         p.close()
+        d.close()
+
+
+def test_a_layer_that_cannot_be_copied_fails_the_saves_of_its_group(broker: BrokerProcess) -> None:
+    """A layer handed over as a tensor of another shape than the one registered cannot be
+    copied for the step's grouped saves: they are all aborted (their loads fail at once),
+    nothing is raised into the forward pass, and their staging goes back."""
+    pc, dc = make_caches(seed=35), make_caches(seed=36)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
+    try:
+        load(d, "t-a", [20], cached=0)
+        load(d, "t-b", [21, 22], cached=0)
+        saves = {"t-a": SaveSpec(req_id="req-t-a", block_ids=[1], num_tokens=27, decode="d0"),
+                 "t-b": SaveSpec(req_id="req-t-b", block_ids=[2, 3], num_tokens=59, decode="d0")}
+        p.bind(KvBrokerMetadata(saves=saves))
+        assert p.producer is not None and p.producer._group is not None
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        p.save_kv_layer(LAYERS[1], pc[LAYERS[1]][:, :1])  # not the registered shape
+        p.wait_for_save()
+        p.clear()
+        _, errors, took = run_steps(d, {"req-t-a", "req-t-b"}, 10)
+        assert errors == {20, 21, 22} and took < 10
+        wait_until(lambda: p.pool is not None and p.pool.statistics().reserved == 0, 10, "P's staging released")
+        assert p.statistics()["aborted"] == 2
+    finally:
+        p.close()
+        d.close()
 
 
 def test_full_staging_pool_stalls_a_step_once_not_once_per_save(broker: BrokerProcess) -> None:

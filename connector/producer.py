@@ -265,7 +265,7 @@ class ProducerSide:
                 else:  # the CPU, or this layer handed over as another tensor than the one registered
                     gather_layer_into_staging(group.staging, idx, kv_layer, layout, group.block_ids)
             except Exception as exc:
-                failed += [(tid, exc) for tid, staged in self._step if staged in group.members]
+                failed += [(tid, exc) for tid, staged in self._step if staged.grouped]  # the group's members
                 self._group = None
             else:
                 for staged in group.members:

@@ -32,7 +32,7 @@ cat "$OUT/env.txt"
 
 # BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch, --ipc 132); SKIP_TESTS=1: no pytest.
 # The timeouts keep one run under 9 minutes: the benchmark (about 100 s) gets BENCH_TIMEOUT,
-# the connector's (about 25 s, and 20 s with 8 in flight) CONNECTOR_TIMEOUT each, the direct backend's tests TEST_TIMEOUT,
+# the connector's (about 25 s, and 20-25 s for each run with 8 in flight) CONNECTOR_TIMEOUT each, the direct backend's tests TEST_TIMEOUT,
 # torch's whatever is left of TOTAL_BUDGET.
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
@@ -47,6 +47,12 @@ timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport n
   --iters 10 --json "$OUT/connector_nccl_inflight8.json" > "$OUT/connector_nccl_inflight8.log" 2>&1
 echo "connector bench (8 in flight) rc=$?"
 grep -v '^20\|^{' "$OUT/connector_nccl_inflight8.log" | tail -3
+# The same eight after a 10 ms forward pass: what the transfers add once the prefill is done.
+timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --inflight 8 --tokens 512,2048 \
+  --iters 10 --prefill-ms 10 --json "$OUT/connector_nccl_inflight8_prefill10.json" \
+  > "$OUT/connector_nccl_inflight8_prefill10.log" 2>&1
+echo "connector bench (8 in flight, after a prefill) rc=$?"
+grep -v '^20\|^{' "$OUT/connector_nccl_inflight8_prefill10.log" | tail -3
 # BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
 # (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
 if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then

@@ -203,7 +203,7 @@ class _RawTcp:
 def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     """P: for each request, tell D, wait until D holds it, then run the step."""
     engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"])
-    configure_logging(cfg["log_format"])
+    configure_logging(cfg["log_format"], cfg["log_level"])
     p, caches = _worker(endpoint, "p", engine, cfg)
     raw_tcp = _RawTcp()
     try:
@@ -257,7 +257,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
 def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
     """D: hold each request, then step until get_finished reports it."""
     engine = _Engine(cfg["transport"], "d", cfg["step_ms"])
-    configure_logging(cfg["log_format"])
+    configure_logging(cfg["log_format"], cfg["log_level"])
     d, caches = _worker(endpoint, "d", engine, cfg)
     raw_tcp = _RawTcp()
     rows: list[dict[str, Any]] = []
@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
+    ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
+                    help="the workers' log level (debug: also each landing's wait for the worker's lock)")
     ap.add_argument("--land-each", action="store_true",
                     help="nccl: D lands every chunk on its own, even those that ended while it was busy")
     ap.add_argument("--one-op", action="store_true",
@@ -375,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
-           "log_format": args.log_format,
+           "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
     broker, endpoint = _start_broker()

@@ -88,6 +88,9 @@ class _Load:
     targets: torch.Tensor | None = None
     scattered: torch.cuda.Event | None = None
     landed_blocks: int = 0
+    # When the bytes were known to be in (time.monotonic()): the `transfer.loaded` line says
+    # how long the load then waited for the engine's get_finished (`since_received_ms`).
+    received_at: float = 0.0
 
 
 class ConsumerSide:
@@ -330,6 +333,7 @@ class ConsumerSide:
             nbytes=load.nbytes,
             blocks=count,
             skipped_blocks=spec.num_cached_blocks,
+            since_received_ms=round((time.monotonic() - load.received_at) * 1e3, 3) if load.received_at else None,
         )
         return None
 
@@ -470,7 +474,7 @@ class ConsumerSide:
             return reason
         with w.lock:
             if load.state == "receiving":
-                load.state = "received"
+                load.state, load.received_at = "received", time.monotonic()
             elif load.state != "received":  # given up by `get_finished` meanwhile (else `_land` marked it)
                 return load.reason or "the load was given up"
         # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its next get_finished.
@@ -553,7 +557,9 @@ class ConsumerSide:
         engine's next `get_finished` sees it without waiting for the loop thread."""
         w = self.w
         assert w.paged is not None and load.allocated is not None
+        asked = time.monotonic()
         with w.lock:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
+            locked = time.monotonic()
             if load.state != "receiving" or load.lease is None:
                 return
             stream = self._scatter_stream_locked()
@@ -570,7 +576,10 @@ class ConsumerSide:
                 event.record(stream)
             load.scattered, load.landed_blocks = event, b1
             if left == 0 and b1 == count:
-                load.state = "received"
+                load.state, load.received_at = "received", time.monotonic()
+        # What a landing costs D's host: waiting for the worker's lock, then the launch under it.
+        w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[b0, b1], left=left,
+                    lock_wait_us=round((locked - asked) * 1e6), launch_us=round((time.monotonic() - locked) * 1e6))
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""

@@ -191,6 +191,8 @@ def test_outputs_match_plain_engine_and_consumer_loaded(cluster: dict[str, Any])
     loaded = {r["transfer_id"]: r for r in log_events(cluster, "d-main", "transfer.loaded")}
     assert set(tids) <= set(loaded), sorted(loaded)
     assert [loaded[t]["blocks"] for t in tids] == [-(-n // BLOCK) for n in lengths]
+    # how long each load, once in, waited for the engine's get_finished: a time, never missing
+    assert all(loaded[t]["since_received_ms"] >= 0 for t in tids), [loaded[t] for t in tids]
     assert not [r for r in log_events(cluster, "d-main", "transfer.load_failed") if r["transfer_id"] in tids]
     # vLLM counts the whole loaded prompt as cached (it still recomputes the last token).
     assert d["num_cached_tokens"] == lengths

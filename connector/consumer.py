@@ -20,7 +20,7 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    stream, so the lease goes back to the pool only once an event after it has completed
    (a later receive into the same bytes is not ordered after the scatter).
    Over nccl with the transport's copy kernel the scatter starts earlier: chunk by
-   chunk, as each chunk's receive ends (`_land`, in the receiving thread), on a
+   chunk, as each chunk's receive ends (`_land`, on the nccl link's watcher thread), on a
    stream of its own that first waits for an event recorded in `start_load_kv` (so
    for whatever the compute stream did with those blocks before they were given to
    this request). `get_finished` then only makes the compute stream wait for the
@@ -39,9 +39,10 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -91,6 +92,11 @@ class _Load:
     # When the bytes were known to be in (time.monotonic()): the `transfer.loaded` line says
     # how long the load then waited for the engine's get_finished (`since_received_ms`).
     received_at: float = 0.0
+    # Held while a chunk's scatter is launched from the lease (`_land`), and by whoever
+    # ends the receiving state or takes the lease meanwhile (taken before the worker's
+    # lock, never after it). A landing then waits neither for another load's landing nor
+    # for get_finished, and the lease cannot go back while a scatter from it is launched.
+    landing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 class ConsumerSide:
@@ -104,7 +110,7 @@ class ConsumerSide:
         self._errors: set[int] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
-        self._scatter_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
+        self._landing_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
 
     def start_transport(self) -> dict[str, str]:
         """Listen for producers; the endpoint goes into this peer's registration (nccl:
@@ -275,8 +281,9 @@ class ConsumerSide:
         self._fail(load, reason, telling=False)
 
     def _fail(self, load: _Load, reason: str, *, telling: bool) -> bool:
-        """Mark `load` failed and free its lease; True if the caller must tell the broker now."""
-        with self.w.lock:
+        """Mark `load` failed and free its lease; True if the caller must tell the broker now.
+        Waits for a chunk's landing under way, whose scatter reads the lease."""
+        with load.landing, self.w.lock:
             lease, load.lease = load.lease, None
             load.state, load.reason = "failed", load.reason or reason
             tell = telling and not load.settled
@@ -291,7 +298,7 @@ class ConsumerSide:
 
     def _quarantine(self, load: _Load, why: str) -> None:
         """The receiver may still write into this lease: keep it out of the pool for good."""
-        with self.w.lock:
+        with load.landing, self.w.lock:
             lease, load.lease = load.lease, None
             if lease is not None:
                 self._quarantined.append(lease)
@@ -472,7 +479,7 @@ class ConsumerSide:
         reason = await receive(msg, load, offset, nbytes)
         if reason:
             return reason
-        with w.lock:
+        with load.landing, w.lock:
             if load.state == "receiving":
                 load.state, load.received_at = "received", time.monotonic()
             elif load.state != "received":  # given up by `get_finished` meanwhile (else `_land` marked it)
@@ -518,29 +525,33 @@ class ConsumerSide:
         return ""
 
     def _before_landing(self, load: _Load) -> None:
-        """In the receiving thread, before the first chunk can land: put the scatter
+        """On the link's watcher thread, before the first chunk can land: put the scatter
         stream after the compute stream's point at `start_load_kv` and the target block
         ids on the GPU, while the bytes are still on the wire. Done at the first landing
         instead, this cost the last byte 0.3-0.4 ms on an H200 pair (a one-chunk transfer)."""
         w = self.w
         assert w.paged is not None
         try:
-            with w.lock:
+            with load.landing:
                 if load.state == "receiving" and load.targets is None:
-                    stream = self._scatter_stream_locked()
+                    stream = self._landing_stream_made()
                     with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
-                        self._targets_locked(load, stream)
+                        self._targets(load, stream)
         except Exception:  # the wait must still happen: `_land` tries again, and fails the load if it cannot
             w.log.exception("transfer.landing_setup_failed", transfer_id=load.transfer_id, phase="receive")
 
-    def _scatter_stream_locked(self) -> torch.cuda.Stream:
+    def _landing_stream_made(self) -> torch.cuda.Stream:
+        """The one stream every load's landings are scattered on."""
         assert self.w.paged is not None
-        if self._scatter_stream is None:
-            self._scatter_stream = torch.cuda.Stream(self.w.paged.device)
-        return self._scatter_stream
+        if self._landing_stream is None:
+            with self.w.lock:  # two loads' first landings may race to make it
+                if self._landing_stream is None:
+                    self._landing_stream = torch.cuda.Stream(self.w.paged.device)
+        return self._landing_stream
 
-    def _targets_locked(self, load: _Load, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The load's target block ids on the GPU, made once, on `stream` after `allocated`."""
+    def _targets(self, load: _Load, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The load's target block ids on the GPU, made once (holding `load.landing`), on
+        `stream` after `allocated`."""
         assert self.w.paged is not None and load.allocated is not None
         if load.targets is None:
             stream.wait_event(load.allocated)
@@ -549,23 +560,27 @@ class ConsumerSide:
 
     def _land(self, load: _Load, b0: int, b1: int, left: int = 0) -> None:
         """Blocks ``[b0, b1)`` of the load's transfer have arrived whole in its lease:
-        scatter them into D's cache now (receiving thread), on the scatter stream, after
+        scatter them into D's cache now (the link's watcher thread), on the landing stream, after
         the compute stream's point at `start_load_kv`. Not once the load was given up.
         With more than one chunk still to come the copy runs on a capped grid, as the
         transport's receiver does (`SCATTER_PROGRAMS`): at full width it would slow the
         receive it overlaps. After the last chunk the load is received at once, so the
-        engine's next `get_finished` sees it without waiting for the loop thread."""
+        engine's next `get_finished` sees it without waiting for the loop thread.
+
+        Holds only this load's `landing` lock while it launches: with many loads in
+        flight, landings under the worker's lock queued behind one another and kept
+        get_finished waiting (1-2 ms a landing with eight in flight on an H200 pair)."""
         w = self.w
         assert w.paged is not None and load.allocated is not None
         asked = time.monotonic()
-        with w.lock:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
+        with load.landing:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
             locked = time.monotonic()
             if load.state != "receiving" or load.lease is None:
                 return
-            stream = self._scatter_stream_locked()
+            stream = self._landing_stream_made()
             with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
                 count = len(load.spec.block_ids) - load.spec.num_cached_blocks
-                targets = self._targets_locked(load, stream)
+                targets = self._targets(load, stream)
                 if self._faulty(load):
                     step = w.paged.staged_block_nbytes
                     self._inject_fault(load.transfer_id, load.lease.tensor[b0 * step : b1 * step])
@@ -574,10 +589,11 @@ class ConsumerSide:
                                    programs=SCATTER_PROGRAMS if left > 1 else None)
                 event = torch.cuda.Event()
                 event.record(stream)
-            load.scattered, load.landed_blocks = event, b1
-            if left == 0 and b1 == count:
-                load.state, load.received_at = "received", time.monotonic()
-        # What a landing costs D's host: waiting for the worker's lock, then the launch under it.
+            with w.lock:  # what get_finished reads
+                load.scattered, load.landed_blocks = event, b1
+                if left == 0 and b1 == count:
+                    load.state, load.received_at = "received", time.monotonic()
+        # What a landing costs D's host: waiting for the load's lock, then the launch under it.
         w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[b0, b1], left=left,
                     lock_wait_us=round((locked - asked) * 1e6), launch_us=round((time.monotonic() - locked) * 1e6))
 

@@ -14,12 +14,13 @@ from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.nccl_link import NcclLink, Posted, chunks
-from protocols.errors import TransferFailed
+from connector.nccl_link import NcclLink, Posted, Watcher, _Watch, chunks
+from protocols.errors import RecvTimeout, TransferFailed
 from workers.gpu_staging import pipeline_bounds
 
 MIB = 1 << 20
@@ -55,89 +56,160 @@ def test_sizes_that_are_not_whole_blocks_go_in_one_op(nbytes: int, block_nbytes:
 
 
 class _Done:
-    """A chunk's op completion that ends when the test says (`wait` returns at once);
-    `done()` is true only for chunks the test says ended before anyone waited for them."""
+    """A chunk's op completion that ends when the test says (`wire.add(k)`); `wait`,
+    called once it ended, returns at once, as a CUDA event's does."""
 
-    def __init__(self, k: int, log: list[str], comm: Any, abort_at: int | None, early: set[int]) -> None:
-        self.k, self.log, self.comm, self.abort_at, self.early = k, log, comm, abort_at, early
+    def __init__(self, k: int, log: list[str], comm: Any, abort_at: int | None, wire: set[int]) -> None:
+        self.k, self.log, self.comm, self.abort_at, self.wire = k, log, comm, abort_at, wire
 
     def done(self) -> bool:
-        if self.k in self.early and self.k == self.abort_at:
+        if self.k in self.wire and self.k == self.abort_at:  # the communicator was aborted: its kernel ended early
             self.comm.broken = True
-        return self.k in self.early
+        return self.k in self.wire
 
     def wait(self, deadline: float, *, spin_s: float = 0.0) -> None:
+        if not self.done():
+            raise RecvTimeout("t", f"chunk {self.k} did not end by its deadline")
         self.log.append(f"ended {self.k}")
-        if self.k == self.abort_at:  # the communicator was aborted: its kernel ended early
-            self.comm.broken = True
 
 
-def _posted(n: int, log: list[str], abort_at: int | None = None, early: frozenset[int] = frozenset()) -> Posted:
+def _posted(n: int, log: list[str], abort_at: int | None = None, wire: set[int] | None = None) -> Posted:
     comm = SimpleNamespace(closed=False, broken=False)
     parts = chunks(n * LLAMA_BLOCK, LLAMA_BLOCK)
+    wire = set() if wire is None else wire
     return Posted(peer="p0:0", op="recv", transfer_id="t", comm=comm,
-                  completions=[_Done(k, log, comm, abort_at, set(early)) for k in range(len(parts))], parts=parts,
+                  completions=[_Done(k, log, comm, abort_at, wire) for k in range(len(parts))], parts=parts,
                   flag=threading.Event())
 
 
-def _link() -> Any:
-    """`NcclLink`'s waiting half without a GPU: only its cache is touched, to drop a
-    communicator whose later ops could pair with another transfer's."""
-    link = NcclLink.__new__(NcclLink)
-    link.cache = SimpleNamespace(discarded=[], discard=lambda peer: link.cache.discarded.append(peer))
-    return link
+class _Cache:
+    """Where a watch drops a communicator whose later ops could pair with another transfer's."""
+
+    def __init__(self) -> None:
+        self.discarded: list[str] = []
+
+    def discard(self, peer: str) -> None:
+        self.discarded.append(peer)
+
+
+def _watch(posted: Posted, log: list[str], cache: _Cache | None = None, *, deadline: float = float("inf"),
+           landed: Any = "log", before: Any = None) -> _Watch:
+    if landed == "log":
+        def landed(b0: int, b1: int, left: int) -> None:
+            log.append(f"landed {b0}-{b1} left {left}")
+    return _Watch(posted, deadline, landed, before, (cache or _Cache()).discard)
 
 
 def test_a_receive_sets_up_before_any_chunk_ends_then_lands_each_chunk_in_order() -> None:
     """D's setup for its scatters (`before`) runs before the first chunk is waited for;
     then each chunk lands once its op ended, in order, with how many are still to come."""
     log: list[str] = []
-    posted = _posted(128, log)  # four chunks at 2,048 tokens
-    _link()._wait_posted(posted, deadline=float("inf"),
-                         landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1} left {left}"),
-                         before=lambda: log.append("before"))
+    wire: set[int] = set()
+    watch = _watch(_posted(128, log, wire=wire), log, before=lambda: log.append("before"))  # 4 chunks: 2,048 tokens
+    assert not watch.advance(0.0) and log == ["before"]
+    for k in range(4):
+        assert not watch.advance(0.0), "nothing ended: nothing lands"
+        wire.add(k)
+        assert watch.advance(0.0) == (k == 3)
+    assert watch.error is None
     assert log == ["before", "ended 0", "landed 0-48 left 3", "ended 1", "landed 48-96 left 2",
                    "ended 2", "landed 96-120 left 1", "ended 3", "landed 120-128 left 0"]
 
 
 def test_chunks_that_ended_while_the_receiver_was_busy_land_as_one_copy() -> None:
-    """A receiving thread behind the wire finds the next chunks' ops ended too: they land
-    with the chunk it waited for, as one range, still in order and with the right count
-    of chunks to come; a chunk not ended yet is waited for on its own."""
+    """A watcher behind the wire finds the next chunks' ops ended too: they land with the
+    first of them, as one range, still in order and with the right count of chunks to
+    come; a chunk not ended yet waits for a later pass."""
     log: list[str] = []
-    posted = _posted(128, log, early=frozenset({1, 2}))
-    _link()._wait_posted(posted, deadline=float("inf"),
-                         landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1} left {left}"))
-    assert log == ["ended 0", "ended 1", "ended 2", "landed 0-120 left 1", "ended 3", "landed 120-128 left 0"]
+    wire = {0, 1, 2}
+    watch = _watch(_posted(128, log, wire=wire), log)
+    assert not watch.advance(0.0)
+    assert log == ["ended 0", "ended 1", "ended 2", "landed 0-120 left 1"]
+    wire.add(3)
+    assert watch.advance(0.0) and watch.error is None
+    assert log[4:] == ["ended 3", "landed 120-128 left 0"]
 
 
 def test_an_abort_seen_among_ended_chunks_lands_none_of_them() -> None:
     log: list[str] = []
-    with pytest.raises(TransferFailed, match="cut short"):
-        _link()._wait_posted(_posted(128, log, abort_at=2, early=frozenset({1, 2})), deadline=float("inf"),
-                             landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1}"))
+    watch = _watch(_posted(128, log, abort_at=2, wire={0, 1, 2}), log)
+    assert watch.advance(0.0)
+    assert isinstance(watch.error, TransferFailed) and "cut short" in watch.error.reason
     assert not [line for line in log if line.startswith("landed")]
 
 
 def test_a_chunk_cut_short_by_an_abort_never_lands_and_the_communicator_is_not_reused() -> None:
     log: list[str] = []
-    posted = _posted(128, log, abort_at=1)
-    link = _link()
-    with pytest.raises(TransferFailed, match="cut short"):
-        link._wait_posted(posted, deadline=float("inf"),
-                          landed=lambda b0, b1, left: log.append(f"landed {b0}-{b1}"), before=lambda: None)
-    assert log == ["ended 0", "landed 0-48", "ended 1"]
+    wire: set[int] = {0}
+    watch = _watch(_posted(128, log, abort_at=1, wire=wire), log, before=lambda: None)
+    assert not watch.advance(0.0)
+    wire.add(1)
+    assert watch.advance(0.0)
+    assert isinstance(watch.error, TransferFailed) and "cut short" in watch.error.reason
+    assert log == ["ended 0", "landed 0-48 left 3", "ended 1"]
 
 
 def test_a_landing_that_fails_before_the_last_chunk_drops_the_communicator() -> None:
     """Later chunks' receives are posted: left on that communicator they would pair with
     the next transfer's sends."""
     log: list[str] = []
-    link = _link()
+    cache = _Cache()
 
     def landed(b0: int, b1: int, left: int) -> None:
         raise RuntimeError("the scatter could not be launched")
 
-    with pytest.raises(RuntimeError, match="scatter"):
-        link._wait_posted(_posted(128, log), deadline=float("inf"), landed=landed)
-    assert link.cache.discarded == ["p0:0"]
+    watch = _watch(_posted(128, log, wire={0}), log, cache, landed=landed)
+    assert watch.advance(0.0)
+    assert isinstance(watch.error, RuntimeError) and "scatter" in str(watch.error)
+    assert cache.discarded == ["p0:0"]
+
+
+def test_a_chunk_not_ended_by_the_deadline_fails_the_transfer() -> None:
+    """Past its deadline the chunk's own wait decides (a real one aborts the communicator)."""
+    log: list[str] = []
+    watch = _watch(_posted(128, log, wire={0}), log, deadline=5.0)
+    assert not watch.advance(4.9)
+    assert watch.advance(5.0)
+    assert isinstance(watch.error, RecvTimeout)
+    assert log == ["ended 0", "landed 0-48 left 3"]
+
+
+@pytest.mark.anyio
+async def test_one_watcher_thread_sees_every_transfer_end_and_wakes_its_waiter() -> None:
+    """Transfers waited for at once are all watched by one thread; each waiter wakes when
+    its own ops ended, on the loop it waits on, whatever order they end in."""
+    link = NcclLink.__new__(NcclLink)
+    link.cache, link.watcher = _Cache(), Watcher()  # type: ignore[assignment]
+    link._lock, link._inflight = threading.Lock(), {}
+    logs: list[list[str]] = [[], [], []]
+    wires: list[set[int]] = [set(), set(), set()]
+    threads: set[str] = set()
+    woke: list[int] = []
+    ended = [anyio.Event(), anyio.Event(), anyio.Event()]
+
+    def landed_by(i: int) -> Any:
+        def landed(b0: int, b1: int, left: int) -> None:
+            threads.add(threading.current_thread().name)
+            logs[i].append(f"landed {b0}-{b1} left {left}")
+        return landed
+
+    async def waiter(i: int) -> None:
+        await link.wait(_posted(128, logs[i], wire=wires[i]), float("inf"), landed=landed_by(i))
+        woke.append(i)
+        ended[i].set()
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                for i in range(3):
+                    tasks.start_soon(waiter, i)
+                for i in (2, 0, 1):  # each ends whole, in its turn
+                    wires[i].update(range(4))
+                    await ended[i].wait()
+    finally:
+        link.watcher.close()
+    assert woke == [2, 0, 1]
+    assert threads == {"kvbroker-nccl-watcher"}
+    for log in logs:
+        assert [line for line in log if line.startswith("landed")][-1].endswith("left 0")
+    assert link.watcher._thread is not None and not link.watcher._thread.is_alive()

@@ -489,17 +489,19 @@ class ConsumerSide:
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
-        """Lease, ticket, Ready, post, in the producer's turn; then wait for the bytes."""
+        """Lease; then ticket, Ready, post, in the producer's turn; then wait for the bytes."""
         w, tid = self.w, msg.transfer_id
         assert w.pool is not None and w.client is not None and w.nccl is not None
         load.source = msg.source
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
+                # Room first: a transfer waiting for room does not hold up the producer's
+                # transfers that have theirs.
+                load.lease = await w.pool.acquire(nbytes)
                 # The producer's turn is held from the ticket until the receive is posted,
                 # not until it ends: the next transfer's Ready goes while this one is on
                 # the wire, and its receive is posted after this one's (`connector.nccl_link`).
                 async with w.nccl.receiving(msg.source):
-                    load.lease = await w.pool.acquire(nbytes)
                     ticket = w.nccl.ticket(msg.source)
                     posted = None
                     try:

@@ -150,6 +150,8 @@ def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[Conne
         connector.nccl_link.WAIT_SPIN_S = cfg["wait_spin_us"] * 1e-6
     if cfg.get("land_each"):
         connector.nccl_link.COALESCE_LANDINGS = False
+    if cfg.get("post_on_loop") is not None:
+        connector.nccl_link.POST_ON_LOOP = cfg["post_on_loop"]
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
@@ -362,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-format", default="console", choices=("console", "json"),
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
-                    help="the workers' log level (debug: also each landing's wait for the worker's lock)")
+                    help="the workers' log level (debug: also each landing's wait for its load's lock)")
+    ap.add_argument("--post-on-loop", type=int, choices=(0, 1), default=None,
+                    help="nccl: D posts a receive on its client's loop thread when its communicator is built "
+                         "(default: connector.nccl_link's)")
     ap.add_argument("--land-each", action="store_true",
                     help="nccl: D lands every chunk on its own, even those that ended while it was busy")
     ap.add_argument("--one-op", action="store_true",
@@ -376,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

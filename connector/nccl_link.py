@@ -83,6 +83,11 @@ WAIT_PAUSE_S = 1e-4
 # aborts the communicator at the deadline) before it gives the transfer up itself.
 WATCH_GRACE_S = 10.0
 
+# Whether D posts a receive on the client's loop thread when its ticket names the
+# communicator D has: nothing to build and nothing that blocks, so the hop to a worker
+# thread (and back) leaves the producer's turn. False: always from a worker thread.
+POST_ON_LOOP = False
+
 # Whether D lands the chunks that ended while it was busy as one copy (`_Watch.advance`);
 # False lands every chunk on its own, for comparison (`bench/connector_path.py`).
 COALESCE_LANDINGS = True
@@ -540,6 +545,10 @@ class NcclLink:
         with self._lock:
             self._inflight.setdefault(peer, {})[transfer_id] = flag
         try:
+            comm = self._postable_now(peer, op, ticket, flag)
+            if comm is not None:
+                with torch.cuda.device(self.device):
+                    return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, flag, block_nbytes)
             return await anyio.to_thread.run_sync(self._post_ops, peer, op, transfer_id, lease, start, nbytes, after,
                                                   flag, block_nbytes, ticket)
         except BaseException as exc:
@@ -572,6 +581,19 @@ class NcclLink:
         if ticket[0] and comm.nonce != ticket[0]:
             raise TransferFailed(transfer_id, f"the communicator with {peer} changed since its Ready "
                                  f"({ticket[0]} then, {comm.nonce} now): its op cannot be paired in order")
+        return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, cancelled, block_nbytes)
+
+    def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event) -> Any:
+        """D's communicator that `ticket` names, when its receive may be posted from the
+        loop thread (`POST_ON_LOOP`); None: post from a worker thread."""
+        if not POST_ON_LOOP or op != "recv" or not ticket[0] or cancelled.is_set():
+            return None
+        comm = self.cache.current(peer, use=True)
+        return comm if comm is not None and comm.nonce == ticket[0] else None
+
+    def _post_on(self, comm: Any, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+                 after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int) -> Posted:
+        """Post the transfer's chunks on `comm`; never blocks (the communicator is built)."""
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0
         parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
         step = block_nbytes if whole else nbytes

@@ -557,11 +557,14 @@ class CommunicatorCache:
             victim.abort()
         return comm
 
-    def current(self, peer: str) -> NcclCommunicator | None:
+    def current(self, peer: str, *, use: bool = False) -> NcclCommunicator | None:
         """The communicator with `peer` now, if one is cached and whole; builds nothing
-        and asks the rendezvous nothing."""
+        and asks the rendezvous nothing. `use`: it is about to be used (the most recently
+        used one is the last evicted)."""
         with self._lock:
             comm = self._comms.get(peer)
+            if use and comm is not None:
+                self._comms.move_to_end(peer)
         return None if comm is None or comm.closed or comm.broken else comm
 
     def discard(self, peer: str) -> None:

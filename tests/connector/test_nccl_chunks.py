@@ -213,3 +213,51 @@ async def test_one_watcher_thread_sees_every_transfer_end_and_wakes_its_waiter()
     for log in logs:
         assert [line for line in log if line.startswith("landed")][-1].endswith("left 0")
     assert link.watcher._thread is not None and not link.watcher._thread.is_alive()
+
+
+@given(st.data())
+def test_a_watcher_lands_every_transfer_whole_and_in_order_however_their_ends_interleave(data: st.DataObject) -> None:
+    """Several transfers watched at once; each one's chunks end in order (one NCCL stream),
+    the transfers' ends interleave at random, and the watcher passes at random moments.
+    Each transfer lands exactly its blocks, in order, once each, with the right count of
+    chunks to come, and ends when its last chunk landed; one whose communicator was
+    aborted lands nothing from the aborted chunk on, and fails."""
+    n = data.draw(st.integers(1, 4), label="transfers")
+    sizes = data.draw(st.lists(st.sampled_from([16, 32, 128, 512]), min_size=n, max_size=n), label="blocks")
+    aborts = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=n, max_size=n), label="abort at")
+    logs: list[list[str]] = [[] for _ in range(n)]
+    wires: list[set[int]] = [set() for _ in range(n)]
+    landed: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    watches = []
+    for i in range(n):
+        posted = _posted(sizes[i], logs[i], abort_at=aborts[i], wire=wires[i])
+        watches.append(_watch(posted, logs[i], landed=lambda b0, b1, left, i=i: landed[i].append((b0, b1, left))))
+    counts = [len(w.posted.completions) for w in watches]
+    order = data.draw(st.permutations([i for i in range(n) for _ in range(counts[i])]), label="ends")
+    passes = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)), label="passes")
+    ended = [False] * n
+
+    def watcher_pass() -> None:
+        for i, watch in enumerate(watches):
+            if not ended[i]:
+                ended[i] = watch.advance(0.0)
+
+    for i, passing in zip(order, passes, strict=True):
+        wires[i].add(len(wires[i]))  # that transfer's next chunk ends
+        if passing:
+            watcher_pass()
+    watcher_pass()
+    assert all(ended), "every chunk ended, yet a transfer is not over"
+    for i, watch in enumerate(watches):
+        parts = watch.posted.parts
+        got = landed[i]
+        assert all(a[1] == b[0] for a, b in pairwise(got)) and (not got or got[0][0] == 0)
+        for b0, b1, left in got:
+            k = next(k for k, p in enumerate(parts) if p[1] == b1)
+            assert left == len(parts) - 1 - k
+        cut = aborts[i] if aborts[i] is not None and aborts[i] < len(parts) else None
+        if cut is None:
+            assert watch.error is None and got and got[-1][1] == parts[-1][1] and got[-1][2] == 0
+        else:
+            assert isinstance(watch.error, TransferFailed)
+            assert all(b1 <= parts[cut][0] for _, b1, _ in got), "a chunk cut short by the abort landed"

@@ -83,10 +83,11 @@ WAIT_PAUSE_S = 1e-4
 # aborts the communicator at the deadline) before it gives the transfer up itself.
 WATCH_GRACE_S = 10.0
 
-# Whether D posts a receive on the client's loop thread when its ticket names the
-# communicator D has: nothing to build and nothing that blocks, so the hop to a worker
-# thread (and back) leaves the producer's turn. False: always from a worker thread.
-POST_ON_LOOP = False
+# Whether a transfer's ops are posted on the client's loop thread when its ticket names
+# the communicator this side has: nothing to build and nothing that blocks, so the hop
+# to a worker thread (and back) leaves D's turn for the producer and P's order of sends.
+# False: always from a worker thread (`bench/connector_path.py --post-on-loop 0`).
+POST_ON_LOOP = True
 
 # Whether D lands the chunks that ended while it was busy as one copy (`_Watch.advance`);
 # False lands every chunk on its own, for comparison (`bench/connector_path.py`).
@@ -584,12 +585,11 @@ class NcclLink:
         return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, cancelled, block_nbytes)
 
     def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event) -> Any:
-        """D's communicator that `ticket` names, when its receive may be posted from the
-        loop thread (`POST_ON_LOOP`); None: post from a worker thread."""
-        if not POST_ON_LOOP or op != "recv" or not ticket[0] or cancelled.is_set():
+        """The communicator `ticket` names, when the op may be posted on it from the loop
+        thread (`POST_ON_LOOP`): built, and nothing to abort; None: post from a worker thread."""
+        if not POST_ON_LOOP or not ticket[0] or cancelled.is_set():
             return None
-        comm = self.cache.current(peer, use=True)
-        return comm if comm is not None and comm.nonce == ticket[0] else None
+        return self.cache.usable(peer, ticket[0], initiator=op == "send")
 
     def _post_on(self, comm: Any, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                  after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int) -> Posted:

@@ -122,3 +122,47 @@ def test_debug_switch_leaves_torch_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("KVBROKER_NCCL_TORCH_DEBUG", "1")
     assert quiet_torch_nccl() == {}
     assert not any(key in os.environ for key in TORCH_NCCL_QUIET)
+
+
+class _Built:
+    """Stands in for a built communicator (building one needs GPUs)."""
+
+    def __init__(self, peer: str, nonce: str) -> None:
+        self.peer, self.nonce = peer, nonce
+        self.closed = self.broken = False
+
+    def idle(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        self.closed = True
+
+
+def test_a_communicator_is_usable_without_a_build_only_while_the_acceptor_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`usable` hands out the cached communicator a ticket names, building and aborting
+    nothing. Once the acceptor said it dropped that one, `usable` declines, and the
+    notice is kept for `get`, which aborts it and builds a new one."""
+    import multiprocessing as mp
+
+    from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
+
+    ctx = mp.get_context("spawn")
+    to_p = ctx.Queue()
+    cache = CommunicatorCache("p:0", "cpu", QueueRendezvous(ctx.Queue(), to_p, timeout_s=1), backend="torch")
+    nonces = iter(["n1", "n2"])
+    monkeypatch.setattr(cache, "_connect", lambda peer, *args, **kwargs: _Built(peer, next(nonces)))
+    first = cache.get("d:0", initiator=True, purpose="t0")
+    assert cache.usable("d:0", "n1", initiator=True) is first
+    assert cache.usable("d:0", "n0", initiator=True) is None, "a ticket naming another communicator"
+    assert cache.usable("x:0", "n1", initiator=True) is None, "no communicator with that peer"
+    to_p.put((f"{CommunicatorCache.key('p:0', 'd:0')}/stale", b"n1"))
+    wait_until(lambda: not to_p.empty(), 5, "the stale notice queued")
+    assert cache.usable("d:0", "n1", initiator=True) is None
+    assert not first.closed, "usable aborted a communicator"
+    second = cache.get("d:0", initiator=True, purpose="t1")
+    assert first.closed and second.nonce == "n2", "get did not act on the notice usable read"
+    assert cache.usable("d:0", "n2", initiator=True) is second
+    first.broken = True
+    assert cache.usable("d:0", "n1", initiator=True) is None

@@ -494,6 +494,7 @@ class CommunicatorCache:
         self.capacity, self.advertise_host = capacity, advertise_host
         self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
         self._comms: OrderedDict[str, NcclCommunicator] = OrderedDict()
+        self._dropped: dict[str, bytes] = {}  # peer -> a stale notice `usable` read, for `get` to act on
         self._lock = threading.Lock()
         self._created = self._evicted = self._aborted = 0
 
@@ -523,7 +524,7 @@ class CommunicatorCache:
         with self._lock:
             comm = self._comms.get(peer)
             if comm is not None and initiator:
-                stale = self.rendezvous.poll(peer, f"{self.key(self.local_id, peer)}/stale")
+                stale = self._dropped.pop(peer, None) or self.rendezvous.poll(peer, self._stale_key(peer))
                 if stale is not None and stale.decode(errors="replace") == comm.nonce:  # the acceptor dropped it
                     self._comms.pop(peer)
                     self._aborted += 1
@@ -557,14 +558,33 @@ class CommunicatorCache:
             victim.abort()
         return comm
 
-    def current(self, peer: str, *, use: bool = False) -> NcclCommunicator | None:
-        """The communicator with `peer` now, if one is cached and whole; builds nothing
-        and asks the rendezvous nothing. `use`: it is about to be used (the most recently
-        used one is the last evicted)."""
+    def usable(self, peer: str, nonce: str, *, initiator: bool) -> NcclCommunicator | None:
+        """The cached communicator with `peer` if it is the one named `nonce` and an op
+        may be posted on it now: whole, and (initiator) not dropped by the acceptor. Builds
+        nothing, aborts nothing, never blocks; None: `get` decides (it may do both).
+        An acceptor's use skips the check for a rebuild by the initiator: an op on a
+        communicator named by the transfer's own ticket pairs there or times out."""
         with self._lock:
             comm = self._comms.get(peer)
-            if use and comm is not None:
-                self._comms.move_to_end(peer)
+            if comm is None or comm.closed or comm.broken or comm.nonce != nonce:
+                return None
+            if initiator:
+                stale = self.rendezvous.poll(peer, self._stale_key(peer))
+                if stale is not None:  # `get` acts on it: aborting blocks
+                    self._dropped[peer] = stale
+                    return None
+            self._comms.move_to_end(peer)
+            return comm
+
+    def _stale_key(self, peer: str) -> str:
+        """Where an acceptor tells this initiator it dropped their communicator."""
+        return f"{self.key(self.local_id, peer)}/stale"
+
+    def current(self, peer: str) -> NcclCommunicator | None:
+        """The communicator with `peer` now, if one is cached and whole; builds nothing
+        and asks the rendezvous nothing."""
+        with self._lock:
+            comm = self._comms.get(peer)
         return None if comm is None or comm.closed or comm.broken else comm
 
     def discard(self, peer: str) -> None:

@@ -1,6 +1,6 @@
 """The nccl transport as the connector's worker half uses it: one byte range a transfer
-(in a few chunks), posted from a worker thread of the broker client's loop, seen to end
-by one watcher thread (`Watcher`) without blocking that loop.
+(in a few chunks), posted from the broker client's loop (or a worker thread of it when
+that may block), waited for in a worker thread without blocking that loop.
 
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:
@@ -60,9 +60,8 @@ from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
-from workers.waker import make_waker
 
-__all__ = ["NcclLink", "RecvOrder", "SendOrder", "Watcher", "chunks", "plan"]
+__all__ = ["NcclLink", "RecvOrder", "SendOrder", "chunks", "plan"]
 
 Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
 
@@ -70,18 +69,15 @@ Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; plac
 COMMUNICATORS = 8
 
 
-# How long the link's watcher spins after its last progress before it pauses between
+# How long a transfer's waiter spins after its last progress before it pauses between
 # polls. A spin holds the GIL (an event query does not release it), so the client's loop
 # thread, which carries the next Ready or Go and posts the next transfer, waits as long as
 # the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost 10-15% of their
 # rate (docs/RESULTS.md).
 WAIT_SPIN_S = 50e-6
-# The longest pause between polls once the watcher has spun: it bounds how late an op's
+# The longest pause between polls once the waiter has spun: it bounds how late an op's
 # end is seen (the pauses double up to it).
 WAIT_PAUSE_S = 1e-4
-# How long past a transfer's deadline its waiter trusts the watcher to report (which
-# aborts the communicator at the deadline) before it gives the transfer up itself.
-WATCH_GRACE_S = 10.0
 
 # Whether a transfer's ops are posted on the client's loop thread when its ticket names
 # the communicator this side has: nothing to build and nothing that blocks, so the hop
@@ -217,15 +213,15 @@ class Posted:
 
 @dataclass(eq=False)
 class _Watch:
-    """A posted transfer the link's `Watcher` sees end. `advance` does what can be done
-    now (lands the chunks whose ops ended, in order) and never waits for the GPU."""
+    """A posted transfer being waited for. `advance` does what can be done now (lands the
+    chunks whose ops ended, in order) and never waits for the GPU; `NcclLink.wait`
+    calls it until the transfer ended."""
 
     posted: Posted
     deadline: float
     landed: Callable[[int, int, int], None] | None
     before: Callable[[], None] | None
     discard: Callable[[str], None]  # drops the communicator with a peer
-    wake: Callable[[], None] = lambda: None  # tells the waiter it ended
     next: int = 0  # the first chunk not landed yet
     started: bool = False
     error: BaseException | None = None
@@ -255,7 +251,7 @@ class _Watch:
                 return False
             done[k].wait(self.deadline)  # ended: returns at once; past the deadline: aborts, raises
             if landed is not None and COALESCE_LANDINGS:
-                # Chunks whose ops ended meanwhile land with this one, as one copy: a watcher
+                # Chunks whose ops ended meanwhile land with this one, as one copy: a waiter
                 # that fell behind the wire (several transfers in flight, a busy host)
                 # catches up instead of paying a launch for each chunk.
                 while last + 1 < n and done[last + 1].done():
@@ -276,87 +272,26 @@ class _Watch:
         return True
 
 
-class Watcher:
-    """One thread that sees the posted ops of all of a link's transfers end, and lands
-    their chunks, instead of a waiting thread for each transfer.
+def _wait_until_ended(watch: _Watch) -> None:
+    """Advance `watch` until its transfer ended: spin `WAIT_SPIN_S` after each progress
+    (ops often end within it), then poll in pauses that double up to `WAIT_PAUSE_S`.
 
-    Every waiting thread polled its own CUDA events, every 10-100 us, and each poll took
-    the GIL: with eight transfers in flight on an H200 pair, the client's loop thread and
-    the landings' launches then waited for the GIL (a landing's launch took 0.2-0.5 ms).
-    This thread polls every transfer in one pass, spins `WAIT_SPIN_S` after its last
-    progress, then pauses in steps that double up to `WAIT_PAUSE_S`; a transfer added
-    meanwhile ends the pause. It runs the callbacks (`landed`, `before`) in posting order.
-    """
-
-    def __init__(self, device: torch.device | None = None, name: str = "kvbroker-nccl-watcher") -> None:
-        self.device, self.name = device, name
-        self._cond = threading.Condition()
-        self._watches: list[_Watch] = []
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def add(self, watch: _Watch) -> None:
-        with self._cond:
-            if self._closed:
-                raise TransferFailed(watch.posted.transfer_id, "the NCCL link was closed before its op was watched")
-            self._watches.append(watch)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def forget(self, watch: _Watch) -> None:
-        """Stop watching `watch` (its waiter gave up on it)."""
-        with self._cond:
-            if watch in self._watches:
-                self._watches.remove(watch)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop once the transfers watched now have ended (their communicators aborted first)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
-
-    def _run(self) -> None:
-        if self.device is not None:
-            torch.cuda.set_device(self.device)
-        pause, progress = 0.0, time.monotonic()
-        while True:
-            with self._cond:
-                if not self._watches:
-                    if self._closed:
-                        return
-                    self._cond.wait()
-                    pause, progress = 0.0, time.monotonic()
-                    continue
-                watches = list(self._watches)
-            ended, moved = [], any(not w.started for w in watches)  # a new one: spin for it
-            for watch in watches:
-                at = watch.next
-                if watch.advance(time.monotonic()):
-                    ended.append(watch)
-                moved = moved or watch.next != at
-            if ended:
-                with self._cond:
-                    self._watches = [w for w in self._watches if w not in ended]
-                for watch in ended:
-                    try:
-                        watch.wake()
-                    except RuntimeError:  # the waiter's loop has stopped: nobody is waiting
-                        pass
-            now = time.monotonic()
-            if ended or moved:
-                pause, progress = 0.0, now
-            elif now - progress > WAIT_SPIN_S:
-                # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
-                # host an end was then seen 20-50 us late (measured on an H200 pair).
-                pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
-                with self._cond:
-                    self._cond.wait(pause)  # a transfer added meanwhile ends the pause
-
+    A thread for each transfer, not one for all: a single thread that also launched
+    every landing's scatter ran them one after another, and eight requests in flight
+    took longer than with a thread each (docs/RESULTS.md)."""
+    pause, progress = 0.0, time.monotonic()
+    while True:
+        at = watch.next
+        if watch.advance(time.monotonic()):
+            return
+        now = time.monotonic()
+        if watch.next != at:
+            pause, progress = 0.0, now
+        elif now - progress > WAIT_SPIN_S:
+            # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
+            # host an end was then seen 20-50 us late (measured on an H200 pair).
+            pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
+            time.sleep(pause)
 
 
 class NcclLink:
@@ -383,7 +318,6 @@ class NcclLink:
         self._order_changed: dict[str, anyio.Event] = {}
         self._inflight: dict[str, dict[str, threading.Event]] = {}  # peer -> transfer id -> cancel flag
         self._lock = threading.Lock()
-        self.watcher = Watcher(device)
 
     # -- D ---------------------------------------------------------------------------------
 
@@ -505,29 +439,20 @@ class NcclLink:
     async def wait(self, posted: Posted, deadline: float,
                    landed: Callable[[int, int, int], None] | None = None,
                    before: Callable[[], None] | None = None) -> None:
-        """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (on the link's
-        watcher thread) as each chunk's blocks have arrived whole, in order; `left`:
-        chunks still to come. `before()` is called there before the first chunk is waited for.
+        """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
+        thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
+        to come. `before()` is called in that thread before the first chunk is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
                 cut short (the communicator was aborted: `cancel`, a timeout).
         """
-        ended = anyio.Event()
-        watch = _Watch(posted, deadline, landed, before, self.cache.discard, wake=make_waker(ended))
+        watch = _Watch(posted, deadline, landed, before, self.cache.discard)
         try:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                self.watcher.add(watch)
-                with anyio.move_on_after(max(deadline - time.monotonic(), 0.0) + WATCH_GRACE_S):
-                    await ended.wait()
-            if not ended.is_set():  # the watcher never reported: its thread is stuck or gone
-                self.watcher.forget(watch)
-                with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
-                    await anyio.to_thread.run_sync(self.cache.discard, posted.peer)
-                raise TransferFailed(posted.transfer_id, f"the NCCL {posted.op} with {posted.peer} was not seen to "
-                                     f"end within {WATCH_GRACE_S:g} s of its deadline; its communicator was aborted")
+                await anyio.to_thread.run_sync(_wait_until_ended, watch)
             if watch.error is not None:
                 raise watch.error
         except TransferFailed:
@@ -606,5 +531,4 @@ class NcclLink:
                       parts=parts if whole else [], flag=cancelled)
 
     def close(self) -> None:
-        self.cache.close()  # aborts what is still on the wire: the watched transfers end
-        self.watcher.close()
+        self.cache.close()

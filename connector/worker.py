@@ -11,14 +11,13 @@ Threads
 vLLM calls the hooks on its worker thread ("main"). The broker client runs on an anyio
 loop in a background thread (`workers.client.SyncBrokerClient`) and calls this object
 as its `TransferHandler` there. The TCP transport moves bytes on threads of its own;
-the nccl transport (`connector.nccl_link`) posts on worker threads of that loop and
-sees its ops end on one watcher thread, and the GPU copies are ordered against the
-model by CUDA events. State shared between threads sits behind `lock`, which is never
-held across a portal call, so neither thread can block the other. KV cache tensors are
-read and written on the main thread (gather in the layer hooks, scatter between forward
-passes), except
-over nccl with the transport's copy kernel: there D scatters each chunk from the
-link's watcher thread, on a stream of its own ordered after the compute stream's work at
+the nccl transport (`connector.nccl_link`) posts on that loop (or a worker thread of
+it) and waits on worker threads, and the GPU copies are ordered against the model by
+CUDA events. State shared between threads sits behind `lock`, which is never held
+across a portal call, so neither thread can block the other. KV cache tensors are read
+and written on the main thread (gather in the layer hooks, scatter between forward
+passes), except over nccl with the transport's copy kernel: there D scatters each chunk
+from the receiving thread, on a stream of its own ordered after the compute stream's work at
 `start_load_kv`, into blocks no forward pass uses before the request is reported, and
 the compute stream waits for those copies when it is (`connector.consumer`).
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.nccl_link import NcclLink, Posted, Watcher, _Watch, chunks
+from connector.nccl_link import NcclLink, Posted, _Watch, chunks
 from protocols.errors import RecvTimeout, TransferFailed
 from workers.gpu_staging import pipeline_bounds
 
@@ -117,7 +117,7 @@ def test_a_receive_sets_up_before_any_chunk_ends_then_lands_each_chunk_in_order(
 
 
 def test_chunks_that_ended_while_the_receiver_was_busy_land_as_one_copy() -> None:
-    """A watcher behind the wire finds the next chunks' ops ended too: they land with the
+    """A waiter behind the wire finds the next chunks' ops ended too: they land with the
     first of them, as one range, still in order and with the right count of chunks to
     come; a chunk not ended yet waits for a later pass."""
     log: list[str] = []
@@ -175,21 +175,19 @@ def test_a_chunk_not_ended_by_the_deadline_fails_the_transfer() -> None:
 
 
 @pytest.mark.anyio
-async def test_one_watcher_thread_sees_every_transfer_end_and_wakes_its_waiter() -> None:
-    """Transfers waited for at once are all watched by one thread; each waiter wakes when
-    its own ops ended, on the loop it waits on, whatever order they end in."""
+async def test_transfers_waited_for_at_once_each_end_when_their_own_ops_end() -> None:
+    """Each waiter's thread advances its own transfer; the loop stays free, and each
+    waiter returns once its ops ended, whatever order the transfers end in."""
     link = NcclLink.__new__(NcclLink)
-    link.cache, link.watcher = _Cache(), Watcher()  # type: ignore[assignment]
+    link.cache = _Cache()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
     logs: list[list[str]] = [[], [], []]
     wires: list[set[int]] = [set(), set(), set()]
-    threads: set[str] = set()
     woke: list[int] = []
     ended = [anyio.Event(), anyio.Event(), anyio.Event()]
 
     def landed_by(i: int) -> Any:
         def landed(b0: int, b1: int, left: int) -> None:
-            threads.add(threading.current_thread().name)
             logs[i].append(f"landed {b0}-{b1} left {left}")
         return landed
 
@@ -198,27 +196,22 @@ async def test_one_watcher_thread_sees_every_transfer_end_and_wakes_its_waiter()
         woke.append(i)
         ended[i].set()
 
-    try:
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tasks:
-                for i in range(3):
-                    tasks.start_soon(waiter, i)
-                for i in (2, 0, 1):  # each ends whole, in its turn
-                    wires[i].update(range(4))
-                    await ended[i].wait()
-    finally:
-        link.watcher.close()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            for i in range(3):
+                tasks.start_soon(waiter, i)
+            for i in (2, 0, 1):  # each ends whole, in its turn
+                wires[i].update(range(4))
+                await ended[i].wait()
     assert woke == [2, 0, 1]
-    assert threads == {"kvbroker-nccl-watcher"}
     for log in logs:
         assert [line for line in log if line.startswith("landed")][-1].endswith("left 0")
-    assert link.watcher._thread is not None and not link.watcher._thread.is_alive()
 
 
 @given(st.data())
-def test_a_watcher_lands_every_transfer_whole_and_in_order_however_their_ends_interleave(data: st.DataObject) -> None:
-    """Several transfers watched at once; each one's chunks end in order (one NCCL stream),
-    the transfers' ends interleave at random, and the watcher passes at random moments.
+def test_waits_land_every_transfer_whole_and_in_order_however_their_ends_interleave(data: st.DataObject) -> None:
+    """Several transfers waited for at once; each one's chunks end in order (one NCCL
+    stream), the transfers' ends interleave at random, and the waiters poll at random moments.
     Each transfer lands exactly its blocks, in order, once each, with the right count of
     chunks to come, and ends when its last chunk landed; one whose communicator was
     aborted lands nothing from the aborted chunk on, and fails."""
@@ -237,7 +230,7 @@ def test_a_watcher_lands_every_transfer_whole_and_in_order_however_their_ends_in
     passes = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)), label="passes")
     ended = [False] * n
 
-    def watcher_pass() -> None:
+    def advance_all() -> None:  # each waiter's next poll
         for i, watch in enumerate(watches):
             if not ended[i]:
                 ended[i] = watch.advance(0.0)
@@ -245,8 +238,8 @@ def test_a_watcher_lands_every_transfer_whole_and_in_order_however_their_ends_in
     for i, passing in zip(order, passes, strict=True):
         wires[i].add(len(wires[i]))  # that transfer's next chunk ends
         if passing:
-            watcher_pass()
-    watcher_pass()
+            advance_all()
+    advance_all()
     assert all(ended), "every chunk ended, yet a transfer is not over"
     for i, watch in enumerate(watches):
         parts = watch.posted.parts

@@ -44,6 +44,7 @@ after the scatter that read it has run, see `connector.consumer`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -61,7 +62,7 @@ from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
 
-__all__ = ["NcclLink", "RecvOrder", "SendOrder", "chunks", "plan"]
+__all__ = ["NcclLink", "Poller", "RecvOrder", "SendOrder", "chunks", "plan"]
 
 Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
 
@@ -69,13 +70,13 @@ Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; plac
 COMMUNICATORS = 8
 
 
-# How long a transfer's waiter spins after its last progress before it pauses between
-# polls. A spin holds the GIL (an event query does not release it), so the client's loop
+# How long the link's poller spins after an op ended or a wait began before it pauses
+# between polls. A spin holds the GIL (an event query does not release it), so the client's loop
 # thread, which carries the next Ready or Go and posts the next transfer, waits as long as
 # the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost 10-15% of their
 # rate (docs/RESULTS.md).
 WAIT_SPIN_S = 50e-6
-# The longest pause between polls once the waiter has spun: it bounds how late an op's
+# The longest pause between polls once the poller has spun: it bounds how late an op's
 # end is seen (the pauses double up to it).
 WAIT_PAUSE_S = 1e-4
 
@@ -272,26 +273,94 @@ class _Watch:
         return True
 
 
-def _wait_until_ended(watch: _Watch) -> None:
-    """Advance `watch` until its transfer ended: spin `WAIT_SPIN_S` after each progress
-    (ops often end within it), then poll in pauses that double up to `WAIT_PAUSE_S`.
+class Poller:
+    """One thread that polls the ops a link's waiting threads wait for, and wakes each
+    thread once its op ended. The waiting threads sleep meanwhile, without the GIL.
 
-    A thread for each transfer, not one for all: a single thread that also launched
-    every landing's scatter ran them one after another, and eight requests in flight
-    took longer than with a thread each (docs/RESULTS.md)."""
-    pause, progress = 0.0, time.monotonic()
-    while True:
-        at = watch.next
-        if watch.advance(time.monotonic()):
-            return
-        now = time.monotonic()
-        if watch.next != at:
-            pause, progress = 0.0, now
-        elif now - progress > WAIT_SPIN_S:
-            # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
-            # host an end was then seen 20-50 us late (measured on an H200 pair).
-            pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
-            time.sleep(pause)
+    Each waiting thread used to poll its own CUDA events every 10-100 us, taking the GIL
+    each time: with eight transfers in flight on an H200 host, a landing's scatter launch
+    (a few dozen GIL acquisitions) then took 0.5-1.3 ms, and the client's loop waited as
+    well. Here only this thread polls: it spins `WAIT_SPIN_S` after each end it saw or
+    wait it was given, then pauses in steps that double up to `WAIT_PAUSE_S` (a new wait
+    ends the pause). The waiting threads still launch their own landings, side by side.
+    """
+
+    def __init__(self, name: str = "kvbroker-nccl-poller") -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._waits: list[tuple[Any, threading.Event]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def wait(self, op: Any, timeout: float) -> bool:
+        """Block the calling thread until `op` (a completion: ``done()``) has ended, or
+        `timeout` seconds passed; whether it ended."""
+        if op.done():
+            return True
+        ended = threading.Event()
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._waits.append((op, ended))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+                self._cond.notify()
+        if closed:  # nobody polls any more: look again after a pause (ops end when aborted)
+            time.sleep(min(max(timeout, 0.0), 1e-3))
+            return op.done()
+        if not ended.wait(None if math.isinf(timeout) else max(timeout, 0.0)):
+            with self._cond:
+                self._waits = [w for w in self._waits if w[1] is not ended]
+        return op.done()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop once no wait is pending (abort their ops first, so they end); later waits
+        look for themselves."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        pause, progress, known = 0.0, time.monotonic(), 0
+        while True:
+            with self._cond:
+                while not self._waits:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                    pause, progress = 0.0, time.monotonic()
+                waits = list(self._waits)
+            ended = [w for w in waits if w[0].done()]
+            if ended:
+                with self._cond:
+                    self._waits = [w for w in self._waits if w not in ended]
+                for _, event in ended:
+                    event.set()
+            now = time.monotonic()
+            if ended or len(waits) > known:  # something ended, or a new wait: spin for the next
+                pause, progress = 0.0, now
+            elif now - progress > WAIT_SPIN_S:
+                # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
+                # host an end was then seen 20-50 us late (measured on an H200 pair).
+                pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
+                with self._cond:
+                    self._cond.wait(pause)  # a new wait ends the pause
+            known = len(waits) - len(ended)
+
+
+def _wait_until_ended(watch: _Watch, poller: Poller) -> None:
+    """Advance `watch` until its transfer ended, sleeping until `poller` saw its next
+    chunk's op end (or its deadline passed: `advance` then aborts and raises).
+
+    A thread for each transfer, which lands its own chunks; not one thread for all: one
+    that also launched every landing's scatter ran them one after another, and eight
+    requests in flight took longer than with a thread each (docs/RESULTS.md)."""
+    while not watch.advance(time.monotonic()):
+        poller.wait(watch.posted.completions[watch.next], watch.deadline - time.monotonic())
 
 
 class NcclLink:
@@ -318,6 +387,7 @@ class NcclLink:
         self._order_changed: dict[str, anyio.Event] = {}
         self._inflight: dict[str, dict[str, threading.Event]] = {}  # peer -> transfer id -> cancel flag
         self._lock = threading.Lock()
+        self.poller = Poller()
 
     # -- D ---------------------------------------------------------------------------------
 
@@ -452,7 +522,7 @@ class NcclLink:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_wait_until_ended, watch)
+                await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
             if watch.error is not None:
                 raise watch.error
         except TransferFailed:
@@ -531,4 +601,5 @@ class NcclLink:
                       parts=parts if whole else [], flag=cancelled)
 
     def close(self) -> None:
-        self.cache.close()
+        self.cache.close()  # aborts what is still on the wire: the waits end
+        self.poller.close()

@@ -19,8 +19,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.nccl_link import NcclLink, Posted, _Watch, chunks
+from connector.nccl_link import NcclLink, Poller, Posted, _Watch, chunks
 from protocols.errors import RecvTimeout, TransferFailed
+from tests.support import wait_until
 from workers.gpu_staging import pipeline_bounds
 
 MIB = 1 << 20
@@ -176,10 +177,11 @@ def test_a_chunk_not_ended_by_the_deadline_fails_the_transfer() -> None:
 
 @pytest.mark.anyio
 async def test_transfers_waited_for_at_once_each_end_when_their_own_ops_end() -> None:
-    """Each waiter's thread advances its own transfer; the loop stays free, and each
-    waiter returns once its ops ended, whatever order the transfers end in."""
+    """Each waiter's thread advances its own transfer, asleep until the link's poller saw
+    its next op end; the loop stays free, and each waiter returns once its ops ended,
+    whatever order the transfers end in."""
     link = NcclLink.__new__(NcclLink)
-    link.cache = _Cache()  # type: ignore[assignment]
+    link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
     logs: list[list[str]] = [[], [], []]
     wires: list[set[int]] = [set(), set(), set()]
@@ -196,13 +198,16 @@ async def test_transfers_waited_for_at_once_each_end_when_their_own_ops_end() ->
         woke.append(i)
         ended[i].set()
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tasks:
-            for i in range(3):
-                tasks.start_soon(waiter, i)
-            for i in (2, 0, 1):  # each ends whole, in its turn
-                wires[i].update(range(4))
-                await ended[i].wait()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                for i in range(3):
+                    tasks.start_soon(waiter, i)
+                for i in (2, 0, 1):  # each ends whole, in its turn
+                    wires[i].update(range(4))
+                    await ended[i].wait()
+    finally:
+        link.poller.close()
     assert woke == [2, 0, 1]
     for log in logs:
         assert [line for line in log if line.startswith("landed")][-1].endswith("left 0")
@@ -254,3 +259,67 @@ def test_waits_land_every_transfer_whole_and_in_order_however_their_ends_interle
         else:
             assert isinstance(watch.error, TransferFailed)
             assert all(b1 <= parts[cut][0] for _, b1, _ in got), "a chunk cut short by the abort landed"
+
+
+class _Op:
+    """An op that ends when the test says; records which threads polled it."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.polled_by: set[str] = set()
+
+    def done(self) -> bool:
+        self.polled_by.add(threading.current_thread().name)
+        return self.ended
+
+
+def test_the_poller_alone_polls_and_wakes_each_waiting_thread_when_its_op_ends() -> None:
+    poller = Poller()
+    ops = [_Op() for _ in range(4)]
+    got: dict[int, bool] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, poller.wait(ops[i], 10)), name=f"waiter-{i}")
+               for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(poller._waits) == 4, 5, "four waits given to the poller")
+        polled_before = {i: set(op.polled_by) for i, op in enumerate(ops)}
+        for i in (3, 1, 0, 2):
+            ops[i].ended = True
+            threads[i].join(5)
+            assert not threads[i].is_alive() and got[i] is True
+            assert all(not threads[j].is_alive() for j in range(4) if ops[j].ended)
+            assert all(threads[j].is_alive() for j in range(4) if not ops[j].ended), "woke before its op ended"
+        for i, op in enumerate(ops):  # a waiting thread looks once before sleeping, and once when woken
+            assert op.polled_by - polled_before[i] <= {"kvbroker-nccl-poller", f"waiter-{i}"}
+            assert "kvbroker-nccl-poller" in op.polled_by
+    finally:
+        poller.close()
+    assert poller._thread is not None and not poller._thread.is_alive()
+
+
+def test_a_wait_past_its_timeout_returns_false_and_is_forgotten() -> None:
+    poller = Poller()
+    try:
+        assert poller.wait(_Op(), 0.05) is False
+        assert poller._waits == []
+    finally:
+        poller.close()
+
+
+def test_after_close_pending_waits_still_end_and_later_waits_look_for_themselves() -> None:
+    poller = Poller()
+    pending, got = _Op(), []
+    waiter = threading.Thread(target=lambda: got.append(poller.wait(pending, 10)))
+    waiter.start()
+    wait_until(lambda: len(poller._waits) == 1, 5, "the wait given to the poller")
+    closing = threading.Thread(target=poller.close)
+    closing.start()
+    pending.ended = True  # an aborted op ends
+    waiter.join(5)
+    closing.join(5)
+    assert got == [True] and not closing.is_alive()
+    later = _Op()
+    later.ended = True
+    assert poller.wait(later, 1.0) is True
+    assert poller.wait(_Op(), 0.01) is False

@@ -1,6 +1,12 @@
 """The nccl transport as the connector's worker half uses it: one byte range a transfer
-(in a few chunks), posted from the broker client's loop (or a worker thread of it when
-that may block), waited for in a worker thread without blocking that loop.
+(in a few chunks), posted and waited for without blocking the broker client's loop.
+
+Threads: an op on a communicator this side already has is posted on the loop thread
+itself (it does not block, and a hop to a worker thread sat inside D's turn); building
+one, or aborting one the peer dropped, happens in a worker thread. Each transfer is
+then waited for in a worker thread of its own, which sleeps until the link's `Poller`
+(one thread, the only one polling CUDA events) sees its next op end, and lands its
+chunks itself (`_Watch.advance`: what to do once ops ended, as a step function).
 
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:

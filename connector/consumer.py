@@ -576,7 +576,7 @@ class ConsumerSide:
         assert w.paged is not None and load.allocated is not None
         asked = time.monotonic()
         with load.landing:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
-            locked = time.monotonic()
+            locked, cpu = time.monotonic(), time.thread_time()
             if load.state != "receiving" or load.lease is None:
                 return
             stream = self._landing_stream_made()
@@ -595,9 +595,12 @@ class ConsumerSide:
                 load.scattered, load.landed_blocks = event, b1
                 if left == 0 and b1 == count:
                     load.state, load.received_at = "received", time.monotonic()
-        # What a landing costs D's host: waiting for the load's lock, then the launch under it.
+        # What a landing costs D's host: waiting for the load's lock, then the launch under
+        # it, and of that the CPU time this thread used (the rest it waited: for the GIL,
+        # the driver or the worker's lock).
         w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[b0, b1], left=left,
-                    lock_wait_us=round((locked - asked) * 1e6), launch_us=round((time.monotonic() - locked) * 1e6))
+                    lock_wait_us=round((locked - asked) * 1e6), launch_us=round((time.monotonic() - locked) * 1e6),
+                    launch_cpu_us=round((time.thread_time() - cpu) * 1e6))
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""

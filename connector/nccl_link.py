@@ -340,7 +340,7 @@ class Poller:
                     self._cond.wait()
                     pause, progress = 0.0, time.monotonic()
                 waits = list(self._waits)
-            ended = [w for w in waits if w[0].done()]
+            ended = [w for w in waits if _ended_or_broken(w[0])]
             if ended:
                 with self._cond:
                     self._waits = [w for w in self._waits if w not in ended]
@@ -356,6 +356,15 @@ class Poller:
                 with self._cond:
                     self._cond.wait(pause)  # a new wait ends the pause
             known = len(waits) - len(ended)
+
+
+def _ended_or_broken(op: Any) -> bool:
+    """Whether `op` ended, for the poller: one whose poll raises (a CUDA error) wakes its
+    waiter too, which then meets the error itself instead of sleeping to its deadline."""
+    try:
+        return bool(op.done())
+    except Exception:  # the waiter's own poll raises it
+        return True
 
 
 def _wait_until_ended(watch: _Watch, poller: Poller) -> None:

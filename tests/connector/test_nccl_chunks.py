@@ -323,3 +323,32 @@ def test_after_close_pending_waits_still_end_and_later_waits_look_for_themselves
     later.ended = True
     assert poller.wait(later, 1.0) is True
     assert poller.wait(_Op(), 0.01) is False
+
+
+class _BrokenOp(_Op):
+    """An op whose poll raises, as a CUDA error makes an event query raise."""
+
+    def done(self) -> bool:
+        if threading.current_thread().name == "kvbroker-nccl-poller":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return False
+
+
+def test_an_op_whose_poll_raises_wakes_its_waiter_at_once_and_the_poller_goes_on() -> None:
+    poller = Poller()
+    broken = _BrokenOp()
+    got: list[bool] = []
+    try:
+        waiter = threading.Thread(target=lambda: got.append(poller.wait(broken, 30)))
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive() and got == [False], "the waiter slept towards its deadline"
+        other = _Op()
+        ending = threading.Thread(target=lambda: got.append(poller.wait(other, 30)))
+        ending.start()
+        wait_until(lambda: len(poller._waits) == 1, 5, "the next wait given to the poller")
+        other.ended = True
+        ending.join(10)
+        assert got == [False, True], "the poller stopped after the error"
+    finally:
+        poller.close()

@@ -77,10 +77,10 @@ COMMUNICATORS = 8
 
 
 # How long the link's poller spins after an op ended or a wait began before it pauses
-# between polls. A spin holds the GIL (an event query does not release it), so the client's loop
-# thread, which carries the next Ready or Go and posts the next transfer, waits as long as
-# the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost 10-15% of their
-# rate (docs/RESULTS.md).
+# between polls. A spin holds the GIL (an event query does not release it), so the
+# client's loop thread, which carries the next Ready or Go and posts the next transfer,
+# waits as long as the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost
+# 10-15% of their rate (docs/RESULTS.md).
 WAIT_SPIN_S = 50e-6
 # The longest pause between polls once the poller has spun: it bounds how late an op's
 # end is seen (the pauses double up to it).

@@ -352,3 +352,36 @@ def test_an_op_whose_poll_raises_wakes_its_waiter_at_once_and_the_poller_goes_on
         assert got == [False, True], "the poller stopped after the error"
     finally:
         poller.close()
+
+
+class _Usable:
+    """A cache that says which communicator a ticket may be posted on from the loop."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, bool]] = []
+
+    def usable(self, peer: str, nonce: str, *, initiator: bool) -> object:
+        self.asked.append((peer, nonce, initiator))
+        return f"comm {nonce}"
+
+
+@pytest.mark.parametrize("post_on_loop", [True, False])
+def test_only_a_ticket_naming_a_built_communicator_is_posted_on_the_loop(
+    monkeypatch: pytest.MonkeyPatch, post_on_loop: bool
+) -> None:
+    """A new communicator (ticket "") is built in a worker thread, as is any op of a
+    transfer already cancelled; one the ticket names is posted on the loop when the
+    cache says it may be (P asks as the initiator, D as the acceptor)."""
+    import connector.nccl_link as nccl_link
+
+    monkeypatch.setattr(nccl_link, "POST_ON_LOOP", post_on_loop)
+    link = NcclLink.__new__(NcclLink)
+    link.cache = _Usable()  # type: ignore[assignment]
+    flag = threading.Event()
+    assert link._postable_now("d0:0", "send", ("", 0), flag) is None
+    want = "comm n1" if post_on_loop else None
+    assert link._postable_now("d0:0", "send", ("n1", 3), flag) == want
+    assert link._postable_now("p0:0", "recv", ("n1", 4), flag) == want
+    flag.set()
+    assert link._postable_now("p0:0", "recv", ("n1", 5), flag) is None
+    assert link.cache.asked == ([("d0:0", "n1", True), ("p0:0", "n1", False)] if post_on_loop else [])

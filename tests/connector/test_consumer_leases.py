@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,16 @@ def _receiving(tid: str, lease: object) -> _Load:
     return _Load(tid, spec, time.monotonic() + 30, state="receiving", lease=lease)  # type: ignore[arg-type]
 
 
+def _lease_back_only_once_copied(side: Any, pool: Any, load: _Load, copy: _Copy) -> None:
+    """`load` failed: its lease stays out of the pool until `copy` (a scatter reading it) ran."""
+    assert load.state == "failed" and load.lease is None
+    side._drain()
+    assert pool.statistics().leases == 1, "the lease went back while a copy could still read it"
+    copy.ran = True
+    side._drain()
+    assert pool.statistics().leases == 0
+
+
 def test_a_failed_load_keeps_its_lease_until_its_scattered_chunks_ran(broker: BrokerProcess) -> None:
     d = make_worker(broker.endpoint, "d", "d0", make_caches())
     try:
@@ -60,12 +71,7 @@ def test_a_failed_load_keeps_its_lease_until_its_scattered_chunks_ran(broker: Br
         copy = _Copy()
         load.scattered = copy  # type: ignore[assignment]
         side._fail(load, "the receive was cut short", telling=False)
-        assert load.state == "failed" and load.lease is None
-        side._drain()
-        assert pool.statistics().leases == 1, "the lease went back while a copy could still read it"
-        copy.ran = True
-        side._drain()
-        assert pool.statistics().leases == 0
+        _lease_back_only_once_copied(side, pool, load, copy)
     finally:
         d.close()
 
@@ -107,12 +113,7 @@ def test_a_load_failed_while_a_chunk_lands_waits_for_that_copy_before_freeing_it
             load.scattered = copy  # type: ignore[assignment]  # what the landing publishes as it ends
         failing.join(10)
         assert not failing.is_alive() and not errors, errors
-        assert load.state == "failed" and load.lease is None
-        side._drain()
-        assert pool.statistics().leases == 1, "the lease went back while the landing's copy could still read it"
-        copy.ran = True
-        side._drain()
-        assert pool.statistics().leases == 0
+        _lease_back_only_once_copied(side, pool, load, copy)
     finally:
         d.close()
 

@@ -222,16 +222,28 @@ class Posted:
 class _Watch:
     """A posted transfer being waited for. `advance` does what can be done now (lands the
     chunks whose ops ended, in order) and never waits for the GPU; `NcclLink.wait`
-    calls it until the transfer ended."""
+    calls it until the transfer ended.
+
+    `at_once`: nothing is done chunk by chunk (a sender, or a receiver whose copies were
+    queued on the GPU behind its receives): only the last op is waited for, and `landed`
+    is called once, for every chunk. A transfer's ops end in order (one NCCL stream), so
+    one wake-up a transfer instead of one a chunk, each of which takes the GIL.
+    """
 
     posted: Posted
     deadline: float
     landed: Callable[[int, int, int], None] | None
     before: Callable[[], None] | None
     discard: Callable[[str], None]  # drops the communicator with a peer
+    at_once: bool = False
     next: int = 0  # the first chunk not landed yet
     started: bool = False
     error: BaseException | None = None
+
+    def pending(self) -> Any:
+        """The op whose end the next `advance` needs."""
+        done = self.posted.completions
+        return done[-1] if self.at_once else done[self.next]
 
     def advance(self, now: float) -> bool:
         """True once the transfer ended: every chunk landed, or `error` says why not."""
@@ -254,10 +266,10 @@ class _Watch:
         done, n = posted.completions, len(posted.completions)
         while self.next < n:
             k = last = self.next
-            if not done[k].done() and now < self.deadline:
+            if not self.pending().done() and now < self.deadline:
                 return False
             done[k].wait(self.deadline)  # ended: returns at once; past the deadline: aborts, raises
-            if landed is not None and COALESCE_LANDINGS:
+            if self.at_once or (landed is not None and COALESCE_LANDINGS):
                 # Chunks whose ops ended meanwhile land with this one, as one copy: a waiter
                 # that fell behind the wire (several transfers in flight, a busy host)
                 # catches up instead of paying a launch for each chunk.
@@ -376,7 +388,7 @@ def _wait_until_ended(watch: _Watch, poller: Poller) -> None:
     that also launched every landing's scatter ran them one after another, and eight
     requests in flight took longer than with a thread each (docs/RESULTS.md)."""
     while not watch.advance(time.monotonic()):
-        poller.wait(watch.posted.completions[watch.next], watch.deadline - time.monotonic())
+        poller.wait(watch.pending(), watch.deadline - time.monotonic())
 
 
 class NcclLink:
@@ -524,16 +536,18 @@ class NcclLink:
 
     async def wait(self, posted: Posted, deadline: float,
                    landed: Callable[[int, int, int], None] | None = None,
-                   before: Callable[[], None] | None = None) -> None:
+                   before: Callable[[], None] | None = None, *, at_once: bool = False) -> None:
         """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
         thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
         to come. `before()` is called in that thread before the first chunk is waited for.
+        `at_once` (always so without `landed`): `landed` is called once, after the last
+        op ended, for every chunk.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
                 cut short (the communicator was aborted: `cancel`, a timeout).
         """
-        watch = _Watch(posted, deadline, landed, before, self.cache.discard)
+        watch = _Watch(posted, deadline, landed, before, self.cache.discard, at_once=at_once or landed is None)
         try:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.

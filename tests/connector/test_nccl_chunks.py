@@ -94,11 +94,11 @@ class _Cache:
 
 
 def _watch(posted: Posted, log: list[str], cache: _Cache | None = None, *, deadline: float = float("inf"),
-           landed: Any = "log", before: Any = None) -> _Watch:
+           landed: Any = "log", before: Any = None, at_once: bool = False) -> _Watch:
     if landed == "log":
         def landed(b0: int, b1: int, left: int) -> None:
             log.append(f"landed {b0}-{b1} left {left}")
-    return _Watch(posted, deadline, landed, before, (cache or _Cache()).discard)
+    return _Watch(posted, deadline, landed, before, (cache or _Cache()).discard, at_once=at_once)
 
 
 def test_a_receive_sets_up_before_any_chunk_ends_then_lands_each_chunk_in_order() -> None:
@@ -175,6 +175,65 @@ def test_a_chunk_not_ended_by_the_deadline_fails_the_transfer() -> None:
     assert log == ["ended 0", "landed 0-48 left 3"]
 
 
+def test_a_watch_at_once_waits_for_the_last_op_then_lands_every_chunk_in_one_call() -> None:
+    """With the scatters queued on the GPU (or on a sender), the waiter needs only the last
+    op's end: it waits for that one, whatever ended before it, and then lands the whole
+    transfer once."""
+    log: list[str] = []
+    wire: set[int] = set()
+    posted = _posted(128, log, wire=wire)
+    watch = _watch(posted, log, before=lambda: log.append("before"), at_once=True)
+    for k in range(3):
+        assert not watch.advance(0.0)
+        assert watch.pending() is posted.completions[-1]
+        wire.add(k)
+    assert not watch.advance(0.0) and log == ["before"], "chunks landed before the last op ended"
+    wire.add(3)
+    assert watch.advance(0.0) and watch.error is None
+    assert log == ["before", "ended 0", "ended 1", "ended 2", "ended 3", "landed 0-128 left 0"]
+
+
+def test_a_watch_at_once_whose_communicator_was_aborted_lands_nothing() -> None:
+    log: list[str] = []
+    watch = _watch(_posted(128, log, abort_at=1, wire={0, 1, 2, 3}), log, at_once=True)
+    assert watch.advance(0.0)
+    assert isinstance(watch.error, TransferFailed) and "cut short" in watch.error.reason
+    assert not [line for line in log if line.startswith("landed")]
+
+
+@pytest.mark.anyio
+async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
+    """Nothing lands on a sender: its thread sleeps until the last op ended (one wake-up a
+    transfer), and only that op is handed to the poller."""
+    link = NcclLink.__new__(NcclLink)
+    link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
+    link._lock, link._inflight = threading.Lock(), {}
+    asked: list[Any] = []
+    real_wait = link.poller.wait
+
+    def wait(op: Any, timeout: float) -> bool:
+        asked.append(op)
+        return real_wait(op, timeout)
+
+    link.poller.wait = wait  # type: ignore[method-assign]
+    log: list[str] = []
+    wire: set[int] = set()
+    posted = _posted(128, log, wire=wire)
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(link.wait, posted, float("inf"))
+                while not asked:  # the waiting thread handed its first op to the poller
+                    await anyio.sleep(0.001)
+                wire.update(range(3))
+                assert asked == [posted.completions[-1]]
+                wire.add(3)
+    finally:
+        link.poller.close()
+    assert all(op is posted.completions[-1] for op in asked)
+    assert log == ["ended 0", "ended 1", "ended 2", "ended 3"]
+
+
 @pytest.mark.anyio
 async def test_transfers_waited_for_at_once_each_end_when_their_own_ops_end() -> None:
     """Each waiter's thread advances its own transfer, asleep until the link's poller saw
@@ -223,13 +282,15 @@ def test_waits_land_every_transfer_whole_and_in_order_however_their_ends_interle
     n = data.draw(st.integers(1, 4), label="transfers")
     sizes = data.draw(st.lists(st.sampled_from([16, 32, 128, 512]), min_size=n, max_size=n), label="blocks")
     aborts = data.draw(st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=n, max_size=n), label="abort at")
+    at_once = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="at once")
     logs: list[list[str]] = [[] for _ in range(n)]
     wires: list[set[int]] = [set() for _ in range(n)]
     landed: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     watches = []
     for i in range(n):
         posted = _posted(sizes[i], logs[i], abort_at=aborts[i], wire=wires[i])
-        watches.append(_watch(posted, logs[i], landed=lambda b0, b1, left, i=i: landed[i].append((b0, b1, left))))
+        watches.append(_watch(posted, logs[i], landed=lambda b0, b1, left, i=i: landed[i].append((b0, b1, left)),
+                              at_once=at_once[i]))
     counts = [len(w.posted.completions) for w in watches]
     order = data.draw(st.permutations([i for i in range(n) for _ in range(counts[i])]), label="ends")
     passes = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)), label="passes")
@@ -250,6 +311,7 @@ def test_waits_land_every_transfer_whole_and_in_order_however_their_ends_interle
         parts = watch.posted.parts
         got = landed[i]
         assert all(a[1] == b[0] for a, b in pairwise(got)) and (not got or got[0][0] == 0)
+        assert not at_once[i] or len(got) <= 1, "a transfer waited for at once landed in pieces"
         for b0, b1, left in got:
             k = next(k for k, p in enumerate(parts) if p[1] == b1)
             assert left == len(parts) - 1 - k

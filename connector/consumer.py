@@ -19,27 +19,22 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    report the request as received. On a GPU the scatter is enqueued on the compute
    stream, so the lease goes back to the pool only once an event after it has completed
    (a later receive into the same bytes is not ordered after the scatter).
-   Over nccl with the transport's copy kernel the scatter starts earlier, chunk by
-   chunk, on a stream for each producer that first waits for an event recorded in
-   `start_load_kv` (so for whatever the compute stream did with those blocks before
-   they were given to this request). By default (`QUEUED_LANDINGS`) every chunk's
-   scatter is queued on the GPU as soon as the receives are posted, each behind its
-   own receive's end (`_queue_landings`): no host work is left between a chunk's last
-   byte and its scatter, and the receiving thread wakes once, when the last receive
-   ended. Otherwise each chunk is scattered by the receiving thread once it saw the
-   chunk's receive end (`_land`). `get_finished` then only makes the compute stream
-   wait for the last chunk's scatter. A load that fails is reported with all its
-   blocks as load errors, and the compute stream and the lease's next use wait for any
-   scatter already queued. (Queued scatters also copy a chunk an abort cut short:
-   those blocks are among the ones reported. The abort ends the receive, so the copy
-   behind it runs, and what the compute stream waits for ends.)
+   Over nccl with the transport's copy kernel the scatter starts earlier: chunk by
+   chunk, as each chunk's receive ends (`_land`, in the receiving thread), on a
+   stream of its own that first waits for an event recorded in `start_load_kv` (so
+   for whatever the compute stream did with those blocks before they were given to
+   this request). `get_finished` then only makes the compute stream wait for the
+   last chunk's scatter. A chunk is scattered only once its bytes have arrived whole,
+   so a load that fails later has had only the producer's bytes written into its
+   blocks; those blocks are reported as load errors, and the compute stream and the
+   lease's next use wait for any scatter already enqueued.
 4. A missed deadline (no Prepare, no room, no bytes), a broken stream, a mismatched
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
    the request is reported, so vLLM's ``kv_load_failure_policy`` applies ("recompute"
-   or "fail"). A load's blocks hold the producer's bytes whenever the load is reported
-   done (over nccl a load can fail after some of its chunks were scattered; its blocks
-   are then all reported), and D's prefix-cached blocks are never written.
+   or "fail"). Only bytes that arrived whole from the producer are ever scattered (over
+   nccl a load can fail after some of its chunks were; its blocks are all reported),
+   and D's prefix-cached blocks are never written.
 """
 
 from __future__ import annotations
@@ -64,7 +59,6 @@ from workers.transports.tcp import TcpReceiver, TcpTransportError
 from .scheduler import KvBrokerMetadata, LoadSpec
 
 if TYPE_CHECKING:
-    from .nccl_link import Posted
     from .worker import ConnectorWorker
 
 __all__ = ["ConsumerSide"]
@@ -74,13 +68,6 @@ BROKER_ABORT = "aborted by the broker: "
 # A load still "receiving" this long after its deadline lost its receiving task (the
 # client's loop stopped or was torn down): `get_finished` fails it and frees its lease.
 RECEIVE_GRACE_S = 1.0
-
-# Whether D queues each chunk's scatter on the GPU behind its receive when the receives
-# are posted (`ConsumerSide._queue_landings`), instead of launching it from the receiving
-# thread once it saw the receive end (`_land`). With eight transfers in flight, those
-# launches waited for D's GIL for 1-4 ms each on an H200 pair (docs/RESULTS.md).
-# False: `bench/connector_path.py --queued-landings 0`.
-QUEUED_LANDINGS = True
 
 
 @dataclass
@@ -102,7 +89,6 @@ class _Load:
     targets: torch.Tensor | None = None
     scattered: torch.cuda.Event | None = None
     landed_blocks: int = 0
-    queued: bool = False  # every chunk's scatter is queued behind its receive (`_queue_landings`)
     # When the bytes were known to be in (time.monotonic()): the `transfer.loaded` line says
     # how long the load then waited for the engine's get_finished (`since_received_ms`).
     received_at: float = 0.0
@@ -124,7 +110,7 @@ class ConsumerSide:
         self._errors: set[int] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
-        self._landing_streams: dict[str, torch.cuda.Stream] = {}  # producer -> its loads' scatters
+        self._landing_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
 
     def start_transport(self) -> dict[str, str]:
         """Listen for producers; the endpoint goes into this peer's registration (nccl:
@@ -529,14 +515,9 @@ class ConsumerSide:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another
                             with anyio.CancelScope(shield=True):
                                 await w.nccl.give_up(msg.source)
-                if w.paged is None:
-                    await w.nccl.wait(posted, load.deadline)
-                elif QUEUED_LANDINGS:
-                    await w.nccl.wait(posted, load.deadline, landed=lambda b0, b1, left: self._landed(load, b0, b1),
-                                      before=lambda: self._queue_landings(load, posted), at_once=True)
-                else:
-                    await w.nccl.wait(posted, load.deadline, landed=lambda b0, b1, left: self._land(load, b0, b1, left),
-                                      before=lambda: self._before_landing(load))
+                await w.nccl.wait(posted, load.deadline,
+                                  landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
+                                  before=(lambda: self._before_landing(load)) if w.paged else None)
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:
@@ -544,56 +525,6 @@ class ConsumerSide:
         except PoolError as exc:
             return str(exc)
         return ""
-
-    def _queue_landings(self, load: _Load, posted: Posted) -> None:
-        """In the receiving thread, once the receives are posted: queue each chunk's scatter
-        on the producer's landing stream, behind its receive's end (an event on the GPU,
-        no host wait), and publish the event after the last as the load's `scattered`.
-        If queueing fails, the load is landed by `_land` once every receive ended."""
-        w = self.w
-        assert w.paged is not None
-        with load.landing:
-            if load.state != "receiving" or load.lease is None:
-                return
-            stream = self._landing_stream_made(load.source)
-            queued = 0
-            try:
-                with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
-                    count = len(load.spec.block_ids) - load.spec.num_cached_blocks
-                    targets = self._targets(load, stream)
-                    words = w.paged.staging_view(load.lease.tensor, count)
-                    step, n = w.paged.staged_block_nbytes, len(posted.parts)
-                    for k, ((b0, b1), done) in enumerate(zip(posted.parts, posted.completions)):
-                        stream.wait_event(done.event)
-                        queued += 1
-                        if self._faulty(load):
-                            self._inject_fault(load.transfer_id, load.lease.tensor[b0 * step : b1 * step])
-                        # Capped while later chunks are on the wire: at full width it slows them.
-                        w.paged.copy_range(targets, words, b0, b1, to_staging=False,
-                                           programs=SCATTER_PROGRAMS if k < n - 2 else None)
-                    load.queued = True
-            except Exception:
-                w.log.exception("transfer.landing_setup_failed", transfer_id=load.transfer_id, phase="receive")
-            finally:
-                if queued:  # whatever was queued reads the lease and writes the blocks: wait for it
-                    event = torch.cuda.Event()
-                    with torch.cuda.device(w.paged.device):
-                        event.record(stream)
-                    load.scattered = event  # under the load's lock, which `_fail` takes before reading it
-
-    def _landed(self, load: _Load, b0: int, b1: int) -> None:
-        """The receives of blocks ``[b0, b1)`` of a load with queued scatters ended whole
-        (all of them at once, `NcclLink.wait`'s `at_once`): once the last has, it is received
-        (its scatters are on the GPU; `get_finished` orders the compute stream after them)."""
-        if not load.queued:  # queueing failed: land it from here, in one copy
-            self._land(load, b0, b1, 0)
-            return
-        count = len(load.spec.block_ids) - load.spec.num_cached_blocks
-        with load.landing, self.w.lock:
-            if load.state == "receiving":
-                load.landed_blocks = b1
-                if b1 == count:
-                    load.state, load.received_at = "received", time.monotonic()
 
     def _before_landing(self, load: _Load) -> None:
         """In the receiving thread, before the first chunk can land: put the scatter
@@ -605,24 +536,20 @@ class ConsumerSide:
         try:
             with load.landing:
                 if load.state == "receiving" and load.targets is None:
-                    stream = self._landing_stream_made(load.source)
+                    stream = self._landing_stream_made()
                     with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
                         self._targets(load, stream)
         except Exception:  # the wait must still happen: `_land` tries again, and fails the load if it cannot
             w.log.exception("transfer.landing_setup_failed", transfer_id=load.transfer_id, phase="receive")
 
-    def _landing_stream_made(self, producer: str) -> torch.cuda.Stream:
-        """The stream the loads from `producer` are scattered on: one for each producer,
-        since a queued scatter waits for its receive, and another producer's chunks
-        must not wait behind it."""
+    def _landing_stream_made(self) -> torch.cuda.Stream:
+        """The one stream every load's landings are scattered on."""
         assert self.w.paged is not None
-        stream = self._landing_streams.get(producer)  # the worker's lock only to make one: landings are hot
-        if stream is None:
+        if self._landing_stream is None:
             with self.w.lock:  # two loads' first landings may race to make it
-                stream = self._landing_streams.get(producer)
-                if stream is None:
-                    stream = self._landing_streams[producer] = torch.cuda.Stream(self.w.paged.device)
-        return stream
+                if self._landing_stream is None:
+                    self._landing_stream = torch.cuda.Stream(self.w.paged.device)
+        return self._landing_stream
 
     def _targets(self, load: _Load, stream: torch.cuda.Stream) -> torch.Tensor:
         """The load's target block ids on the GPU, made once (holding `load.landing`), on
@@ -652,7 +579,7 @@ class ConsumerSide:
             locked, cpu = time.monotonic(), time.thread_time()
             if load.state != "receiving" or load.lease is None:
                 return
-            stream = self._landing_stream_made(load.source)
+            stream = self._landing_stream_made()
             with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
                 count = len(load.spec.block_ids) - load.spec.num_cached_blocks
                 targets = self._targets(load, stream)

@@ -224,10 +224,10 @@ class _Watch:
     chunks whose ops ended, in order) and never waits for the GPU; `NcclLink.wait`
     calls it until the transfer ended.
 
-    `at_once`: nothing is done chunk by chunk (a sender, or a receiver whose copies were
-    queued on the GPU behind its receives): only the last op is waited for, and `landed`
-    is called once, for every chunk. A transfer's ops end in order (one NCCL stream), so
-    one wake-up a transfer instead of one a chunk, each of which takes the GIL.
+    `at_once` (a sender: nothing is done chunk by chunk): only the last op is waited for,
+    and `landed`, if any, is called once, for every chunk. A transfer's ops end in order
+    (one NCCL stream), so the waiting thread wakes once a transfer instead of once a
+    chunk, and each wake-up takes the GIL from the engine's thread.
     """
 
     posted: Posted
@@ -536,18 +536,17 @@ class NcclLink:
 
     async def wait(self, posted: Posted, deadline: float,
                    landed: Callable[[int, int, int], None] | None = None,
-                   before: Callable[[], None] | None = None, *, at_once: bool = False) -> None:
+                   before: Callable[[], None] | None = None) -> None:
         """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
         thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
         to come. `before()` is called in that thread before the first chunk is waited for.
-        `at_once` (always so without `landed`): `landed` is called once, after the last
-        op ended, for every chunk.
+        Without `landed` (a sender) only the last op's end is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
                 cut short (the communicator was aborted: `cancel`, a timeout).
         """
-        watch = _Watch(posted, deadline, landed, before, self.cache.discard, at_once=at_once or landed is None)
+        watch = _Watch(posted, deadline, landed, before, self.cache.discard, at_once=landed is None)
         try:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.

@@ -141,33 +141,3 @@ def test_get_finished_reports_ended_loads_while_another_load_is_landing(broker: 
         side._fail(landing, "test over", telling=False)
     finally:
         d.close()
-
-
-def test_a_load_with_queued_scatters_is_received_once_its_last_receive_ended(broker: BrokerProcess) -> None:
-    """Queued scatters (`_queue_landings`): the receiving thread reports the ended receives,
-    and the load is received once they cover every block, not before; a load failed
-    meanwhile stays failed. One whose scatters could not be queued is landed from there
-    (`_land`), once, for every block."""
-    d = make_worker(broker.endpoint, "d", "d0", make_caches())
-    try:
-        assert d.consumer is not None and d.pool is not None
-        side = d.consumer
-        load = _receiving("queued", None)
-        load.queued = True
-        side._landed(load, 0, 2)
-        assert load.state == "receiving" and load.landed_blocks == 2
-        side._landed(load, 2, 3)
-        assert load.state == "received" and load.landed_blocks == 3 and load.received_at > 0
-
-        failed = _receiving("failed", None)
-        failed.queued, failed.state = True, "failed"
-        side._landed(failed, 0, 3)
-        assert failed.state == "failed" and failed.landed_blocks == 0
-
-        unqueued = _receiving("unqueued", None)
-        launched: list[tuple[str, int, int, int]] = []
-        side._land = lambda load, b0, b1, left=0: launched.append((load.transfer_id, b0, b1, left))  # type: ignore[method-assign]
-        side._landed(unqueued, 0, 3)
-        assert launched == [("unqueued", 0, 3, 0)] and unqueued.state == "receiving"
-    finally:
-        d.close()

@@ -176,9 +176,9 @@ def test_a_chunk_not_ended_by_the_deadline_fails_the_transfer() -> None:
 
 
 def test_a_watch_at_once_waits_for_the_last_op_then_lands_every_chunk_in_one_call() -> None:
-    """With the scatters queued on the GPU (or on a sender), the waiter needs only the last
-    op's end: it waits for that one, whatever ended before it, and then lands the whole
-    transfer once."""
+    """At once (a sender's watch), the waiter needs only the last op's end: it waits for
+    that one, whatever ended before it, and then ends the whole transfer in one pass
+    (with a `landed`, in one call)."""
     log: list[str] = []
     wire: set[int] = set()
     posted = _posted(128, log, wire=wire)

@@ -286,36 +286,27 @@ def _one_block_chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
     return [(k, k + 1) for k in range(nbytes // block_nbytes)]
 
 
-@pytest.mark.parametrize("mode", ["queued", "each", "coalesced"])
+@pytest.mark.parametrize("coalesce", [False, True], ids=["each", "coalesced"])
 def test_chunks_are_scattered_as_each_lands(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, mode: str
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, coalesce: bool
 ) -> None:
     """A transfer in several chunks (one NCCL op each, both sides): D scatters each chunk
     into its blocks as its receive ends, on a stream of its own, ordered after the
     compute stream's point at start_load_kv. 30 transfers of 6 blocks, every other one
     with a two-block prefix hit; P's blocks overwritten right after each step. D's blocks
     after its hit hold exactly what P saved, its prefix-cached blocks are never written,
-    and every lease goes back to its pool. "queued": every chunk's scatter was queued on
-    the GPU behind its receive, none launched after; else every chunk went through
-    `_land` (on its own, or with the chunks that ended while D was busy: in order, each
-    block once)."""
+    every chunk went through `_land` (on its own, or with the chunks that ended while D
+    was busy: in order, each block once), and every lease goes back to its pool."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
-    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", mode == "coalesced")
-    monkeypatch.setattr(consumer, "QUEUED_LANDINGS", mode == "queued")
+    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", coalesce)
     landed: list[tuple[str, int, int]] = []
-    queued: list[tuple[str, bool]] = []
-    real_land, real_queue = consumer.ConsumerSide._land, consumer.ConsumerSide._queue_landings
+    real_land = consumer.ConsumerSide._land
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
         landed.append((load.transfer_id, b0, b1))
         real_land(self, load, b0, b1, left)
 
-    def queue(self: consumer.ConsumerSide, load: consumer._Load, posted: nccl_link.Posted) -> None:
-        real_queue(self, load, posted)
-        queued.append((load.transfer_id, load.queued))
-
     monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
-    monkeypatch.setattr(consumer.ConsumerSide, "_queue_landings", queue)
     pc, dc = gpu_caches("cuda:0", 9), gpu_caches("cuda:1", 10)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
@@ -338,9 +329,7 @@ def test_chunks_are_scattered_as_each_lands(
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
                 assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
             ranges = [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"]
-            if mode == "queued":
-                assert queued[-1] == (f"c{i}", True) and not ranges, (queued[-1], ranges)
-            elif mode == "coalesced":
+            if coalesce:
                 assert ranges[0][0] == 0 and ranges[-1][1] == len(dst) - cached, ranges
                 assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
             else:
@@ -351,7 +340,7 @@ def test_chunks_are_scattered_as_each_lands(
         d.close()
 
 
-@pytest.mark.parametrize("cut", ["cancel", "raise", "cancel-queued"])
+@pytest.mark.parametrize("cut", ["cancel", "raise"])
 def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, cut: str
 ) -> None:
@@ -360,13 +349,10 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     still posted). The load fails with all its blocks reported, its lease goes back only
     after the landed chunk's scatter has run, and the next transfer is whole, on new
     communicators (none of the cut transfer's ops pairs with the next one's). Each chunk
-    lands on its own here, so the cut comes between two chunks whatever the timing.
-    "cancel-queued": the scatters queued on the GPU behind the receives, the op cancelled
-    right after: the same, except what the cut chunks' copies wrote (blocks reported)."""
+    lands on its own here, so the cut comes between two chunks whatever the timing."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", False)
-    monkeypatch.setattr(consumer, "QUEUED_LANDINGS", cut == "cancel-queued")
-    real_land, real_queue = consumer.ConsumerSide._land, consumer.ConsumerSide._queue_landings
+    real_land = consumer.ConsumerSide._land
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
         if load.transfer_id == "cut" and b0 == 1 and cut == "raise":
@@ -376,14 +362,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
             assert self.w.nccl is not None
             self.w.nccl.cancel(load.source, load.transfer_id)
 
-    def queue(self: consumer.ConsumerSide, load: consumer._Load, posted: nccl_link.Posted) -> None:
-        real_queue(self, load, posted)
-        if load.transfer_id == "cut":
-            assert load.queued and self.w.nccl is not None
-            self.w.nccl.cancel(load.source, load.transfer_id)
-
     monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
-    monkeypatch.setattr(consumer.ConsumerSide, "_queue_landings", queue)
     pc, dc = gpu_caches("cuda:0", 11), gpu_caches("cuda:1", 12)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
@@ -395,8 +374,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         assert errors == {40, 41, 42} and seconds < 6, (errors, seconds)
         torch.cuda.synchronize("cuda:1")
         for n, t in dc.items():  # the chunk that landed holds P's bytes, not garbage
-            if cut != "cancel-queued":  # there P's first send may not have ended before the cancel
-                assert torch.equal(t[:, 40].cpu(), saved[n][:, 0].cpu())
+            assert torch.equal(t[:, 40].cpu(), saved[n][:, 0].cpu())
         leases_come_back(d)  # the cut load's receive lease, once its landed chunk's copy ran
 
         saved = {n: t[:, [7, 8, 9]].clone() for n, t in pc.items()}

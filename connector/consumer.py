@@ -59,6 +59,7 @@ from workers.transports.tcp import TcpReceiver, TcpTransportError
 from .scheduler import KvBrokerMetadata, LoadSpec
 
 if TYPE_CHECKING:
+    from .nccl_link import Waited
     from .worker import ConnectorWorker
 
 __all__ = ["ConsumerSide"]
@@ -92,6 +93,8 @@ class _Load:
     # When the bytes were known to be in (time.monotonic()): the `transfer.loaded` line says
     # how long the load then waited for the engine's get_finished (`since_received_ms`).
     received_at: float = 0.0
+    # nccl: when the last receive's end was seen, and by when it had landed (the line says).
+    waited: Waited | None = None
     # Held while a chunk's scatter is launched from the lease (`_land`), and by whoever
     # ends the receiving state or takes the lease meanwhile (taken before the worker's
     # lock, never after it). A landing then waits neither for another load's landing nor
@@ -485,7 +488,9 @@ class ConsumerSide:
             elif load.state != "received":  # given up by `get_finished` meanwhile (else `_land` marked it)
                 return load.reason or "the load was given up"
         # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its next get_finished.
-        w.log.info("transfer.received", transfer_id=msg.transfer_id, phase="received", nbytes=nbytes)
+        # Over nccl, how long D's host took from seeing the last receive end to this line.
+        w.log.info("transfer.received", transfer_id=msg.transfer_id, phase="received", nbytes=nbytes,
+                   **(load.waited.log_fields(time.monotonic()) if load.waited is not None else {}))
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
@@ -515,7 +520,7 @@ class ConsumerSide:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another
                             with anyio.CancelScope(shield=True):
                                 await w.nccl.give_up(msg.source)
-                await w.nccl.wait(posted, load.deadline,
+                load.waited = await w.nccl.wait(posted, load.deadline,
                                   landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
                                   before=(lambda: self._before_landing(load)) if w.paged else None)
         except TimeoutError:

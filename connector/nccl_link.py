@@ -68,7 +68,7 @@ from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
 
-__all__ = ["NcclLink", "Poller", "RecvOrder", "SendOrder", "chunks", "plan"]
+__all__ = ["NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
 
 Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
 
@@ -218,6 +218,23 @@ class Posted:
     flag: threading.Event
 
 
+@dataclass(frozen=True)
+class Waited:
+    """When a transfer's end was seen (`time.monotonic()` values): the poller saw its last
+    op end (`seen`; the waiting thread itself if it never slept), that thread resumed
+    (`resumed`), and it was done with the transfer, its landings included (`ended`)."""
+
+    seen: float
+    resumed: float
+    ended: float
+
+    def log_fields(self, now: float) -> dict[str, int]:
+        """For a transfer's log line written at `now`: how long the waiting thread took to
+        resume, then to land, then until the line (us)."""
+        return {"wake_us": round((self.resumed - self.seen) * 1e6), "land_us": round((self.ended - self.resumed) * 1e6),
+                "hop_us": round((now - self.ended) * 1e6)}
+
+
 @dataclass(eq=False)
 class _Watch:
     """A posted transfer being waited for. `advance` does what can be done now (lands the
@@ -239,6 +256,8 @@ class _Watch:
     next: int = 0  # the first chunk not landed yet
     started: bool = False
     error: BaseException | None = None
+    seen: float = 0.0  # when the last op waited for was seen to end (`Waited`)
+    resumed: float = 0.0  # when the waiting thread then resumed
 
     def pending(self) -> Any:
         """The op whose end the next `advance` needs."""
@@ -307,16 +326,21 @@ class Poller:
     def __init__(self, name: str = "kvbroker-nccl-poller") -> None:
         self.name = name
         self._cond = threading.Condition()
-        self._waits: list[tuple[Any, threading.Event]] = []
+        self._waits: list[tuple[Any, _Ended]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def wait(self, op: Any, timeout: float) -> bool:
         """Block the calling thread until `op` (a completion: ``done()``) has ended, or
         `timeout` seconds passed; whether it ended."""
+        return self.wait_seen(op, timeout) is not None
+
+    def wait_seen(self, op: Any, timeout: float) -> float | None:
+        """`wait`, returning when the end was seen (`time.monotonic()`, by this thread or
+        the poller's) instead of True, and None instead of False."""
         if op.done():
-            return True
-        ended = threading.Event()
+            return time.monotonic()
+        ended = _Ended()
         with self._cond:
             closed = self._closed
             if not closed:
@@ -327,11 +351,13 @@ class Poller:
                 self._cond.notify()
         if closed:  # nobody polls any more: look again after a pause (ops end when aborted)
             time.sleep(min(max(timeout, 0.0), 1e-3))
-            return op.done()
+            return time.monotonic() if op.done() else None
         if not ended.wait(None if math.isinf(timeout) else max(timeout, 0.0)):
             with self._cond:
                 self._waits = [w for w in self._waits if w[1] is not ended]
-        return op.done()
+        if not op.done():
+            return None
+        return ended.at if ended.is_set() else time.monotonic()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop once no wait is pending (abort their ops first, so they end); later waits
@@ -354,12 +380,13 @@ class Poller:
                     pause, progress = 0.0, time.monotonic()
                 waits = list(self._waits)
             ended = [w for w in waits if _ended_or_broken(w[0])]
+            now = time.monotonic()
             if ended:
                 with self._cond:
                     self._waits = [w for w in self._waits if w not in ended]
                 for _, event in ended:
+                    event.at = now
                     event.set()
-            now = time.monotonic()
             if ended or len(waits) > known:  # something ended, or a new wait: spin for the next
                 pause, progress = 0.0, now
             elif now - progress > WAIT_SPIN_S:
@@ -371,6 +398,12 @@ class Poller:
             known = len(waits) - len(ended)
 
 
+class _Ended(threading.Event):
+    """A waiting thread's wake-up, and when the poller saw its op end."""
+
+    at = 0.0
+
+
 def _ended_or_broken(op: Any) -> bool:
     """Whether `op` ended, for the poller: one whose poll raises (a CUDA error) wakes its
     waiter too, which then meets the error itself instead of sleeping to its deadline."""
@@ -380,15 +413,19 @@ def _ended_or_broken(op: Any) -> bool:
         return True
 
 
-def _wait_until_ended(watch: _Watch, poller: Poller) -> None:
+def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
     """Advance `watch` until its transfer ended, sleeping until `poller` saw its next
-    chunk's op end (or its deadline passed: `advance` then aborts and raises).
+    chunk's op end (or its deadline passed: `advance` then aborts and raises); when.
 
     A thread for each transfer, which lands its own chunks; not one thread for all: one
     that also launched every landing's scatter ran them one after another, and eight
     requests in flight took longer than with a thread each (docs/RESULTS.md)."""
+    watch.seen = watch.resumed = time.monotonic()
     while not watch.advance(time.monotonic()):
-        poller.wait(watch.pending(), watch.deadline - time.monotonic())
+        seen = poller.wait_seen(watch.pending(), watch.deadline - time.monotonic())
+        if seen is not None:
+            watch.seen, watch.resumed = seen, time.monotonic()
+    return Waited(watch.seen, watch.resumed, time.monotonic())
 
 
 class NcclLink:
@@ -460,10 +497,11 @@ class NcclLink:
 
     async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
                    after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0,
-                   ticket: Ticket = ("", 0)) -> None:
+                   ticket: Ticket = ("", 0)) -> Waited:
         """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
         once `after` (the step's gathers) has completed on the GPU, in `chunks` of staged
-        blocks of `block_nbytes` (0: one op), when it is next in `ticket`'s order (the Go's).
+        blocks of `block_nbytes` (0: one op), when it is next in `ticket`'s order (the Go's);
+        when its end was seen.
 
         Raises:
             TransferFailed: not in order, not sent by `deadline` (a `time.monotonic()`
@@ -480,7 +518,7 @@ class NcclLink:
             raise
         self._send_order.posted(decode, ticket, posted.comm.nonce)
         self._changed(decode)
-        await self.wait(posted, deadline)
+        return await self.wait(posted, deadline)
 
     def abandon(self, decode: str, ticket: Ticket) -> None:
         """P, on the client's loop: a Go whose send will not be posted (its copy is gone, or
@@ -536,11 +574,11 @@ class NcclLink:
 
     async def wait(self, posted: Posted, deadline: float,
                    landed: Callable[[int, int, int], None] | None = None,
-                   before: Callable[[], None] | None = None) -> None:
-        """Until `posted`'s ops have ended. `landed(b0, b1, left)` is called (in a worker
-        thread) as each chunk's blocks have arrived whole, in order; `left`: chunks still
-        to come. `before()` is called in that thread before the first chunk is waited for.
-        Without `landed` (a sender) only the last op's end is waited for.
+                   before: Callable[[], None] | None = None) -> Waited:
+        """Until `posted`'s ops have ended; when that was seen. `landed(b0, b1, left)` is
+        called (in a worker thread) as each chunk's blocks have arrived whole, in order;
+        `left`: chunks still to come. `before()` is called in that thread before the first
+        chunk is waited for. Without `landed` (a sender) only the last op's end is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
@@ -551,9 +589,10 @@ class NcclLink:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
+                waited = await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
             if watch.error is not None:
                 raise watch.error
+            return waited
         except TransferFailed:
             raise
         except (KvBrokerError, RuntimeError) as exc:  # the op timed out, or the copy after it failed

@@ -51,6 +51,7 @@ from workers.transports.tcp import SourceInUse, TcpSender
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
+    from .nccl_link import Waited
     from .worker import ConnectorWorker
 
 __all__ = ["ProducerSide"]
@@ -420,6 +421,7 @@ class ProducerSide:
         let_go = True  # False: a cancelled send's thread may still read the staging
         ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
         posting = False  # nccl: the send took its place in the pair's order (or gave it up itself)
+        waited: Waited | None = None  # nccl: when the send's end was seen
         try:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
@@ -433,7 +435,7 @@ class ProducerSide:
                 try:
                     staged.sending_to = msg.decode
                     posting = True
-                    await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
+                    waited = await w.nccl.send(msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
                                       time.monotonic() + w.config.load_timeout_s,
                                       block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq))
                 except TransferFailed as exc:
@@ -468,7 +470,7 @@ class ProducerSide:
         else:
             w.count("sent")
             w.count("bytes", msg.nbytes)
-            ms = round((time.monotonic() - t0) * 1e3, 3)
+            now = time.monotonic()
             w.log.info(
                 "transfer.sent",
                 transfer_id=tid,
@@ -476,7 +478,8 @@ class ProducerSide:
                 decode=msg.decode,
                 offset=msg.offset,
                 nbytes=msg.nbytes,
-                ms=ms,
+                ms=round((now - t0) * 1e3, 3),
+                **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:
             with w.lock:

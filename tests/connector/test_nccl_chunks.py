@@ -10,6 +10,7 @@ tests/gpu/test_connector_nccl.py.
 from __future__ import annotations
 
 import threading
+import time
 from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.nccl_link import NcclLink, Poller, Posted, _Watch, chunks
+from connector.nccl_link import NcclLink, Poller, Posted, Waited, _wait_until_ended, _Watch, chunks
 from protocols.errors import RecvTimeout, TransferFailed
 from tests.support import wait_until
 from workers.gpu_staging import pipeline_bounds
@@ -209,20 +210,20 @@ async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
     link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
     asked: list[Any] = []
-    real_wait = link.poller.wait
+    real_wait = link.poller.wait_seen
 
-    def wait(op: Any, timeout: float) -> bool:
+    def wait_seen(op: Any, timeout: float) -> float | None:
         asked.append(op)
         return real_wait(op, timeout)
 
-    link.poller.wait = wait  # type: ignore[method-assign]
+    link.poller.wait_seen = wait_seen  # type: ignore[method-assign]
     log: list[str] = []
     wire: set[int] = set()
     posted = _posted(128, log, wire=wire)
     try:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
-                tasks.start_soon(link.wait, posted, float("inf"))
+                tasks.start_soon(link.wait, posted, time.monotonic() + 10)
                 while not asked:  # the waiting thread handed its first op to the poller
                     await anyio.sleep(0.001)
                 wire.update(range(3))
@@ -358,6 +359,57 @@ def test_the_poller_alone_polls_and_wakes_each_waiting_thread_when_its_op_ends()
     finally:
         poller.close()
     assert poller._thread is not None and not poller._thread.is_alive()
+
+
+def test_a_waiting_thread_learns_when_the_poller_saw_its_op_end() -> None:
+    """`wait_seen` gives the moment the poller saw the end (after the op ended, before
+    the thread resumed), so a transfer's log line can tell a late wake-up from a late poll."""
+    poller = Poller()
+    op, got = _Op(), []
+    try:
+        waiter = threading.Thread(target=lambda: got.append((poller.wait_seen(op, 10), time.monotonic())))
+        waiter.start()
+        wait_until(lambda: len(poller._waits) == 1, 5, "the wait given to the poller")
+        ended_at = time.monotonic()
+        op.ended = True
+        waiter.join(10)
+        assert not waiter.is_alive()
+        seen, resumed = got[0]
+        assert seen is not None and ended_at <= seen <= resumed
+        before = time.monotonic()
+        assert before <= poller.wait_seen(op, 1.0) <= time.monotonic()  # type: ignore[operator]  # ended: seen now
+        assert poller.wait_seen(_Op(), 0.01) is None
+    finally:
+        poller.close()
+
+
+def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed() -> None:
+    log: list[str] = []
+    wire: set[int] = set()
+    poller = Poller()
+    landed_at: list[float] = []
+    posted = _posted(128, log, wire=wire)
+    watch = _watch(posted, log, landed=lambda b0, b1, left: landed_at.append(time.monotonic()))
+    got: list[Waited] = []
+    try:
+        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)))
+        waiter.start()
+        wait_until(lambda: len(poller._waits) == 1, 5, "the wait given to the poller")
+        ended_at = time.monotonic()
+        wire.update(range(4))
+        waiter.join(10)
+        assert not waiter.is_alive() and watch.error is None
+    finally:
+        poller.close()
+    waited = got[0]
+    assert ended_at <= waited.seen <= waited.resumed <= landed_at[0] <= landed_at[-1] <= waited.ended
+    fields = waited.log_fields(waited.ended + 0.002)
+    assert set(fields) == {"wake_us", "land_us", "hop_us"} and fields["hop_us"] == 2000
+    assert all(v >= 0 for v in fields.values())
+    # Ended before it was waited for: the thread never slept, and says so.
+    done = _watch(_posted(16, [], wire={0}), [])
+    quick = _wait_until_ended(done, Poller())
+    assert quick.seen == quick.resumed <= quick.ended
 
 
 def test_a_wait_past_its_timeout_returns_false_and_is_forgotten() -> None:

@@ -520,9 +520,10 @@ class ConsumerSide:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another
                             with anyio.CancelScope(shield=True):
                                 await w.nccl.give_up(msg.source)
-                load.waited = await w.nccl.wait(posted, load.deadline,
-                                  landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
-                                  before=(lambda: self._before_landing(load)) if w.paged else None)
+                load.waited = await w.nccl.wait(
+                    posted, load.deadline,
+                    landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
+                    before=(lambda: self._before_landing(load)) if w.paged else None)
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:

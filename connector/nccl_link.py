@@ -256,8 +256,6 @@ class _Watch:
     next: int = 0  # the first chunk not landed yet
     started: bool = False
     error: BaseException | None = None
-    seen: float = 0.0  # when the last op waited for was seen to end (`Waited`)
-    resumed: float = 0.0  # when the waiting thread then resumed
 
     def pending(self) -> Any:
         """The op whose end the next `advance` needs."""
@@ -330,14 +328,10 @@ class Poller:
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def wait(self, op: Any, timeout: float) -> bool:
+    def wait(self, op: Any, timeout: float) -> float | None:
         """Block the calling thread until `op` (a completion: ``done()``) has ended, or
-        `timeout` seconds passed; whether it ended."""
-        return self.wait_seen(op, timeout) is not None
-
-    def wait_seen(self, op: Any, timeout: float) -> float | None:
-        """`wait`, returning when the end was seen (`time.monotonic()`, by this thread or
-        the poller's) instead of True, and None instead of False."""
+        `timeout` seconds passed: when its end was seen (`time.monotonic()`, by the poller
+        or this thread), or None if it did not end."""
         if op.done():
             return time.monotonic()
         ended = _Ended()
@@ -420,12 +414,11 @@ def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
     A thread for each transfer, which lands its own chunks; not one thread for all: one
     that also launched every landing's scatter ran them one after another, and eight
     requests in flight took longer than with a thread each (docs/RESULTS.md)."""
-    watch.seen = watch.resumed = time.monotonic()
+    seen = resumed = time.monotonic()
     while not watch.advance(time.monotonic()):
-        seen = poller.wait_seen(watch.pending(), watch.deadline - time.monotonic())
-        if seen is not None:
-            watch.seen, watch.resumed = seen, time.monotonic()
-    return Waited(watch.seen, watch.resumed, time.monotonic())
+        if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
+            seen, resumed = at, time.monotonic()
+    return Waited(seen, resumed, time.monotonic())
 
 
 class NcclLink:

@@ -210,13 +210,13 @@ async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
     link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
     asked: list[Any] = []
-    real_wait = link.poller.wait_seen
+    real_wait = link.poller.wait
 
-    def wait_seen(op: Any, timeout: float) -> float | None:
+    def wait(op: Any, timeout: float) -> float | None:
         asked.append(op)
         return real_wait(op, timeout)
 
-    link.poller.wait_seen = wait_seen  # type: ignore[method-assign]
+    link.poller.wait = wait  # type: ignore[method-assign]
     log: list[str] = []
     wire: set[int] = set()
     posted = _posted(128, log, wire=wire)
@@ -339,7 +339,7 @@ class _Op:
 def test_the_poller_alone_polls_and_wakes_each_waiting_thread_when_its_op_ends() -> None:
     poller = Poller()
     ops = [_Op() for _ in range(4)]
-    got: dict[int, bool] = {}
+    got: dict[int, float | None] = {}
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, poller.wait(ops[i], 10)), name=f"waiter-{i}")
                for i in range(4)]
     try:
@@ -350,7 +350,7 @@ def test_the_poller_alone_polls_and_wakes_each_waiting_thread_when_its_op_ends()
         for i in (3, 1, 0, 2):
             ops[i].ended = True
             threads[i].join(5)
-            assert not threads[i].is_alive() and got[i] is True
+            assert not threads[i].is_alive() and got[i] is not None
             assert all(not threads[j].is_alive() for j in range(4) if ops[j].ended)
             assert all(threads[j].is_alive() for j in range(4) if not ops[j].ended), "woke before its op ended"
         for i, op in enumerate(ops):  # a waiting thread looks once before sleeping, and once when woken
@@ -362,12 +362,12 @@ def test_the_poller_alone_polls_and_wakes_each_waiting_thread_when_its_op_ends()
 
 
 def test_a_waiting_thread_learns_when_the_poller_saw_its_op_end() -> None:
-    """`wait_seen` gives the moment the poller saw the end (after the op ended, before
+    """`wait` gives the moment the poller saw the end (after the op ended, before
     the thread resumed), so a transfer's log line can tell a late wake-up from a late poll."""
     poller = Poller()
     op, got = _Op(), []
     try:
-        waiter = threading.Thread(target=lambda: got.append((poller.wait_seen(op, 10), time.monotonic())))
+        waiter = threading.Thread(target=lambda: got.append((poller.wait(op, 10), time.monotonic())))
         waiter.start()
         wait_until(lambda: len(poller._waits) == 1, 5, "the wait given to the poller")
         ended_at = time.monotonic()
@@ -377,8 +377,8 @@ def test_a_waiting_thread_learns_when_the_poller_saw_its_op_end() -> None:
         seen, resumed = got[0]
         assert seen is not None and ended_at <= seen <= resumed
         before = time.monotonic()
-        assert before <= poller.wait_seen(op, 1.0) <= time.monotonic()  # type: ignore[operator]  # ended: seen now
-        assert poller.wait_seen(_Op(), 0.01) is None
+        assert before <= poller.wait(op, 1.0) <= time.monotonic()  # type: ignore[operator]  # ended: seen now
+        assert poller.wait(_Op(), 0.01) is None
     finally:
         poller.close()
 
@@ -415,7 +415,7 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed() -> 
 def test_a_wait_past_its_timeout_returns_false_and_is_forgotten() -> None:
     poller = Poller()
     try:
-        assert poller.wait(_Op(), 0.05) is False
+        assert poller.wait(_Op(), 0.05) is None
         assert poller._waits == []
     finally:
         poller.close()
@@ -432,11 +432,11 @@ def test_after_close_pending_waits_still_end_and_later_waits_look_for_themselves
     pending.ended = True  # an aborted op ends
     waiter.join(5)
     closing.join(5)
-    assert got == [True] and not closing.is_alive()
+    assert len(got) == 1 and got[0] is not None and not closing.is_alive()
     later = _Op()
     later.ended = True
-    assert poller.wait(later, 1.0) is True
-    assert poller.wait(_Op(), 0.01) is False
+    assert poller.wait(later, 1.0) is not None
+    assert poller.wait(_Op(), 0.01) is None
 
 
 class _BrokenOp(_Op):
@@ -451,19 +451,19 @@ class _BrokenOp(_Op):
 def test_an_op_whose_poll_raises_wakes_its_waiter_at_once_and_the_poller_goes_on() -> None:
     poller = Poller()
     broken = _BrokenOp()
-    got: list[bool] = []
+    got: list[float | None] = []
     try:
         waiter = threading.Thread(target=lambda: got.append(poller.wait(broken, 30)))
         waiter.start()
         waiter.join(10)
-        assert not waiter.is_alive() and got == [False], "the waiter slept towards its deadline"
+        assert not waiter.is_alive() and got == [None], "the waiter slept towards its deadline"
         other = _Op()
         ending = threading.Thread(target=lambda: got.append(poller.wait(other, 30)))
         ending.start()
         wait_until(lambda: len(poller._waits) == 1, 5, "the next wait given to the poller")
         other.ended = True
         ending.join(10)
-        assert got == [False, True], "the poller stopped after the error"
+        assert got[0] is None and got[1] is not None, "the poller stopped after the error"
     finally:
         poller.close()
 

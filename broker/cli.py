@@ -13,7 +13,7 @@ import msgspec
 
 from protocols.logs import configure_logging
 
-from .timeline import phase_steps, read_events
+from .timeline import field_stats, phase_steps, read_events
 
 
 @click.group()
@@ -182,14 +182,20 @@ def trace(transfer_id: str, logs: tuple[str, ...], as_json: bool) -> None:
 def phases(logs: tuple[str, ...], prefix: str) -> None:
     """Where transfers spend their time: for each event of a transfer and the next one,
     how long that took over every transfer in the JSON log files (median and 90th
-    percentile, in the order the steps usually come). Pass every process's log."""
-    events = (e for e in read_events(logs or ("-",)) if str(e["transfer_id"]).startswith(prefix))
+    percentile, in the order the steps usually come); then the durations the lines
+    carry (fields ending in _us or _ms). Pass every process's log."""
+    events = [e for e in read_events(logs or ("-",)) if str(e["transfer_id"]).startswith(prefix)]
     steps, whole = phase_steps(events)
     if whole is None:
         raise click.ClickException("no transfer with two or more events in these logs; pass the JSON log files of every process")
     click.echo(f"{'from':28} {'to':28} {'transfers':>9} {'median ms':>10} {'p90 ms':>9} {'at ms':>8}")
     for s in [*steps, whole]:
         click.echo(f"{s.first:28} {s.then:28} {s.transfers:9d} {s.median_ms:10.3f} {s.p90_ms:9.3f} {s.at_ms:8.3f}")
+    fields = field_stats(events)
+    if fields:
+        click.echo(f"\n{'event':28} {'field':28} {'lines':>9} {'median':>10} {'p90':>9}")
+        for f in fields:
+            click.echo(f"{f.event:28} {f.name:28} {f.lines:9d} {f.median:10.3f} {f.p90:9.3f}")
 
 if __name__ == "__main__":
     main()

@@ -4,8 +4,10 @@ Every log line about a transfer carries its `transfer_id`, the process's role an
 instance, and a timestamp (`protocols.logs`). `read_events` collects those lines from
 any number of files; `phase_steps` turns many transfers into where they spend their
 time: for each pair of events that follow one another in a transfer, how long that
-step took, over every transfer that had it. Plain functions over dicts, so they run on
-logs copied off any machine.
+step took, over every transfer that had it; `field_stats` summarizes the durations the
+lines carry themselves (fields named ``*_us`` or ``*_ms``: a host's own spans, such as
+the time from seeing a receive end to reporting it). Plain functions over dicts, so
+they run on logs copied off any machine.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepStats", "phase_steps", "read_events"]
+__all__ = ["FieldStats", "StepStats", "field_stats", "phase_steps", "read_events"]
 
 
 def read_events(paths: Iterable[str], keep: Callable[[str], bool] = lambda line: True) -> Iterator[dict[str, Any]]:
@@ -106,3 +108,29 @@ def phase_steps(events: Iterable[dict[str, Any]]) -> tuple[list[StepStats], Step
     out.sort(key=lambda s: (s.at_ms, -s.transfers))
     whole = StepStats("first event", "last", len(spans), statistics.median(spans), _p90(spans), 0.0) if spans else None
     return out, whole
+
+
+@dataclass(frozen=True)
+class FieldStats:
+    """A duration field (`name`, in its unit: ``*_us`` or ``*_ms``) of event `event`, over
+    every line that carried it: how many, median, 90th percentile."""
+
+    event: str
+    name: str
+    lines: int
+    median: float
+    p90: float
+
+
+def field_stats(events: Iterable[dict[str, Any]]) -> list[FieldStats]:
+    """Per event and duration field, over every line with a number there, in the order
+    the events first appear."""
+    values: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        name = e.get("event")
+        if not isinstance(name, str):
+            continue
+        for key, value in e.items():
+            if key.endswith(("_us", "_ms")) and isinstance(value, int | float) and not isinstance(value, bool):
+                values.setdefault((name, key), []).append(float(value))
+    return [FieldStats(event, key, len(got), statistics.median(got), _p90(got)) for (event, key), got in values.items()]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.timeline import phase_steps, read_events
+from broker.timeline import field_stats, phase_steps, read_events
 
 
 def _line(tid: str, event: str, ms: float, **extra: object) -> str:
@@ -53,3 +53,19 @@ def test_a_repeated_event_counts_from_its_first_time_and_lone_events_make_no_ste
     ]
     assert whole is not None and whole.transfers == 1
     assert phase_steps(events[3:]) == ([], None)
+
+
+def test_the_durations_lines_carry_are_summarized_per_event_and_field() -> None:
+    """Fields named *_us or *_ms (a host's own spans, e.g. how long D took from seeing its
+    last receive end to reporting it) are summarized per event, over the lines carrying a
+    number there; other fields, flags and text are not."""
+    events = [json.loads(_line(f"t{k}", "transfer.received", k, wake_us=10 * k, land_us=5, hop_us=None,
+                               nbytes=4096, done_ms=True, note_ms="late")) for k in range(10)]
+    events += [json.loads(_line("t0", "transfer.sent", 0, took=2.5, wake_us=7))]
+    got = {(f.event, f.name): f for f in field_stats(events)}
+    assert set(got) == {("transfer.received", "wake_us"), ("transfer.received", "land_us"),
+                        ("transfer.sent", "wake_us")}
+    wake = got["transfer.received", "wake_us"]
+    assert wake.lines == 10 and wake.median == pytest.approx(45.0) and wake.p90 == pytest.approx(90.0)
+    assert got["transfer.received", "land_us"].median == 5.0 and got["transfer.sent", "wake_us"].lines == 1
+    assert field_stats([]) == []

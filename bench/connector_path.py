@@ -36,7 +36,11 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--tokens 512,2048,8192] [--iters 20]
-       [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--json PATH]
+       [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--thread-cpu] [--json PATH]
+
+`--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
+while a request was timed, and how long each sat runnable without a CPU: what D's host
+spends on a request besides waiting for its GPU.
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import statistics
 import sys
+import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +146,57 @@ class _Engine:
 
     def blocks(self, cache: torch.Tensor, ids: list[int]) -> torch.Tensor:
         return (cache[:, ids] if self.gpu else cache[ids]).cpu()
+
+
+class _ThreadCpu:
+    """The CPU time each of this process's threads used over the timed windows, and the
+    time each waited for a CPU, from /proc (Linux; nothing elsewhere). Threads are
+    grouped by name (Python's, else the kernel's), so the loop's worker threads add up."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, list[float]] = defaultdict(list)  # name -> CPU ms in each window
+        self.queued: dict[str, list[float]] = defaultdict(list)  # name -> ms runnable, not running
+        self._at: dict[int, tuple[str, int, int]] = {}
+
+    @staticmethod
+    def _snap() -> dict[int, tuple[str, int, int]]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        snap = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    run, wait, _ = f.read().split()
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:  # the thread ended meanwhile
+                continue
+            name = re.sub(r"[-_ ]?(\d+|[0-9a-f]{8,})$", "", names.get(int(tid), comm))  # "worker-3" and "worker-4" together
+            snap[int(tid)] = (name, int(run), int(wait))
+        return snap
+
+    def start(self) -> None:
+        if os.path.isdir("/proc/self/task"):
+            self._at = self._snap()
+
+    def stop(self) -> None:
+        if not self._at:
+            return
+        used: dict[str, float] = defaultdict(float)
+        queued: dict[str, float] = defaultdict(float)
+        for tid, (name, run, wait) in self._snap().items():
+            _, run0, wait0 = self._at.get(tid, (name, 0, 0))
+            used[name] += (run - run0) / 1e6
+            queued[name] += (wait - wait0) / 1e6
+        for name, ms in used.items():
+            self.used[name].append(ms)
+            self.queued[name].append(queued[name])
+        self._at = {}
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """Per thread name: the median over windows of its CPU ms and its ms waiting for a CPU."""
+        return {name: {"cpu_ms": round(statistics.median(ms), 3),
+                       "runnable_ms": round(statistics.median(self.queued[name]), 3)}
+                for name, ms in sorted(self.used.items(), key=lambda kv: -statistics.median(kv[1]))}
 
 
 def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
@@ -272,6 +330,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         g = torch.Generator().manual_seed(1)
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         tails: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
             tok, k = n * BLOCK, len(tids)
@@ -283,6 +342,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             d.start_load_kv()
             d.clear()
             conn.send("bound")
+            if cfg["thread_cpu"] and it >= cfg["warmup"]:
+                cpu[tok].start()
             t0 = None
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
@@ -302,6 +363,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 raise RuntimeError(f"{', '.join(tids)} failed to load: {d.statistics()}")
             engine.sync()  # the scatter get_finished enqueued
             t1 = time.perf_counter()
+            cpu[tok].stop()
             took = t1 - (t0 if t0 is not None else conn.recv())
             if check:
                 for name, got in want.items():
@@ -339,7 +401,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "connector_max_ms": round(max(conn_s) * 1e3, 3), "vs_raw": round(r / c, 3),
                          "iters": len(conn_s), "stats": d.statistics(),
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
-                         "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3)})
+                         "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3),
+                         **({"d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})
         results.put(rows)
     except BaseException as exc:
         results.put(repr(exc))
@@ -372,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="nccl: D lands every chunk on its own, even those that ended while it was busy")
     ap.add_argument("--one-op", action="store_true",
                     help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
+    ap.add_argument("--thread-cpu", action="store_true",
+                    help="also print the CPU time each of D's threads used while a request was timed (Linux)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.transport == "nccl" and torch.cuda.device_count() < 2:
@@ -381,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "inflight": args.inflight, "wait_spin_us": args.wait_spin_us,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "inflight": args.inflight, "thread_cpu": args.thread_cpu,
+           "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
@@ -412,6 +478,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
               f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}"
               f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}")
+    for r in rows:
+        if "d_threads" in r:
+            print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")
+            print(f"{'thread':<40}{'CPU':>9}{'runnable':>10}")
+            for name, t in r["d_threads"].items():
+                if t["cpu_ms"] >= 0.01:
+                    print(f"{name:<40}{t['cpu_ms']:>9.3f}{t['runnable_ms']:>10.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "rows": rows, "torch": torch.__version__,

@@ -4,9 +4,11 @@
 Threads: an op on a communicator this side already has is posted on the loop thread
 itself (it does not block, and a hop to a worker thread sat inside D's turn); building
 one, or aborting one the peer dropped, happens in a worker thread. Each transfer is
-then waited for in a worker thread of its own, which sleeps until the link's `Poller`
-(one thread, the only one polling CUDA events) sees its next op end, and lands its
-chunks itself (`_Watch.advance`: what to do once ops ended, as a step function).
+then waited for in a worker thread of its own, which sleeps while the link's `Poller`
+(one thread, the only one polling CUDA events) watches its ops. A receive's chunks are
+landed by the poller as it sees each op end (`Poller.carry`), and its thread wakes once
+they all have; a sender's thread wakes when its last op ended (`_Watch.advance`: what to
+do once ops ended, as a step function).
 
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:
@@ -95,6 +97,12 @@ POST_ON_LOOP = True
 # Whether D lands the chunks that ended while it was busy as one copy (`_Watch.advance`);
 # False lands every chunk on its own, for comparison (`bench/connector_path.py`).
 COALESCE_LANDINGS = True
+
+# Whether the poller lands a receive's chunks itself as it sees their ops end, instead of
+# waking the receiving thread to do it: one hand-off of D's GIL less per chunk, and the
+# landing launched by the thread that already holds the GIL. False: the receiving thread
+# lands them (`bench/connector_path.py --poller-lands 0`).
+POLLER_LANDS = True
 
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters, or when the order of a pair's transfers changes: peers of two versions must
@@ -316,15 +324,21 @@ class Poller:
     each time; with eight transfers in flight that is eight threads waking 10,000 times
     a second beside the engine. Here only this thread polls: it spins `WAIT_SPIN_S` after
     each end it saw or wait it was given, then pauses in steps that double up to
-    `WAIT_PAUSE_S` (a new wait ends the pause). The waiting threads still launch their
-    own landings, side by side. (On H200 hosts the time of eight transfers did not
-    change with it, nor did their landings' launch times: docs/RESULTS.md.)
+    `WAIT_PAUSE_S` (a new wait ends the pause).
+
+    A receive's watch is `carry`-ed: this thread lands each chunk itself as it sees its
+    op end, and wakes the receiving thread once, when the transfer has landed. With
+    eight in flight, waking a thread per chunk to launch its landing cost the landing
+    1.3-1.7 ms at the median, waiting for D's GIL; launched here, by the thread that
+    just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A watch whose deadline passes is
+    advanced here too, and its op aborted: that stalls the other watches for the abort.
     """
 
     def __init__(self, name: str = "kvbroker-nccl-poller") -> None:
         self.name = name
         self._cond = threading.Condition()
         self._waits: list[tuple[Any, _Ended]] = []
+        self._carried: list[tuple[_Watch, _Ended]] = []  # watches this thread advances itself
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -339,9 +353,7 @@ class Poller:
             closed = self._closed
             if not closed:
                 self._waits.append((op, ended))
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                    self._thread.start()
+                self._start()
                 self._cond.notify()
         if closed:  # nobody polls any more: look again after a pause (ops end when aborted)
             time.sleep(min(max(timeout, 0.0), 1e-3))
@@ -352,6 +364,26 @@ class Poller:
         if not op.done():
             return None
         return ended.at if ended.is_set() else time.monotonic()
+
+    def carry(self, watch: _Watch) -> tuple[float, float] | None:
+        """Block the calling thread while the poller itself advances `watch` (lands each
+        chunk as its op ends) until it ended; when the poller saw its last op end, and
+        when it was done landing. None: the poller is closed, and the caller advances
+        the watch itself."""
+        ended = _Ended()
+        with self._cond:
+            if self._closed:
+                return None
+            self._carried.append((watch, ended))
+            self._start()
+            self._cond.notify()
+        ended.wait()  # bounded: past its deadline `advance` aborts the op and ends the watch
+        return ended.at, ended.landed_at
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop once no wait is pending (abort their ops first, so they end); later waits
@@ -367,12 +399,12 @@ class Poller:
         pause, progress, known = 0.0, time.monotonic(), 0
         while True:
             with self._cond:
-                while not self._waits:
+                while not self._waits and not self._carried:
                     if self._closed:
                         return
                     self._cond.wait()
                     pause, progress = 0.0, time.monotonic()
-                waits = list(self._waits)
+                waits, carried = list(self._waits), list(self._carried)
             ended = [w for w in waits if _ended_or_broken(w[0])]
             now = time.monotonic()
             if ended:
@@ -381,7 +413,8 @@ class Poller:
                 for _, event in ended:
                     event.at = now
                     event.set()
-            if ended or len(waits) > known:  # something ended, or a new wait: spin for the next
+            moved, finished = self._advance(carried)
+            if ended or moved or len(waits) + len(carried) > known:  # an end, or a new wait: spin for the next
                 pause, progress = 0.0, now
             elif now - progress > WAIT_SPIN_S:
                 # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
@@ -389,13 +422,35 @@ class Poller:
                 pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
                 with self._cond:
                     self._cond.wait(pause)  # a new wait ends the pause
-            known = len(waits) - len(ended)
+            known = len(waits) - len(ended) + len(carried) - finished
+
+    def _advance(self, carried: list[tuple[_Watch, _Ended]]) -> tuple[bool, int]:
+        """Advance the carried watches whose next op ended (or whose deadline passed):
+        their chunks land here, in this thread. Wakes the callers of those that ended;
+        whether any moved, and how many ended."""
+        moved, finished = False, []
+        for watch, event in carried:
+            now = time.monotonic()
+            if not (_ended_or_broken(watch.pending()) or now >= watch.deadline):
+                continue
+            moved = True
+            if watch.advance(now):  # never raises: an error is kept on the watch for its caller
+                event.at, event.landed_at = now, time.monotonic()
+                finished.append((watch, event))
+        if finished:
+            with self._cond:
+                self._carried = [c for c in self._carried if c not in finished]
+            for _, event in finished:
+                event.set()
+        return moved, len(finished)
 
 
 class _Ended(threading.Event):
-    """A waiting thread's wake-up, and when the poller saw its op end."""
+    """A waiting thread's wake-up, and when the poller saw its op end (and, for a watch
+    it carried, when it was done landing it)."""
 
     at = 0.0
+    landed_at = 0.0
 
 
 def _ended_or_broken(op: Any) -> bool:
@@ -408,13 +463,18 @@ def _ended_or_broken(op: Any) -> bool:
 
 
 def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
-    """Advance `watch` until its transfer ended, sleeping until `poller` saw its next
-    chunk's op end (or its deadline passed: `advance` then aborts and raises); when.
-
-    A thread for each transfer, which lands its own chunks; not one thread for all: one
-    that also launched every landing's scatter ran them one after another, and eight
-    requests in flight took longer than with a thread each (docs/RESULTS.md)."""
+    """Advance `watch` until its transfer ended (or its deadline passed: `advance` then
+    aborts and raises); when. A receive is set up (`before`) here, then, with
+    `POLLER_LANDS`, carried by `poller`, which lands its chunks; otherwise, and for a
+    sender, this thread sleeps until `poller` saw its next op end, and lands it."""
     seen = resumed = time.monotonic()
+    if (
+        POLLER_LANDS
+        and watch.landed is not None
+        and not watch.advance(resumed)  # `before`, and what ended already, here
+        and (carried := poller.carry(watch)) is not None
+    ):
+        return Waited(carried[0], carried[0], carried[1])
     while not watch.advance(time.monotonic()):
         if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
             seen, resumed = at, time.monotonic()

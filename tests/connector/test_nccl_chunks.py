@@ -20,7 +20,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.nccl_link import NcclLink, Poller, Posted, Waited, _wait_until_ended, _Watch, chunks
+from connector import nccl_link
+from connector.nccl_link import (
+    NcclLink,
+    Poller,
+    Posted,
+    Waited,
+    _wait_until_ended,
+    _Watch,
+    chunks,
+)
 from protocols.errors import RecvTimeout, TransferFailed
 from tests.support import wait_until
 from workers.gpu_staging import pipeline_bounds
@@ -383,7 +392,11 @@ def test_a_waiting_thread_learns_when_the_poller_saw_its_op_end() -> None:
         poller.close()
 
 
-def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed() -> None:
+@pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
+def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(
+    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
     log: list[str] = []
     wire: set[int] = set()
     poller = Poller()
@@ -394,7 +407,8 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed() -> 
     try:
         waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)))
         waiter.start()
-        wait_until(lambda: len(poller._waits) == 1, 5, "the wait given to the poller")
+        wait_until(lambda: len(poller._carried if poller_lands else poller._waits) == 1, 5,
+                   "the wait given to the poller")
         ended_at = time.monotonic()
         wire.update(range(4))
         waiter.join(10)
@@ -410,6 +424,74 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed() -> 
     done = _watch(_posted(16, [], wire={0}), [])
     quick = _wait_until_ended(done, Poller())
     assert quick.seen == quick.resumed <= quick.ended
+
+
+def test_the_poller_lands_a_receives_chunks_in_order_as_each_ends_and_wakes_its_thread_once() -> None:
+    log: list[str] = []
+    wire: set[int] = set()
+    poller = Poller()
+    where: list[tuple[str, str]] = []  # (what, the thread that did it)
+    posted = _posted(128, log, wire=wire)  # four chunks
+    watch = _watch(posted, log, before=lambda: where.append(("before", threading.current_thread().name)),
+                   landed=lambda b0, b1, left: where.append((f"{b0}-{b1} left {left}",
+                                                             threading.current_thread().name)))
+    got: list[Waited] = []
+    try:
+        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)), name="receiving")
+        waiter.start()
+        wait_until(lambda: len(poller._carried) == 1, 5, "the receive carried by the poller")
+        for k, (b0, b1) in enumerate(posted.parts):
+            wire.add(k)
+            wait_until(lambda b0=b0, b1=b1: any(w[0].startswith(f"{b0}-{b1} ") for w in where), 5,
+                       f"chunk {k} landed")
+            assert waiter.is_alive() == (k < len(posted.parts) - 1), "the receiving thread woke before the end"
+        waiter.join(5)
+        assert not waiter.is_alive() and watch.error is None and poller._carried == []
+    finally:
+        poller.close()
+    left = len(posted.parts) - 1
+    assert where == [("before", "receiving")] + [
+        (f"{b0}-{b1} left {left - k}", "kvbroker-nccl-poller") for k, (b0, b1) in enumerate(posted.parts)
+    ]
+    assert got[0].seen == got[0].resumed <= got[0].ended
+
+
+def test_a_carried_receive_past_its_deadline_fails_its_waiter_and_the_poller_goes_on() -> None:
+    poller = Poller()
+    late_log: list[str] = []
+    late = _watch(_posted(128, late_log), late_log, deadline=time.monotonic() + 0.05)  # no chunk ever ends
+    wire: set[int] = set()
+    log: list[str] = []
+    other = _watch(_posted(16, log, wire=wire), log)
+    got: list[Waited] = []
+    try:
+        waiters = [threading.Thread(target=lambda w=w: got.append(_wait_until_ended(w, poller))) for w in (late, other)]
+        for waiter in waiters:
+            waiter.start()
+        waiters[0].join(10)
+        assert not waiters[0].is_alive() and isinstance(late.error, RecvTimeout)
+        assert not any(line.startswith("landed") for line in late_log)
+        wire.add(0)
+        waiters[1].join(10)
+        assert not waiters[1].is_alive() and other.error is None and "landed 0-16 left 0" in log
+    finally:
+        poller.close()
+
+
+def test_a_receive_waited_for_after_the_poller_closed_lands_in_its_own_thread() -> None:
+    poller = Poller()
+    poller.close()
+    log: list[str] = []
+    wire: set[int] = set()
+    landers: list[str] = []
+    watch = _watch(_posted(128, log, wire=wire), log,
+                   landed=lambda b0, b1, left: landers.append(threading.current_thread().name))
+    got: list[Waited] = []
+    waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)), name="receiving")
+    waiter.start()
+    wire.update(range(4))
+    waiter.join(10)
+    assert not waiter.is_alive() and watch.error is None and landers and set(landers) == {"receiving"}
 
 
 def test_a_wait_past_its_timeout_returns_false_and_is_forgotten() -> None:
@@ -486,7 +568,6 @@ def test_only_a_ticket_naming_a_built_communicator_is_posted_on_the_loop(
     """A new communicator (ticket "") is built in a worker thread, as is any op of a
     transfer already cancelled; one the ticket names is posted on the loop when the
     cache says it may be (P asks as the initiator, D as the acceptor)."""
-    import connector.nccl_link as nccl_link
 
     monkeypatch.setattr(nccl_link, "POST_ON_LOOP", post_on_loop)
     link = NcclLink.__new__(NcclLink)

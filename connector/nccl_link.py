@@ -329,7 +329,7 @@ class Poller:
     A receive's watch is `carry`-ed: this thread lands each chunk itself as it sees its
     op end, and wakes the receiving thread once, when the transfer has landed. With
     eight in flight, waking a thread per chunk to launch its landing cost the landing
-    1.3-1.7 ms at the median, waiting for D's GIL; launched here, by the thread that
+    1.3-2.5 ms at the median, waiting for D's GIL; launched here, by the thread that
     just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A watch whose deadline passes is
     advanced here too, and its op aborted: that stalls the other watches for the abort.
     """
@@ -468,13 +468,11 @@ def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
     `POLLER_LANDS`, carried by `poller`, which lands its chunks; otherwise, and for a
     sender, this thread sleeps until `poller` saw its next op end, and lands it."""
     seen = resumed = time.monotonic()
-    if (
-        POLLER_LANDS
-        and watch.landed is not None
-        and not watch.advance(resumed)  # `before`, and what ended already, here
-        and (carried := poller.carry(watch)) is not None
-    ):
-        return Waited(carried[0], carried[0], carried[1])
+    if POLLER_LANDS and watch.landed is not None:
+        if watch.advance(resumed):  # `before`, and what ended already, here; an ended watch stays ended
+            return Waited(seen, resumed, time.monotonic())
+        if (carried := poller.carry(watch)) is not None:
+            return Waited(carried[0], carried[0], carried[1])
     while not watch.advance(time.monotonic()):
         if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
             seen, resumed = at, time.monotonic()

@@ -456,6 +456,26 @@ def test_the_poller_lands_a_receives_chunks_in_order_as_each_ends_and_wakes_its_
     assert got[0].seen == got[0].resumed <= got[0].ended
 
 
+@pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
+def test_a_landing_that_fails_before_the_wait_is_not_tried_again(
+    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+    calls: list[tuple[int, int]] = []
+
+    def landed(b0: int, b1: int, left: int) -> None:
+        calls.append((b0, b1))
+        raise RuntimeError("the scatter's launch failed")
+
+    watch = _watch(_posted(128, [], wire={0, 1, 2, 3}), [], landed=landed)  # every chunk ended already
+    poller = Poller()
+    try:
+        _wait_until_ended(watch, poller)
+    finally:
+        poller.close()
+    assert isinstance(watch.error, RuntimeError) and calls == [(0, 128)] and poller._carried == []
+
+
 def test_a_carried_receive_past_its_deadline_fails_its_waiter_and_the_poller_goes_on() -> None:
     poller = Poller()
     late_log: list[str] = []

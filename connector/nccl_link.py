@@ -4,11 +4,12 @@
 Threads: an op on a communicator this side already has is posted on the loop thread
 itself (it does not block, and a hop to a worker thread sat inside D's turn); building
 one, or aborting one the peer dropped, happens in a worker thread. Each transfer is
-then waited for in a worker thread of its own, which sleeps while the link's `Poller`
-(one thread, the only one polling CUDA events) watches its ops. A receive's chunks are
-landed by the poller as it sees each op end (`Poller.carry`), and its thread wakes once
-they all have; a sender's thread wakes when its last op ended (`_Watch.advance`: what to
-do once ops ended, as a step function).
+then waited for in a worker thread, which sleeps while the link's `Poller` (one thread,
+the only one polling CUDA events) watches its ops. A receive is handed to the poller as
+soon as it is posted (`Poller.carry`): the poller sets it up, lands each chunk as it sees
+its op end, and wakes the waiting thread once they all have. A sender's thread wakes
+when its last op ended (`_Watch.advance`: what to do once ops ended, as a step
+function).
 
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:
@@ -326,8 +327,9 @@ class Poller:
     each end it saw or wait it was given, then pauses in steps that double up to
     `WAIT_PAUSE_S` (a new wait ends the pause).
 
-    A receive's watch is `carry`-ed: this thread lands each chunk itself as it sees its
-    op end, and wakes the receiving thread once, when the transfer has landed. With
+    A receive's watch is `carry`-ed: this thread sets it up, lands each chunk itself as
+    it sees its op end, and wakes the receiving thread once, when the transfer has
+    landed. With
     eight in flight, waking a thread per chunk to launch its landing cost the landing
     1.3-2.5 ms at the median, waiting for D's GIL; launched here, by the thread that
     just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A watch whose deadline passes is
@@ -365,10 +367,12 @@ class Poller:
             return None
         return ended.at if ended.is_set() else time.monotonic()
 
-    def carry(self, watch: _Watch) -> tuple[float, float] | None:
-        """Block the calling thread while the poller itself advances `watch` (lands each
-        chunk as its op ends) until it ended; when the poller saw its last op end, and
-        when it was done landing. None: the poller is closed, and the caller advances
+    def carry(self, watch: _Watch) -> _Ended | None:
+        """Have the poller itself advance `watch` from now on: set it up (`before`) at
+        once, then land each chunk as its op ends. The returned event is set once the
+        watch ended (`at`: when the poller saw its last op end; `landed_at`: when it was
+        done landing); past its deadline `advance` aborts the op and ends the watch, so
+        waiting for it is bounded. None: the poller is closed, and the caller advances
         the watch itself."""
         ended = _Ended()
         with self._cond:
@@ -377,8 +381,7 @@ class Poller:
             self._carried.append((watch, ended))
             self._start()
             self._cond.notify()
-        ended.wait()  # bounded: past its deadline `advance` aborts the op and ends the watch
-        return ended.at, ended.landed_at
+        return ended
 
     def _start(self) -> None:
         if self._thread is None:
@@ -431,7 +434,7 @@ class Poller:
         moved, finished = False, []
         for watch, event in carried:
             now = time.monotonic()
-            if not (_ended_or_broken(watch.pending()) or now >= watch.deadline):
+            if watch.started and not (_ended_or_broken(watch.pending()) or now >= watch.deadline):
                 continue
             moved = True
             if watch.advance(now):  # never raises: an error is kept on the watch for its caller
@@ -462,17 +465,15 @@ def _ended_or_broken(op: Any) -> bool:
         return True
 
 
-def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
-    """Advance `watch` until its transfer ended (or its deadline passed: `advance` then
-    aborts and raises); when. A receive is set up (`before`) here, then, with
-    `POLLER_LANDS`, carried by `poller`, which lands its chunks; otherwise, and for a
-    sender, this thread sleeps until `poller` saw its next op end, and lands it."""
+def _wait_until_ended(watch: _Watch, poller: Poller, carried: _Ended | None = None) -> Waited:
+    """Until `watch`'s transfer ended (or its deadline passed: `advance` then aborts and
+    raises); when. `carried`: `poller` advances the watch (`Poller.carry`), and this
+    thread only sleeps until it is done; else this thread advances it, sleeping until
+    `poller` saw its next op end."""
+    if carried is not None:
+        carried.wait()  # bounded by the watch's deadline
+        return Waited(carried.at, carried.at, carried.landed_at)
     seen = resumed = time.monotonic()
-    if POLLER_LANDS and watch.landed is not None:
-        if watch.advance(resumed):  # `before`, and what ended already, here; an ended watch stays ended
-            return Waited(seen, resumed, time.monotonic())
-        if (carried := poller.carry(watch)) is not None:
-            return Waited(carried[0], carried[0], carried[1])
     while not watch.advance(time.monotonic()):
         if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
             seen, resumed = at, time.monotonic()
@@ -640,7 +641,10 @@ class NcclLink:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                waited = await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
+                # A receive is handed to the poller here, on the loop: it is set up and its
+                # chunks land even while the thread that waits for the end is still to start.
+                carried = self.poller.carry(watch) if POLLER_LANDS and landed is not None else None
+                waited = await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller, carried)
             if watch.error is not None:
                 raise watch.error
             return waited

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
@@ -212,6 +213,42 @@ def test_a_watch_at_once_whose_communicator_was_aborted_lands_nothing() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
+async def test_a_receive_is_set_up_before_its_ops_end_and_lands_where_the_switch_says(
+    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `POLLER_LANDS` a receive is handed to the poller as it is waited for: the
+    poller sets it up before any op ended and lands every chunk; without, the waiting
+    thread does both."""
+    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+    link = NcclLink.__new__(NcclLink)
+    link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
+    link._lock, link._inflight = threading.Lock(), {}
+    where: list[tuple[str, str]] = []
+    wire: set[int] = set()
+    posted = _posted(128, [], wire=wire)
+
+    def landed(b0: int, b1: int, left: int) -> None:
+        where.append((f"{b0}-{b1}", threading.current_thread().name))
+
+    def before() -> None:
+        where.append(("before", threading.current_thread().name))
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(partial(link.wait, posted, time.monotonic() + 10, landed=landed, before=before))
+                while not where:  # set up, no op ended yet
+                    await anyio.sleep(0.001)
+                wire.update(range(4))
+    finally:
+        link.poller.close()
+    assert where[0][0] == "before" and where[-1][0].endswith("-128")
+    landers = {name for _, name in where}
+    assert (landers == {"kvbroker-nccl-poller"}) if poller_lands else ("kvbroker-nccl-poller" not in landers)
+
+
+@pytest.mark.anyio
 async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
     """Nothing lands on a sender: its thread sleeps until the last op ended (one wake-up a
     transfer), and only that op is handed to the poller."""
@@ -393,10 +430,7 @@ def test_a_waiting_thread_learns_when_the_poller_saw_its_op_end() -> None:
 
 
 @pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
-def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(
-    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(poller_lands: bool) -> None:
     log: list[str] = []
     wire: set[int] = set()
     poller = Poller()
@@ -405,7 +439,8 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(
     watch = _watch(posted, log, landed=lambda b0, b1, left: landed_at.append(time.monotonic()))
     got: list[Waited] = []
     try:
-        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)))
+        carried = poller.carry(watch) if poller_lands else None
+        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller, carried)))
         waiter.start()
         wait_until(lambda: len(poller._carried if poller_lands else poller._waits) == 1, 5,
                    "the wait given to the poller")
@@ -426,7 +461,7 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(
     assert quick.seen == quick.resumed <= quick.ended
 
 
-def test_the_poller_lands_a_receives_chunks_in_order_as_each_ends_and_wakes_its_thread_once() -> None:
+def test_the_poller_sets_a_receive_up_lands_its_chunks_in_order_and_wakes_its_thread_once() -> None:
     log: list[str] = []
     wire: set[int] = set()
     poller = Poller()
@@ -437,9 +472,11 @@ def test_the_poller_lands_a_receives_chunks_in_order_as_each_ends_and_wakes_its_
                                                              threading.current_thread().name)))
     got: list[Waited] = []
     try:
-        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)), name="receiving")
+        carried = poller.carry(watch)
+        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller, carried)),
+                                  name="receiving")
         waiter.start()
-        wait_until(lambda: len(poller._carried) == 1, 5, "the receive carried by the poller")
+        wait_until(lambda: bool(where), 5, "the receive set up by the poller")  # before any chunk ended
         for k, (b0, b1) in enumerate(posted.parts):
             wire.add(k)
             wait_until(lambda b0=b0, b1=b1: any(w[0].startswith(f"{b0}-{b1} ") for w in where), 5,
@@ -450,17 +487,14 @@ def test_the_poller_lands_a_receives_chunks_in_order_as_each_ends_and_wakes_its_
     finally:
         poller.close()
     left = len(posted.parts) - 1
-    assert where == [("before", "receiving")] + [
+    assert where == [("before", "kvbroker-nccl-poller")] + [
         (f"{b0}-{b1} left {left - k}", "kvbroker-nccl-poller") for k, (b0, b1) in enumerate(posted.parts)
     ]
     assert got[0].seen == got[0].resumed <= got[0].ended
 
 
 @pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
-def test_a_landing_that_fails_before_the_wait_is_not_tried_again(
-    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+def test_a_landing_that_fails_at_the_first_look_is_not_tried_again(poller_lands: bool) -> None:
     calls: list[tuple[int, int]] = []
 
     def landed(b0: int, b1: int, left: int) -> None:
@@ -470,7 +504,7 @@ def test_a_landing_that_fails_before_the_wait_is_not_tried_again(
     watch = _watch(_posted(128, [], wire={0, 1, 2, 3}), [], landed=landed)  # every chunk ended already
     poller = Poller()
     try:
-        _wait_until_ended(watch, poller)
+        _wait_until_ended(watch, poller, poller.carry(watch) if poller_lands else None)
     finally:
         poller.close()
     assert isinstance(watch.error, RuntimeError) and calls == [(0, 128)] and poller._carried == []
@@ -485,7 +519,9 @@ def test_a_carried_receive_past_its_deadline_fails_its_waiter_and_the_poller_goe
     other = _watch(_posted(16, log, wire=wire), log)
     got: list[Waited] = []
     try:
-        waiters = [threading.Thread(target=lambda w=w: got.append(_wait_until_ended(w, poller))) for w in (late, other)]
+        carried = [(w, poller.carry(w)) for w in (late, other)]
+        waiters = [threading.Thread(target=lambda w=w, c=c: got.append(_wait_until_ended(w, poller, c)))
+                   for w, c in carried]
         for waiter in waiters:
             waiter.start()
         waiters[0].join(10)
@@ -507,6 +543,7 @@ def test_a_receive_waited_for_after_the_poller_closed_lands_in_its_own_thread() 
     watch = _watch(_posted(128, log, wire=wire), log,
                    landed=lambda b0, b1, left: landers.append(threading.current_thread().name))
     got: list[Waited] = []
+    assert poller.carry(watch) is None
     waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller)), name="receiving")
     waiter.start()
     wire.update(range(4))

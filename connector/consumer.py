@@ -20,7 +20,7 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    stream, so the lease goes back to the pool only once an event after it has completed
    (a later receive into the same bytes is not ordered after the scatter).
    Over nccl with the transport's copy kernel the scatter starts earlier: chunk by
-   chunk, as each chunk's receive ends (`_land`, in the receiving thread), on a
+   chunk, as each chunk's receive ends (`_land`, in the link's poller thread), on a
    stream of its own that first waits for an event recorded in `start_load_kv` (so
    for whatever the compute stream did with those blocks before they were given to
    this request). `get_finished` then only makes the compute stream wait for the
@@ -533,7 +533,7 @@ class ConsumerSide:
         return ""
 
     def _before_landing(self, load: _Load) -> None:
-        """In the receiving thread, before the first chunk can land: put the scatter
+        """As the receive is waited for, before the first chunk can land: put the scatter
         stream after the compute stream's point at `start_load_kv` and the target block
         ids on the GPU, while the bytes are still on the wire. Done at the first landing
         instead, this cost the last byte 0.3-0.4 ms on an H200 pair (a one-chunk transfer)."""
@@ -568,8 +568,8 @@ class ConsumerSide:
 
     def _land(self, load: _Load, b0: int, b1: int, left: int = 0) -> None:
         """Blocks ``[b0, b1)`` of the load's transfer have arrived whole in its lease:
-        scatter them into D's cache now (receiving thread), on the landing stream, after
-        the compute stream's point at `start_load_kv`. Not once the load was given up.
+        scatter them into D's cache now (the link's poller thread), on the landing stream,
+        after the compute stream's point at `start_load_kv`. Not once the load was given up.
         With more than one chunk still to come the copy runs on a capped grid, as the
         transport's receiver does (`SCATTER_PROGRAMS`): at full width it would slow the
         receive it overlaps. After the last chunk the load is received at once, so the

@@ -628,9 +628,10 @@ class NcclLink:
                    landed: Callable[[int, int, int], None] | None = None,
                    before: Callable[[], None] | None = None) -> Waited:
         """Until `posted`'s ops have ended; when that was seen. `landed(b0, b1, left)` is
-        called (in a worker thread) as each chunk's blocks have arrived whole, in order;
-        `left`: chunks still to come. `before()` is called in that thread before the first
-        chunk is waited for. Without `landed` (a sender) only the last op's end is waited for.
+        called (in the poller's thread; with `POLLER_LANDS` off, in a worker thread) as
+        each chunk's blocks have arrived whole, in order; `left`: chunks still to come.
+        `before()` is called in that thread before the first chunk is waited for. Without
+        `landed` (a sender) only the last op's end is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or

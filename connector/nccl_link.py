@@ -4,12 +4,12 @@
 Threads: an op on a communicator this side already has is posted on the loop thread
 itself (it does not block, and a hop to a worker thread sat inside D's turn); building
 one, or aborting one the peer dropped, happens in a worker thread. Each transfer is
-then waited for in a worker thread, which sleeps while the link's `Poller` (one thread,
-the only one polling CUDA events) watches its ops. A receive is handed to the poller as
-soon as it is posted (`Poller.carry`): the poller sets it up, lands each chunk as it sees
-its op end, and wakes the waiting thread once they all have. A sender's thread wakes
-when its last op ended (`_Watch.advance`: what to do once ops ended, as a step
-function).
+then handed to the link's `Poller` (one thread, the only one polling CUDA events) as
+soon as it is posted (`Poller.carry`), and its task awaits the poller's report on the
+loop; no thread sleeps for it. For a receive the poller sets it up and lands each chunk
+as it sees its op end; for a send it waits for the last op. It wakes the loop once a
+transfer (`_Watch.advance`: what to do once ops ended, as a step function). Past its
+deadline a transfer goes to a worker thread, which aborts its communicator.
 
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:
@@ -70,6 +70,7 @@ from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.nccl import CommunicatorCache
+from workers.waker import make_waker
 
 __all__ = ["NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
 
@@ -99,11 +100,18 @@ POST_ON_LOOP = True
 # False lands every chunk on its own, for comparison (`bench/connector_path.py`).
 COALESCE_LANDINGS = True
 
-# Whether the poller lands a receive's chunks itself as it sees their ops end, instead of
-# waking the receiving thread to do it: one hand-off of D's GIL less per chunk, and the
-# landing launched by the thread that already holds the GIL. False: the receiving thread
-# lands them (`bench/connector_path.py --poller-lands 0`).
+# Whether the poller carries each transfer (`Poller.carry`): lands a receive's chunks
+# itself as it sees their ops end, and wakes the transfer's task on the loop once it
+# ended, instead of waking a waiting thread per chunk (or per send) to do it: hand-offs
+# of the GIL fewer, and the landing launched by the thread that already holds it.
+# False: a worker thread waits for each transfer and lands its chunks
+# (`bench/connector_path.py --poller-lands 0`).
 POLLER_LANDS = True
+
+# How long past a carried receive's deadline its waiter still waits for the poller's
+# report (the poller hands an expired receive back at once; this only bounds a poller
+# that is stuck, say in a landing's launch).
+CARRY_GRACE_S = 5.0
 
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters, or when the order of a pair's transfers changes: peers of two versions must
@@ -327,13 +335,13 @@ class Poller:
     each end it saw or wait it was given, then pauses in steps that double up to
     `WAIT_PAUSE_S` (a new wait ends the pause).
 
-    A receive's watch is `carry`-ed: this thread sets it up, lands each chunk itself as
-    it sees its op end, and wakes the receiving thread once, when the transfer has
-    landed. With
-    eight in flight, waking a thread per chunk to launch its landing cost the landing
+    A transfer's watch is `carry`-ed: this thread sets a receive up, lands each chunk
+    itself as it sees its op end, and wakes the transfer's waiter (its task, on the
+    loop) once, when the transfer has landed or been sent. With eight in flight, waking a thread per chunk to launch its landing cost the landing
     1.3-2.5 ms at the median, waiting for D's GIL; launched here, by the thread that
-    just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A watch whose deadline passes is
-    advanced here too, and its op aborted: that stalls the other watches for the abort.
+    just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A carried watch whose deadline
+    passes is handed back to its waiter (`_Ended.expired`), which aborts the op: an abort
+    blocks for up to a second, and done here it would stall every other watch.
     """
 
     def __init__(self, name: str = "kvbroker-nccl-poller") -> None:
@@ -367,14 +375,17 @@ class Poller:
             return None
         return ended.at if ended.is_set() else time.monotonic()
 
-    def carry(self, watch: _Watch) -> _Ended | None:
+    def carry(self, watch: _Watch, wake: Callable[[], None] | None = None) -> _Ended | None:
         """Have the poller itself advance `watch` from now on: set it up (`before`) at
-        once, then land each chunk as its op ends. The returned event is set once the
-        watch ended (`at`: when the poller saw its last op end; `landed_at`: when it was
-        done landing); past its deadline `advance` aborts the op and ends the watch, so
-        waiting for it is bounded. None: the poller is closed, and the caller advances
-        the watch itself."""
+        once, then land each chunk as its op ends. The returned event is set, and `wake`
+        (which must not block: `workers.waker.make_waker`) called, once the watch ended
+        (`at`: when the poller saw its last op end; `landed_at`: when it was done
+        landing) or once its deadline passed with an op still on the wire (`expired`:
+        the caller then advances the watch itself, which aborts the op), so waiting for
+        it is bounded. None: the poller is closed, and the caller advances the watch
+        itself."""
         ended = _Ended()
+        ended.wake = wake
         with self._cond:
             if self._closed:
                 return None
@@ -434,26 +445,39 @@ class Poller:
         moved, finished = False, []
         for watch, event in carried:
             now = time.monotonic()
-            if watch.started and not (_ended_or_broken(watch.pending()) or now >= watch.deadline):
-                continue
-            moved = True
-            if watch.advance(now):  # never raises: an error is kept on the watch for its caller
+            if watch.started and not _ended_or_broken(watch.pending()):
+                if now < watch.deadline:
+                    continue
+                event.expired = True  # its waiter aborts the op (it blocks), not this thread
+                finished.append((watch, event))
+            elif watch.advance(min(now, math.nextafter(watch.deadline, -math.inf))):
+                # Never raises (an error is kept on the watch for its caller), and never
+                # aborts: `now` is kept before the deadline, so an op still on the wire is
+                # left for the next look, or for the waiter once the deadline passed.
                 event.at, event.landed_at = now, time.monotonic()
                 finished.append((watch, event))
+            moved = True
         if finished:
             with self._cond:
                 self._carried = [c for c in self._carried if c not in finished]
             for _, event in finished:
                 event.set()
+                if event.wake is not None:
+                    try:
+                        event.wake()
+                    except RuntimeError:  # its loop has ended: nobody is waiting any more
+                        pass
         return moved, len(finished)
 
 
 class _Ended(threading.Event):
     """A waiting thread's wake-up, and when the poller saw its op end (and, for a watch
-    it carried, when it was done landing it)."""
+    it carried, when it was done landing it, or that its deadline passed first)."""
 
     at = 0.0
     landed_at = 0.0
+    expired = False
+    wake: Callable[[], None] | None = None
 
 
 def _ended_or_broken(op: Any) -> bool:
@@ -468,11 +492,12 @@ def _ended_or_broken(op: Any) -> bool:
 def _wait_until_ended(watch: _Watch, poller: Poller, carried: _Ended | None = None) -> Waited:
     """Until `watch`'s transfer ended (or its deadline passed: `advance` then aborts and
     raises); when. `carried`: `poller` advances the watch (`Poller.carry`), and this
-    thread only sleeps until it is done; else this thread advances it, sleeping until
-    `poller` saw its next op end."""
+    thread only sleeps until it is done, or until the poller hands it back past its
+    deadline; else this thread advances it, sleeping until `poller` saw its next op end."""
     if carried is not None:
         carried.wait()  # bounded by the watch's deadline
-        return Waited(carried.at, carried.at, carried.landed_at)
+        if not carried.expired:
+            return Waited(carried.at, carried.at, carried.landed_at)
     seen = resumed = time.monotonic()
     while not watch.advance(time.monotonic()):
         if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
@@ -628,10 +653,10 @@ class NcclLink:
                    landed: Callable[[int, int, int], None] | None = None,
                    before: Callable[[], None] | None = None) -> Waited:
         """Until `posted`'s ops have ended; when that was seen. `landed(b0, b1, left)` is
-        called (in the poller's thread; with `POLLER_LANDS` off, in a worker thread) as
-        each chunk's blocks have arrived whole, in order; `left`: chunks still to come.
-        `before()` is called in that thread before the first chunk is waited for. Without
-        `landed` (a sender) only the last op's end is waited for.
+        called (in the poller's thread; with `POLLER_LANDS` off, or past the deadline, in
+        a worker thread) as each chunk's blocks have arrived whole, in order; `left`:
+        chunks still to come. `before()` is called in that thread before the first chunk
+        is waited for. Without `landed` (a sender) only the last op's end is waited for.
 
         Raises:
             TransferFailed: not ended by `deadline` (the communicator is then aborted), or
@@ -642,10 +667,7 @@ class NcclLink:
             # Shielded: the ops read or write the lease until they end, so no caller may
             # go on (and free it) before; `cancel` or the deadline end them early.
             with anyio.CancelScope(shield=True):
-                # A receive is handed to the poller here, on the loop: it is set up and its
-                # chunks land even while the thread that waits for the end is still to start.
-                carried = self.poller.carry(watch) if POLLER_LANDS and landed is not None else None
-                waited = await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller, carried)
+                waited = await self._until_ended(watch)
             if watch.error is not None:
                 raise watch.error
             return waited
@@ -655,6 +677,36 @@ class NcclLink:
             raise TransferFailed(posted.transfer_id, f"NCCL {posted.op} with {posted.peer} failed: {exc}") from exc
         finally:
             self._untrack(posted.peer, posted.transfer_id, posted.flag)
+
+    async def _until_ended(self, watch: _Watch) -> Waited:
+        """Carried by the poller and awaited here (`POLLER_LANDS`); else, or handed back
+        past its deadline, advanced in a worker thread."""
+        waited = await self._carried(watch) if POLLER_LANDS else None
+        return waited if waited is not None else await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
+
+    async def _carried(self, watch: _Watch) -> Waited | None:
+        """Hand a receive's `watch` to the poller, which sets it up and lands its chunks
+        as their ops end, and wait for that here, on the loop: no thread sleeps for it,
+        and the poller's report wakes the loop directly (`make_waker`). None: the poller
+        is closed, or handed the watch back past its deadline; the caller then advances
+        it in a worker thread (where an expired op's blocking abort belongs).
+
+        Raises:
+            TransferFailed: the poller did not report within `CARRY_GRACE_S` of the
+                deadline (its communicator is dropped, which ends the ops).
+        """
+        reported = anyio.Event()
+        carried = self.poller.carry(watch, wake=make_waker(reported))
+        if carried is None:
+            return None
+        with anyio.move_on_after(max(watch.deadline - time.monotonic(), 0.0) + CARRY_GRACE_S):
+            await reported.wait()
+        if not carried.is_set():
+            peer = watch.posted.peer
+            await anyio.to_thread.run_sync(self.cache.discard, peer)  # an abort blocks: off the loop
+            raise TransferFailed(watch.posted.transfer_id, f"the NCCL {watch.posted.op} with {peer} was not seen "
+                                 f"to end within {CARRY_GRACE_S:g} s of its deadline; its communicator was dropped")
+        return None if carried.expired else Waited(carried.at, carried.at, carried.landed_at)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                     after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket) -> Posted:

@@ -249,35 +249,34 @@ async def test_a_receive_is_set_up_before_its_ops_end_and_lands_where_the_switch
 
 
 @pytest.mark.anyio
-async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
-    """Nothing lands on a sender: its thread sleeps until the last op ended (one wake-up a
-    transfer), and only that op is handed to the poller."""
+@pytest.mark.parametrize("poller_lands", [True, False], ids=["carried", "waiting thread"])
+async def test_a_sender_is_waited_for_at_its_last_op_only(poller_lands: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing lands on a sender: until its last op ended only that op is polled (one
+    wake-up a transfer), whether the poller carries it or a thread waits for it."""
+    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
     link = NcclLink.__new__(NcclLink)
     link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
-    asked: list[Any] = []
-    real_wait = link.poller.wait
-
-    def wait(op: Any, timeout: float) -> float | None:
-        asked.append(op)
-        return real_wait(op, timeout)
-
-    link.poller.wait = wait  # type: ignore[method-assign]
     log: list[str] = []
     wire: set[int] = set()
     posted = _posted(128, log, wire=wire)
+    polled: list[int] = []
+    for op in posted.completions:
+        op.done = lambda op=op, real=op.done: polled.append(op.k) or real()  # type: ignore[method-assign]
     try:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(link.wait, posted, time.monotonic() + 10)
-                while not asked:  # the waiting thread handed its first op to the poller
+                while not polled:
                     await anyio.sleep(0.001)
                 wire.update(range(3))
-                assert asked == [posted.completions[-1]]
+                seen = len(polled)
+                while len(polled) < seen + 3:  # looked again after the first chunks ended
+                    await anyio.sleep(0.001)
+                assert set(polled) == {3}
                 wire.add(3)
     finally:
         link.poller.close()
-    assert all(op is posted.completions[-1] for op in asked)
     assert log == ["ended 0", "ended 1", "ended 2", "ended 3"]
 
 
@@ -510,28 +509,115 @@ def test_a_landing_that_fails_at_the_first_look_is_not_tried_again(poller_lands:
     assert isinstance(watch.error, RuntimeError) and calls == [(0, 128)] and poller._carried == []
 
 
-def test_a_carried_receive_past_its_deadline_fails_its_waiter_and_the_poller_goes_on() -> None:
+class _SlowAbort(_Done):
+    """A chunk that never ends; waiting for it past the deadline aborts its communicator,
+    which blocks until the test lets it go (a real abort takes up to a second)."""
+
+    def __init__(self, *args: Any, release: threading.Event, aborted_by: list[str]) -> None:
+        super().__init__(*args)
+        self.release, self.aborted_by = release, aborted_by
+
+    def wait(self, deadline: float, *, spin_s: float = 0.0) -> None:
+        self.aborted_by.append(threading.current_thread().name)
+        self.release.wait(10)
+        raise RecvTimeout("t", f"chunk {self.k} did not end by its deadline")
+
+
+def test_a_carried_receive_past_its_deadline_is_aborted_by_its_waiter_while_the_poller_goes_on() -> None:
+    """Past its deadline a carried receive goes back to its waiter, which aborts the op:
+    the abort blocks, and the poller keeps landing other transfers meanwhile."""
     poller = Poller()
     late_log: list[str] = []
-    late = _watch(_posted(128, late_log), late_log, deadline=time.monotonic() + 0.05)  # no chunk ever ends
+    release, aborted_by = threading.Event(), []
+    late_posted = _posted(128, late_log)  # no chunk ever ends
+    late_posted.completions[0] = _SlowAbort(0, late_log, late_posted.comm, None, set(), release=release,
+                                            aborted_by=aborted_by)
+    late = _watch(late_posted, late_log, deadline=time.monotonic() + 0.05)
     wire: set[int] = set()
     log: list[str] = []
     other = _watch(_posted(16, log, wire=wire), log)
-    got: list[Waited] = []
     try:
         carried = [(w, poller.carry(w)) for w in (late, other)]
-        waiters = [threading.Thread(target=lambda w=w, c=c: got.append(_wait_until_ended(w, poller, c)))
-                   for w, c in carried]
+        waiters = [threading.Thread(target=_wait_until_ended, args=(w, poller, c), name=f"waiter-{i}")
+                   for i, (w, c) in enumerate(carried)]
         for waiter in waiters:
             waiter.start()
-        waiters[0].join(10)
+        wait_until(lambda: aborted_by, 5, "the late receive's abort")
+        wire.add(0)  # while the abort blocks
+        waiters[1].join(5)
+        assert not waiters[1].is_alive() and other.error is None and "landed 0-16 left 0" in log
+        assert aborted_by == ["waiter-0"] and waiters[0].is_alive()
+        release.set()
+        waiters[0].join(5)
         assert not waiters[0].is_alive() and isinstance(late.error, RecvTimeout)
         assert not any(line.startswith("landed") for line in late_log)
-        wire.add(0)
-        waiters[1].join(10)
-        assert not waiters[1].is_alive() and other.error is None and "landed 0-16 left 0" in log
     finally:
+        release.set()
         poller.close()
+
+
+def _bare_link() -> NcclLink:
+    link = NcclLink.__new__(NcclLink)
+    link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
+    link._lock, link._inflight = threading.Lock(), {}
+    return link
+
+
+@pytest.mark.anyio
+async def test_a_carried_receive_is_awaited_on_the_loop_without_a_worker_thread() -> None:
+    link = _bare_link()
+    log: list[str] = []
+    wire: set[int] = set()
+    posted = _posted(128, log, wire=wire)
+    threads = anyio.to_thread.current_default_thread_limiter()
+    got: list[Waited] = []
+
+    async def receive() -> None:
+        got.append(await link.wait(posted, time.monotonic() + 10, landed=_watch(posted, log).landed))
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(receive)
+                while not link.poller._carried:
+                    await anyio.sleep(0.001)
+                assert threads.borrowed_tokens == 0  # nothing sleeps in a worker thread for it
+                wire.update(range(4))
+    finally:
+        link.poller.close()
+    assert [line for line in log if line.startswith("landed")][-1] == "landed 0-128 left 0"
+    assert got[0].seen <= got[0].ended
+
+
+@pytest.mark.anyio
+async def test_a_carried_receive_past_its_deadline_fails_its_wait() -> None:
+    link = _bare_link()
+    log: list[str] = []
+    try:
+        with anyio.fail_after(10), pytest.raises(TransferFailed, match="did not end by its deadline"):
+            await link.wait(_posted(128, log), time.monotonic() + 0.05, landed=_watch(_posted(1, log), log).landed)
+    finally:
+        link.poller.close()
+    assert not any(line.startswith("landed") for line in log)
+
+
+@pytest.mark.anyio
+async def test_a_poller_stuck_past_the_grace_fails_the_wait_and_drops_the_communicator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poller that never reports (here: stuck in a landing's launch) fails the wait
+    once the grace after the deadline is over, and the communicator goes, so the ops end."""
+    monkeypatch.setattr(nccl_link, "CARRY_GRACE_S", 0.05)
+    link = _bare_link()
+    stuck = threading.Event()
+    posted = _posted(128, [], wire={0, 1, 2, 3})
+    try:
+        with anyio.fail_after(10), pytest.raises(TransferFailed, match="not seen to end"):
+            await link.wait(posted, time.monotonic() + 0.05, landed=lambda b0, b1, left: stuck.wait(10))
+    finally:
+        stuck.set()
+        link.poller.close()
+    assert link.cache.discarded == ["p0:0"]  # type: ignore[attr-defined]
 
 
 def test_a_receive_waited_for_after_the_poller_closed_lands_in_its_own_thread() -> None:

@@ -71,6 +71,10 @@ BROKER_ABORT = "aborted by the broker: "
 RECEIVE_GRACE_S = 1.0
 
 
+def _us(seconds: float) -> int:
+    return round(seconds * 1e6)
+
+
 @dataclass
 class _Load:
     transfer_id: str
@@ -95,6 +99,11 @@ class _Load:
     received_at: float = 0.0
     # nccl: when the last receive's end was seen, and by when it had landed (the line says).
     waited: Waited | None = None
+    # nccl: how long posting the receive took, from the Ready's send (us; the line says).
+    post_us: int | None = None
+    # When its Prepare's handler started (time.monotonic()): the Ready's line says how long
+    # D took from there (`prepare_us`), and of that the pool, the producer's turn and the send.
+    prepared_at: float = 0.0
     # Held while a chunk's scatter is launched from the lease (`_land`), and by whoever
     # ends the receiving state or takes the lease meanwhile (taken before the worker's
     # lock, never after it). A landing then waits neither for another load's landing nor
@@ -402,6 +411,7 @@ class ConsumerSide:
 
     async def on_prepare(self, msg: Prepare) -> None:
         w, tid = self.w, msg.transfer_id
+        arrived = time.monotonic()
         with w.lock:
             load = self._loads.get(tid)
         if load is None:
@@ -411,7 +421,7 @@ class ConsumerSide:
         with w.lock:
             start = load.state == "waiting"
             if start:
-                load.state = "receiving"
+                load.state, load.prepared_at = "receiving", arrived
                 load.scope = anyio.CancelScope()
         if not start:
             await self._abort(tid, "this decode instance already gave the transfer up")
@@ -490,7 +500,8 @@ class ConsumerSide:
         # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its next get_finished.
         # Over nccl, how long D's host took from seeing the last receive end to this line.
         w.log.info("transfer.received", transfer_id=msg.transfer_id, phase="received", nbytes=nbytes,
-                   **(load.waited.log_fields(time.monotonic()) if load.waited is not None else {}))
+                   **(load.waited.log_fields(time.monotonic()) if load.waited is not None else {}),
+                   **({"post_us": load.post_us} if load.post_us is not None else {}))
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
@@ -502,20 +513,28 @@ class ConsumerSide:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
                 # Room first: a transfer waiting for room does not hold up the producer's
                 # transfers that have theirs.
+                asked = time.monotonic()
                 load.lease = await w.pool.acquire(nbytes)
+                leased = time.monotonic()
                 # The producer's turn is held from the ticket until the receive is posted,
                 # not until it ends: the next transfer's Ready goes while this one is on
                 # the wire, and its receive is posted after this one's (`connector.nccl_link`).
                 async with w.nccl.receiving(msg.source):
+                    turn = time.monotonic()
                     ticket = w.nccl.ticket(msg.source)
                     posted = None
                     try:
                         await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1])
+                        # Where D's time before the Ready went: room in the pool, the
+                        # producer's turn (the transfers ahead of it posting), the send.
+                        ready = time.monotonic()
                         w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
                                    skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
-                                   seq=ticket[1])
+                                   seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
+                                   turn_us=_us(turn - leased), send_us=_us(ready - turn))
                         posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
                                                         block_nbytes=len(w.layers) * w.block_nbytes)
+                        load.post_us = _us(time.monotonic() - ready)
                     finally:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another
                             with anyio.CancelScope(shield=True):

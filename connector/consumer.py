@@ -635,12 +635,16 @@ class ConsumerSide:
         expecting = False
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
+                asked = time.monotonic()
                 load.lease = await w.pool.acquire(nbytes)
+                leased = time.monotonic()
                 completion = self.receiver.expect(tid, msg.attempt, load.lease.tensor, nbytes)
                 expecting = True
                 await w.client.client.ready(tid, nbytes, offset)
+                ready = time.monotonic()
                 w.log.info(
-                    "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes, skip_blocks=k
+                    "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes, skip_blocks=k,
+                    prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked), send_us=_us(ready - leased),
                 )
                 await completion.wait()
                 expecting = False

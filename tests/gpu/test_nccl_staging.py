@@ -292,8 +292,27 @@ def _setup(role: str, dev: int, outbox: Any, inbox: Any, cfg: dict[str, Any]) ->
     return device, rdv, cache, transport
 
 
+def _count_posts() -> dict[str, int]:
+    """Tally the direct backend's send and receive enqueues by whether they kept the GIL."""
+    from workers.transports import nccl_lib
+
+    lib, tally = nccl_lib.load(), {"held": 0, "free": 0}
+    if lib is None:
+        return tally
+
+    def counted(fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> None:
+            tally["held" if kw.get("held", args[5] if len(args) > 5 else False) else "free"] += 1
+            fn(*args, **kw)
+        return call
+
+    lib.send, lib.recv = counted(lib.send), counted(lib.recv)  # type: ignore[method-assign]
+    return tally
+
+
 def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     try:
+        posts = _count_posts()
         device, rdv, _, transport = _setup(role, dev, outbox, inbox, cfg)
         bounds = cfg.get("bounds")  # chunked: chunk events on P, per-chunk receive and scatter on D
         handshake = cfg.get("ready", False)  # D sends Ready, then posts; P sends only after Ready
@@ -382,6 +401,7 @@ def _race_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                     bad_blocks += int((got != prompt).flatten(3).any(-1).any(0).any(0).sum())
                 lease.release()
             res = {"iters": cfg["iters"], "mismatches": mismatches, "bad_blocks": bad_blocks}
+        res["posts"] = posts
         torch.cuda.synchronize()
         transport.cache.close()
         results.put((role, res))
@@ -403,9 +423,13 @@ def _report(name: str, data: dict[str, Any]) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_repeated_prompt_survives_block_reuse(backend: str) -> None:
     """1,000 identical prompts, blocks overwritten right after staging: zero mismatches."""
-    res = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6, "backend": backend})["D"]
+    out = _run_pair(_race_worker, {"iters": 1000, "matmuls": 6, "backend": backend})
+    res = out["D"]
     _report(f"safe[{backend}]", res)
     assert res["mismatches"] == 0
+    if backend == "direct":  # a connected pair's ops keep the GIL; the pair's first (its warm-up) did not
+        for side in out.values():
+            assert side["posts"]["held"] >= 1000 and side["posts"]["free"] >= 1, side["posts"]
 
 
 # P's pipeline with the Ready handshake, three chunks, every lease past its pool's first byte.

@@ -138,6 +138,11 @@ class QueueRendezvous:
 
 _PENDING_PRUNE_AT = 16
 
+# Whether a direct communicator keeps the GIL while it enqueues an op on a pair already
+# connected (`NcclLib`'s `held`). False: every NCCL call lets go of it, as ctypes does
+# by default (`bench/connector_path.py --hold-gil 0`).
+HOLD_GIL_POSTS = True
+
 
 class Completion:
     """A CUDA event after one or more NCCL ops. A missed deadline aborts the
@@ -383,6 +388,10 @@ class DirectCommunicator(NcclCommunicator):
         # cannot hold a send or receive back from the wire.
         self.nccl_stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._stream_ptr = self.nccl_stream.cuda_stream
+        # Whether an op was posted already: NCCL connects a pair at its first op, which
+        # blocks until the peer posts too; later posts only enqueue, and keep the GIL
+        # for it (`HOLD_GIL_POSTS`).
+        self._connected = False
 
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
@@ -400,16 +409,18 @@ class DirectCommunicator(NcclCommunicator):
             for event in after:
                 if event is not None:
                     ns.wait_event(event)
+            held = HOLD_GIL_POSTS and self._connected
             try:
-                lib.group_start()
+                lib.group_start(held)
                 try:
                     for (op, tensor), size in zip(ops, sizes):
-                        (lib.send if op == "send" else lib.recv)(tensor.data_ptr(), size, peer, handle, sp)
+                        (lib.send if op == "send" else lib.recv)(tensor.data_ptr(), size, peer, handle, sp, held)
                 finally:
-                    lib.group_end()
+                    lib.group_end(held)
             except BaseException:
                 self.fail("posting an op failed")
                 raise
+            self._connected = True
             done = torch.cuda.Event()
             done.record(ns)
         return _DirectWork(done, [tensor for _, tensor in ops])
@@ -429,10 +440,11 @@ class DirectCommunicator(NcclCommunicator):
                 self.nccl_stream.wait_event(after)
             try:
                 (lib.send if op == "send" else lib.recv)(base.data_ptr() + start, nbytes, self.peer_rank, self.handle,
-                                                         self._stream_ptr)
+                                                         self._stream_ptr, HOLD_GIL_POSTS and self._connected)
             except BaseException:
                 self.fail("posting an op failed")
                 raise
+            self._connected = True
             done = torch.cuda.Event()
             done.record(self.nccl_stream)
         return _DirectWork(done, [base])

@@ -115,6 +115,22 @@ class NcclLib:
                                        ctypes.c_void_p])
         self._group_start = bind("ncclGroupStart", [])
         self._group_end = bind("ncclGroupEnd", [])
+        # The enqueueing calls again, through a handle that keeps the GIL for the call
+        # (`held=True`). An enqueue takes microseconds, but a thread that lets go of the
+        # GIL for it may then wait for another thread to give the GIL back; with a busy
+        # poller and loop, D's post of a four-chunk receive took 0.4-1.2 ms that way. Only
+        # for ops that cannot block: the first op with a peer connects the pair, which
+        # waits for the peer to post too (`DirectCommunicator`).
+        kept = ctypes.PyDLL(path)
+
+        def bind_kept(name: str, args: list[Any]) -> Any:
+            fn = getattr(kept, name)
+            fn.argtypes, fn.restype = args, _Result
+            return fn
+
+        op_args = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm, ctypes.c_void_p]
+        self._send_kept, self._recv_kept = bind_kept("ncclSend", op_args), bind_kept("ncclRecv", op_args)
+        self._group_start_kept, self._group_end_kept = bind_kept("ncclGroupStart", []), bind_kept("ncclGroupEnd", [])
         self._abort = bind("ncclCommAbort", [_Comm])
         self._destroy = bind("ncclCommDestroy", [_Comm])
         self._async_error = bind("ncclCommGetAsyncError", [_Comm, p(_Result)])
@@ -167,17 +183,19 @@ class NcclLib:
 
     # -- point to point --------------------------------------------------------------
 
-    def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check("ncclSend", self._send(ptr, nbytes, NCCL_UINT8, peer, comm, stream))
+    # `held`: keep the GIL for the call (see `__init__`); only for a connected pair.
 
-    def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check("ncclRecv", self._recv(ptr, nbytes, NCCL_UINT8, peer, comm, stream))
+    def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int, held: bool = False) -> None:
+        self._check("ncclSend", (self._send_kept if held else self._send)(ptr, nbytes, NCCL_UINT8, peer, comm, stream))
 
-    def group_start(self) -> None:
-        self._check("ncclGroupStart", self._group_start())
+    def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int, held: bool = False) -> None:
+        self._check("ncclRecv", (self._recv_kept if held else self._recv)(ptr, nbytes, NCCL_UINT8, peer, comm, stream))
 
-    def group_end(self) -> None:
-        self._check("ncclGroupEnd", self._group_end())
+    def group_start(self, held: bool = False) -> None:
+        self._check("ncclGroupStart", (self._group_start_kept if held else self._group_start)())
+
+    def group_end(self, held: bool = False) -> None:
+        self._check("ncclGroupEnd", (self._group_end_kept if held else self._group_end)())
 
 
 _lock = threading.Lock()

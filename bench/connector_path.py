@@ -212,8 +212,6 @@ def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[Conne
         connector.nccl_link.POLLER_LANDS = bool(cfg["poller_lands"])
     if cfg.get("post_on_loop") is not None:
         connector.nccl_link.POST_ON_LOOP = cfg["post_on_loop"]
-    if cfg.get("pipeline_readies") is not None:
-        connector.nccl_link.PIPELINE_READIES = bool(cfg["pipeline_readies"])
     if cfg.get("hold_gil") is not None:
         import workers.transports.nccl_comm
 
@@ -442,9 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poller-lands", type=int, choices=(0, 1), default=None,
                     help="nccl: D's poller lands each chunk as it sees its op end (1), or wakes the receiving "
                          "thread to do it (0) (default: connector.nccl_link's)")
-    ap.add_argument("--pipeline-readies", type=int, choices=(0, 1), default=None,
-                    help="nccl: D's next Ready to a producer may leave before this receive is posted (1), or waits "
-                         "for the post (0) (default: connector.nccl_link's)")
     ap.add_argument("--hold-gil", type=int, choices=(0, 1), default=None,
                     help="nccl: keep the GIL while enqueueing an op on a connected pair (1), or let go of it for "
                          "every NCCL call (0) (default: workers.transports.nccl_comm's)")
@@ -464,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "inflight": args.inflight, "thread_cpu": args.thread_cpu,
-           "poller_lands": args.poller_lands, "hold_gil": args.hold_gil, "pipeline_readies": args.pipeline_readies,
+           "poller_lands": args.poller_lands, "hold_gil": args.hold_gil,
            "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,

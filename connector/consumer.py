@@ -516,22 +516,29 @@ class ConsumerSide:
                 asked = time.monotonic()
                 load.lease = await w.pool.acquire(nbytes)
                 leased = time.monotonic()
-                # The producer's turn: a ticket, the Ready naming it, the receive posted in
-                # ticket order (`NcclLink.recv_turn`). The next transfer's Ready may go
-                # before this receive is posted, and goes while this one is on the wire.
-                async with w.nccl.recv_turn(msg.source) as turn:
-                    ticket, ticketed = turn.ticket, time.monotonic()
-                    await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1])
-                    # Where D's time before the Ready went: room in the pool, the
-                    # producer's turn (the tickets ahead of it), the send.
-                    ready = time.monotonic()
-                    w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                               skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
-                               seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
-                               turn_us=_us(ticketed - leased), send_us=_us(ready - ticketed))
-                    posted = await w.nccl.post_recv(turn, tid, load.lease, nbytes, load.deadline,
-                                                    block_nbytes=len(w.layers) * w.block_nbytes)
-                    load.post_us = _us(time.monotonic() - ready)  # the posts ahead of it included
+                # The producer's turn is held from the ticket until the receive is posted,
+                # not until it ends: the next transfer's Ready goes while this one is on
+                # the wire, and its receive is posted after this one's (`connector.nccl_link`).
+                async with w.nccl.receiving(msg.source):
+                    turn = time.monotonic()
+                    ticket = w.nccl.ticket(msg.source)
+                    posted = None
+                    try:
+                        await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1])
+                        # Where D's time before the Ready went: room in the pool, the
+                        # producer's turn (the transfers ahead of it posting), the send.
+                        ready = time.monotonic()
+                        w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                                   skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
+                                   seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
+                                   turn_us=_us(turn - leased), send_us=_us(ready - turn))
+                        posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
+                                                        block_nbytes=len(w.layers) * w.block_nbytes)
+                        load.post_us = _us(time.monotonic() - ready)
+                    finally:
+                        if posted is None:  # its Ready may be out: the producer's send must not pair with another
+                            with anyio.CancelScope(shield=True):
+                                await w.nccl.give_up(msg.source)
                 load.waited = await w.nccl.wait(
                     posted, load.deadline,
                     landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,

@@ -14,20 +14,18 @@ deadline a transfer goes to a worker thread, which aborts its communicator.
 NCCL pairs a sender's ops with the receiver's by posting order alone, per communicator.
 So the order of one pair's transfers is D's to set, and P follows it:
 
-- D takes a ticket for each receive (`recv_turn`): the communicator it will post on
-  (its nonce; "" when none is built yet) and the receive's place on it, and names both
-  in its Ready. Receives are posted in ticket order. A ticket naming the communicator D
-  has lets the next ticket go at once, so the next Ready may leave before this receive
-  is posted; a ticket naming none holds the next one until its post has built or joined
-  the communicator. The broker relays the ticket in the Go.
+- D takes a ticket for each receive (`ticket`): the communicator it will post on (its
+  nonce; "" when none is built yet) and the receive's place on it, and names both in its
+  Ready. It holds the producer's turn (`receiving`) from the ticket until the receive is
+  posted, so receives are posted in ticket order, and the next transfer's Ready may go
+  while this one is still on the wire. The broker relays the ticket in the Go.
 - P posts each send only when it is next on the communicator its Go names
   (`SendOrder`): Go messages are handled by tasks that run in no fixed order, and a
   transfer's copy may finish after the next one's.
 - A ticket given up without its op posted, on either side, ends the communicator: an op
   of a later transfer would otherwise pair with its peer's op for this one. Transfers
-  queued behind it on that pair then fail too: D's later tickets name a communicator
-  it no longer has, and their posts fail at once (D's load fails, vLLM recomputes or
-  fails per its policy). The next transfer builds a new communicator. A send whose Go
+  queued behind it on that pair then fail too (D's load fails, vLLM recomputes or fails
+  per its policy), and the next transfer builds a new communicator. A send whose Go
   names a communicator P no longer has is not posted; P aborts the transfer, so D's
   load fails and D drops that communicator as well.
 
@@ -55,11 +53,10 @@ after the scatter that read it has run, see `connector.consumer`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -116,12 +113,6 @@ POLLER_LANDS = True
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
 
-# Whether D's next Ready to a producer may go before this receive is posted, when its
-# ticket names the communicator D has (`NcclLink.recv_turn`): with eight in flight, each
-# Ready waited 0.4-1.2 ms for the post before it. False: a producer's turn is held from
-# the ticket until the post (`bench/connector_path.py --pipeline-readies 0`).
-PIPELINE_READIES = True
-
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters, or when the order of a pair's transfers changes: peers of two versions must
 # then be refused at registration (`plan`). 2: a pair's transfers in D's ticket order.
@@ -150,12 +141,7 @@ def chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
 
 class RecvOrder:
     """D's tickets, per producer (no IO): the communicator its receives go on and the
-    place of the next one there. Kept only while that communicator is the cache's.
-
-    A ticket naming a communicator takes its place at once, so the next one may be
-    handed out before this one's receive is posted (the posts still go in ticket order:
-    `NcclLink.recv_turn`). A ticket naming none, ("", 0), leaves the next place unknown
-    until its post has built or joined a communicator (`posted`)."""
+    place of the next one there. Kept only while that communicator is the cache's."""
 
     def __init__(self) -> None:
         self._at: dict[str, tuple[str, int]] = {}  # producer -> (nonce, next place)
@@ -168,14 +154,11 @@ class RecvOrder:
         if current is None or current != nonce:
             self._at.pop(producer, None)
             return ("", 0)
-        self._at[producer] = (nonce, place + 1)
         return (nonce, place)
 
     def posted(self, producer: str, ticket: Ticket, nonce: str) -> None:
-        """The receive of `ticket` was posted on the communicator `nonce`: after a ticket
-        that named none, the next one goes to place 1 there."""
-        if not ticket[0]:
-            self._at[producer] = (nonce, 1)
+        """The receive of `ticket` was posted on the communicator `nonce`."""
+        self._at[producer] = (nonce, 1 if not ticket[0] else ticket[1] + 1)
 
     def given_up(self, producer: str) -> None:
         """A ticket was given up without its receive posted: nothing more on that communicator."""
@@ -237,44 +220,6 @@ class SendOrder:
         pair = self.pairs.setdefault(peer, _Pair())
         pair.gone.update(n for n in (pair.nonce, also) if n is not None)
         pair.nonce, pair.next, pair.posting = None, 0, False
-
-
-class _PostQueue:
-    """One producer's receives in ticket order (loop thread only): each ticket takes a
-    slot, and a receive is posted only once every earlier slot was posted or given up."""
-
-    def __init__(self) -> None:
-        self._taken = 0
-        self._done: set[int] = set()
-        self._next = 0  # the first slot not done
-        self._moved = anyio.Event()
-
-    def take(self) -> int:
-        self._taken += 1
-        return self._taken - 1
-
-    async def turn(self, slot: int) -> None:
-        while self._next < slot:
-            await self._moved.wait()
-
-    def done(self, slot: int) -> None:
-        self._done.add(slot)
-        while self._next in self._done:
-            self._done.discard(self._next)
-            self._next += 1
-        self._moved.set()
-        self._moved = anyio.Event()
-
-
-@dataclass
-class RecvTurn:
-    """D's turn for one receive from `producer` (`NcclLink.recv_turn`): the ticket to
-    name in its Ready, and its slot in the order of posts."""
-
-    producer: str
-    ticket: Ticket
-    slot: int
-    posted: Posted | None = None
 
 
 @dataclass
@@ -579,7 +524,6 @@ class NcclLink:
         )
         self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
         self._receiving: dict[str, anyio.Lock] = {}
-        self._post_queues: dict[str, _PostQueue] = {}  # touched on the client's loop thread only
         self._recv_order = RecvOrder()
         self._send_order = SendOrder()  # touched on the client's loop thread only
         self._order_changed: dict[str, anyio.Event] = {}
@@ -590,7 +534,7 @@ class NcclLink:
     # -- D ---------------------------------------------------------------------------------
 
     def receiving(self, producer: str) -> anyio.Lock:
-        """D: held from a ticket to the next (`recv_turn`)."""
+        """D: hold this from `ticket` until `post_recv` has posted (or the ticket is given up)."""
         with self._lock:
             return self._receiving.setdefault(producer, anyio.Lock())
 
@@ -600,64 +544,24 @@ class NcclLink:
         comm = self.cache.current(producer)
         return self._recv_order.ticket(producer, None if comm is None else comm.nonce)
 
-    @contextlib.asynccontextmanager
-    async def recv_turn(self, producer: str) -> AsyncIterator[RecvTurn]:
-        """D: a receive's turn with `producer`. In it, send the Ready naming `turn.ticket`,
-        then `post_recv`. Leaving it without a post gives the ticket up (the communicator
-        is dropped: the producer's send for it would pair with a later receive).
-
-        A ticket naming the communicator D has frees the next one at once
-        (`PIPELINE_READIES`): the next transfer's Ready goes out while this one's receive
-        is still to be posted, and the posts keep ticket order. A ticket naming none
-        holds the next one until its post has built or joined the communicator.
-        """
-        lock = self.receiving(producer)
-        await lock.acquire()
-        locked = True
-        try:
-            turn = RecvTurn(producer, self.ticket(producer), self._post_queue(producer).take())
-            try:
-                if turn.ticket[0] and PIPELINE_READIES:
-                    lock.release()
-                    locked = False
-                yield turn
-            finally:
-                with anyio.CancelScope(shield=True):
-                    if turn.posted is None:
-                        await self.give_up(producer)
-                    self._post_queue(producer).done(turn.slot)
-        finally:
-            if locked:
-                lock.release()
-
-    def _post_queue(self, producer: str) -> _PostQueue:
-        return self._post_queues.setdefault(producer, _PostQueue())
-
-    async def post_recv(self, turn: RecvTurn, transfer_id: str, lease: Lease, nbytes: int, deadline: float,
-                        *, block_nbytes: int = 0) -> Posted:
-        """D, in `turn`: post the receive of `nbytes` from its producer into the start of
-        `lease`, in the sender's chunks, on the communicator its ticket names (Ready sent
-        first: the producer builds a new communicator only once it has the Go), after
-        the receives of every earlier ticket.
+    async def post_recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float,
+                        ticket: Ticket, *, block_nbytes: int = 0) -> Posted:
+        """D: post the receive of `nbytes` from `producer` into the start of `lease`, in the
+        sender's chunks, on the communicator `ticket` names (Ready sent first: the
+        producer builds a new communicator only once it has the Go).
 
         Raises:
             TransferFailed: not posted (no communicator, cancelled, or not the ticket's);
                 the ticket is given up and the communicator dropped.
         """
-        producer, ticket = turn.producer, turn.ticket
         try:
-            with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)) as waited:
-                await self._post_queue(producer).turn(turn.slot)
-            if waited.cancelled_caught:
-                raise TransferFailed(transfer_id, f"the receives from {producer} ahead of it were not posted "
-                                     "by the load deadline")
-            turn.posted = await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None,
-                                           deadline, block_nbytes, ticket)
+            posted = await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline,
+                                      block_nbytes, ticket)
         except BaseException:
             self._recv_order.given_up(producer)
             raise
-        self._recv_order.posted(producer, ticket, turn.posted.comm.nonce)
-        return turn.posted
+        self._recv_order.posted(producer, ticket, posted.comm.nonce)
+        return posted
 
     async def give_up(self, producer: str) -> None:
         """D: a ticket whose Ready may have gone out is given up before its receive was
@@ -837,8 +741,8 @@ class NcclLink:
                   ticket: Ticket) -> Posted:
         if ticket[0]:
             # A ticket names a communicator this side had when it was taken; if it is gone
-            # (dropped after a ticket ahead was given up, or aborted), it is gone for good:
-            # building one now would only wait for a peer that will not build it.
+            # now (an abort of a transfer ahead dropped it), it is gone for good: building
+            # one would only wait, until the deadline, for a peer that will not build it.
             current = self.cache.current(peer)
             if current is None or current.nonce != ticket[0]:
                 raise TransferFailed(transfer_id, f"the communicator with {peer} its ticket names "

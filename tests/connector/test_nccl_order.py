@@ -36,41 +36,24 @@ class Pair:
     dropped: set[str] = field(default_factory=set)  # communicators D dropped
     dropped_at_ready: dict[str, set[str]] = field(default_factory=dict)
 
-    def decode(self, transfers: list[str], give_up: set[str], pipelined: bool = False) -> list[tuple[str, Ticket]]:
-        """D's tickets and posts. `pipelined` (`PIPELINE_READIES`): a ticket naming D's
-        communicator lets the next ticket go before its post; posts keep ticket order
-        and come at random moments; a ticket naming none is posted (after everything
-        ahead of it) before the next ticket."""
+    def decode(self, transfers: list[str], give_up: set[str]) -> list[tuple[str, Ticket]]:
         order, goes = RecvOrder(), []
-        pending: list[tuple[str, Ticket]] = []  # ticketed, not yet posted or given up, in ticket order
-
-        def post_next() -> None:
-            tid, ticket = pending.pop(0)
+        for tid in transfers:
+            ticket = order.ticket(PEER, self.d_current)
+            goes.append((tid, ticket))  # the Ready leaves before the post
+            self.dropped_at_ready[tid] = set(self.dropped)
             if tid in give_up or (ticket[0] and ticket[0] != self.d_current):
                 order.given_up(PEER)
                 if self.d_current is not None:  # `give_up` drops the communicator
                     self.dropped.add(self.d_current)
                 self.d_current = None
-                return
+                continue
             if self.d_current is None:
                 self.built += 1
                 self.d_current = f"c{self.built}"
             self.d_posts.setdefault(self.d_current, []).append(tid)
             self.posted_on[tid] = self.d_current
             order.posted(PEER, ticket, self.d_current)
-
-        for tid in transfers:
-            while pending and (not pipelined or self.rng.random() < 0.5):
-                post_next()
-            ticket = order.ticket(PEER, self.d_current)
-            goes.append((tid, ticket))  # the Ready leaves before the post
-            self.dropped_at_ready[tid] = set(self.dropped)
-            pending.append((tid, ticket))
-            if not ticket[0]:
-                while pending:
-                    post_next()
-        while pending:
-            post_next()
         return goes
 
     def prefill(self, goes: list[tuple[str, Ticket]]) -> None:
@@ -132,26 +115,11 @@ def check_pairs(pair: Pair) -> None:
     n=st.integers(1, 12),
     give_up=st.sets(st.integers(0, 11), max_size=4),
     seed=st.integers(0, 2**32 - 1),
-    pipelined=st.booleans(),
 )
-def test_every_send_pairs_with_its_own_receive(n: int, give_up: set[int], seed: int, pipelined: bool) -> None:
+def test_every_send_pairs_with_its_own_receive(n: int, give_up: set[int], seed: int) -> None:
     pair = Pair(random.Random(seed))
     transfers = [f"t{k}" for k in range(n)]
-    goes = pair.decode(transfers, {f"t{k}" for k in give_up}, pipelined)
-    pair.prefill(goes)
-    check_pairs(pair)
-
-
-def test_pipelined_tickets_name_places_ahead_and_a_give_up_fails_the_ones_behind_it() -> None:
-    """With the Readys pipelined, b's to e's tickets name places on c1 before any of
-    their receives is posted; b given up drops c1, so c, d and e (ticketed on c1 too)
-    fail, and no send pairs with another transfer's receive."""
-    pair = Pair(random.Random(1))
-    pair.rng.random = lambda: 1.0  # type: ignore[method-assign]  # posts only when a ticket forces them
-    goes = pair.decode(["a", "b", "c", "d", "e"], {"b"}, pipelined=True)
-    assert [t for _, t in goes] == [("", 0), ("c1", 1), ("c1", 2), ("c1", 3), ("c1", 4)]
-    assert pair.d_posts == {"c1": ["a"]}  # b given up: c, d and e named c1, which is gone
-    pair.rng = random.Random(1)  # P's handlers in a random order again
+    goes = pair.decode(transfers, {f"t{k}" for k in give_up})
     pair.prefill(goes)
     check_pairs(pair)
 

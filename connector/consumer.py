@@ -624,8 +624,8 @@ class ConsumerSide:
         # it, and of that the CPU time this thread used (the rest it waited: for the GIL,
         # the driver or the worker's lock).
         w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[b0, b1], left=left,
-                    lock_wait_us=round((locked - asked) * 1e6), launch_us=round((time.monotonic() - locked) * 1e6),
-                    launch_cpu_us=round((time.thread_time() - cpu) * 1e6))
+                    lock_wait_us=_us(locked - asked), launch_us=_us(time.monotonic() - locked),
+                    launch_cpu_us=_us(time.thread_time() - cpu))
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""

@@ -108,8 +108,8 @@ COALESCE_LANDINGS = True
 # (`bench/connector_path.py --poller-lands 0`).
 POLLER_LANDS = True
 
-# How long past a carried receive's deadline its waiter still waits for the poller's
-# report (the poller hands an expired receive back at once; this only bounds a poller
+# How long past a carried transfer's deadline its task still waits for the poller's
+# report (the poller hands an expired transfer back at once; this only bounds a poller
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
 
@@ -337,9 +337,10 @@ class Poller:
 
     A transfer's watch is `carry`-ed: this thread sets a receive up, lands each chunk
     itself as it sees its op end, and wakes the transfer's waiter (its task, on the
-    loop) once, when the transfer has landed or been sent. With eight in flight, waking a thread per chunk to launch its landing cost the landing
-    1.3-2.5 ms at the median, waiting for D's GIL; launched here, by the thread that
-    just saw the end, 0.44-0.73 ms (docs/RESULTS.md). A carried watch whose deadline
+    loop) once, when the transfer has landed or been sent. With eight in flight, waking
+    a thread per chunk to launch its landing cost the landing 1.3-2.5 ms at the median,
+    waiting for D's GIL; launched here, by the thread that just saw the end, 0.44-0.73
+    ms (docs/RESULTS.md). A carried watch whose deadline
     passes is handed back to its waiter (`_Ended.expired`), which aborts the op: an abort
     blocks for up to a second, and done here it would stall every other watch.
     """
@@ -489,15 +490,15 @@ def _ended_or_broken(op: Any) -> bool:
         return True
 
 
-def _wait_until_ended(watch: _Watch, poller: Poller, carried: _Ended | None = None) -> Waited:
+def _reported(carried: _Ended) -> Waited | None:
+    """What the poller reported for a watch it carried: when the transfer ended, or None
+    if it handed the watch back past its deadline (its waiter then aborts the op)."""
+    return None if carried.expired else Waited(carried.at, carried.at, carried.landed_at)
+
+
+def _wait_until_ended(watch: _Watch, poller: Poller) -> Waited:
     """Until `watch`'s transfer ended (or its deadline passed: `advance` then aborts and
-    raises); when. `carried`: `poller` advances the watch (`Poller.carry`), and this
-    thread only sleeps until it is done, or until the poller hands it back past its
-    deadline; else this thread advances it, sleeping until `poller` saw its next op end."""
-    if carried is not None:
-        carried.wait()  # bounded by the watch's deadline
-        if not carried.expired:
-            return Waited(carried.at, carried.at, carried.landed_at)
+    raises); when. This thread advances it, sleeping until `poller` saw its next op end."""
     seen = resumed = time.monotonic()
     while not watch.advance(time.monotonic()):
         if (at := poller.wait(watch.pending(), watch.deadline - time.monotonic())) is not None:
@@ -685,11 +686,12 @@ class NcclLink:
         return waited if waited is not None else await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
 
     async def _carried(self, watch: _Watch) -> Waited | None:
-        """Hand a receive's `watch` to the poller, which sets it up and lands its chunks
-        as their ops end, and wait for that here, on the loop: no thread sleeps for it,
-        and the poller's report wakes the loop directly (`make_waker`). None: the poller
-        is closed, or handed the watch back past its deadline; the caller then advances
-        it in a worker thread (where an expired op's blocking abort belongs).
+        """Hand `watch` to the poller, which sets a receive up and lands its chunks as
+        their ops end (or sees a send's last op end), and wait for that here, on the
+        loop: no thread sleeps for it, and the poller's report wakes the loop directly
+        (`make_waker`). None: the poller is closed, or handed the watch back past its
+        deadline; the caller then advances it in a worker thread (where an expired op's
+        blocking abort belongs).
 
         Raises:
             TransferFailed: the poller did not report within `CARRY_GRACE_S` of the
@@ -706,7 +708,7 @@ class NcclLink:
             await anyio.to_thread.run_sync(self.cache.discard, peer)  # an abort blocks: off the loop
             raise TransferFailed(watch.posted.transfer_id, f"the NCCL {watch.posted.op} with {peer} was not seen "
                                  f"to end within {CARRY_GRACE_S:g} s of its deadline; its communicator was dropped")
-        return None if carried.expired else Waited(carried.at, carried.at, carried.landed_at)
+        return _reported(carried)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                     after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket) -> Posted:

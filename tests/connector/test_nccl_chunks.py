@@ -27,6 +27,8 @@ from connector.nccl_link import (
     Poller,
     Posted,
     Waited,
+    _Ended,
+    _reported,
     _wait_until_ended,
     _Watch,
     chunks,
@@ -92,6 +94,16 @@ def _posted(n: int, log: list[str], abort_at: int | None = None, wire: set[int] 
     return Posted(peer="p0:0", op="recv", transfer_id="t", comm=comm,
                   completions=[_Done(k, log, comm, abort_at, wire) for k in range(len(parts))], parts=parts,
                   flag=threading.Event())
+
+
+def _wait(watch: _Watch, poller: Poller, carried: _Ended | None = None) -> Waited:
+    """What `NcclLink.wait` does, in this thread: a carried watch's report; without one,
+    or once the poller handed it back past its deadline, the watch advanced here."""
+    if carried is not None:
+        carried.wait()
+        if (waited := _reported(carried)) is not None:
+            return waited
+    return _wait_until_ended(watch, poller)
 
 
 class _Cache:
@@ -261,8 +273,16 @@ async def test_a_sender_is_waited_for_at_its_last_op_only(poller_lands: bool, mo
     wire: set[int] = set()
     posted = _posted(128, log, wire=wire)
     polled: list[int] = []
+    def counted(op: Any) -> Any:
+        real = op.done
+
+        def done() -> bool:
+            polled.append(op.k)
+            return bool(real())
+        return done
+
     for op in posted.completions:
-        op.done = lambda op=op, real=op.done: polled.append(op.k) or real()  # type: ignore[method-assign]
+        op.done = counted(op)
     try:
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
@@ -439,7 +459,7 @@ def test_a_transfer_wait_says_when_its_end_was_seen_and_when_it_had_landed(polle
     got: list[Waited] = []
     try:
         carried = poller.carry(watch) if poller_lands else None
-        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller, carried)))
+        waiter = threading.Thread(target=lambda: got.append(_wait(watch, poller, carried)))
         waiter.start()
         wait_until(lambda: len(poller._carried if poller_lands else poller._waits) == 1, 5,
                    "the wait given to the poller")
@@ -472,7 +492,7 @@ def test_the_poller_sets_a_receive_up_lands_its_chunks_in_order_and_wakes_its_th
     got: list[Waited] = []
     try:
         carried = poller.carry(watch)
-        waiter = threading.Thread(target=lambda: got.append(_wait_until_ended(watch, poller, carried)),
+        waiter = threading.Thread(target=lambda: got.append(_wait(watch, poller, carried)),
                                   name="receiving")
         waiter.start()
         wait_until(lambda: bool(where), 5, "the receive set up by the poller")  # before any chunk ended
@@ -503,7 +523,7 @@ def test_a_landing_that_fails_at_the_first_look_is_not_tried_again(poller_lands:
     watch = _watch(_posted(128, [], wire={0, 1, 2, 3}), [], landed=landed)  # every chunk ended already
     poller = Poller()
     try:
-        _wait_until_ended(watch, poller, poller.carry(watch) if poller_lands else None)
+        _wait(watch, poller, poller.carry(watch) if poller_lands else None)
     finally:
         poller.close()
     assert isinstance(watch.error, RuntimeError) and calls == [(0, 128)] and poller._carried == []
@@ -528,7 +548,7 @@ def test_a_carried_receive_past_its_deadline_is_aborted_by_its_waiter_while_the_
     the abort blocks, and the poller keeps landing other transfers meanwhile."""
     poller = Poller()
     late_log: list[str] = []
-    release, aborted_by = threading.Event(), []
+    release, aborted_by = threading.Event(), list[str]()
     late_posted = _posted(128, late_log)  # no chunk ever ends
     late_posted.completions[0] = _SlowAbort(0, late_log, late_posted.comm, None, set(), release=release,
                                             aborted_by=aborted_by)
@@ -538,7 +558,7 @@ def test_a_carried_receive_past_its_deadline_is_aborted_by_its_waiter_while_the_
     other = _watch(_posted(16, log, wire=wire), log)
     try:
         carried = [(w, poller.carry(w)) for w in (late, other)]
-        waiters = [threading.Thread(target=_wait_until_ended, args=(w, poller, c), name=f"waiter-{i}")
+        waiters = [threading.Thread(target=_wait, args=(w, poller, c), name=f"waiter-{i}")
                    for i, (w, c) in enumerate(carried)]
         for waiter in waiters:
             waiter.start()
@@ -611,9 +631,13 @@ async def test_a_poller_stuck_past_the_grace_fails_the_wait_and_drops_the_commun
     link = _bare_link()
     stuck = threading.Event()
     posted = _posted(128, [], wire={0, 1, 2, 3})
+
+    def landed(b0: int, b1: int, left: int) -> None:
+        stuck.wait(10)
+
     try:
         with anyio.fail_after(10), pytest.raises(TransferFailed, match="not seen to end"):
-            await link.wait(posted, time.monotonic() + 0.05, landed=lambda b0, b1, left: stuck.wait(10))
+            await link.wait(posted, time.monotonic() + 0.05, landed=landed)
     finally:
         stuck.set()
         link.poller.close()

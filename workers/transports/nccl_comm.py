@@ -393,6 +393,11 @@ class DirectCommunicator(NcclCommunicator):
         # for it (`HOLD_GIL_POSTS`).
         self._connected = False
 
+    @property
+    def _held(self) -> bool:
+        """Whether the next enqueue keeps the GIL: the pair is connected (`HOLD_GIL_POSTS`)."""
+        return HOLD_GIL_POSTS and self._connected
+
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
         after: Sequence[torch.cuda.Event | None] = (),
@@ -409,7 +414,7 @@ class DirectCommunicator(NcclCommunicator):
             for event in after:
                 if event is not None:
                     ns.wait_event(event)
-            held = HOLD_GIL_POSTS and self._connected
+            held = self._held
             try:
                 lib.group_start(held)
                 try:
@@ -440,7 +445,7 @@ class DirectCommunicator(NcclCommunicator):
                 self.nccl_stream.wait_event(after)
             try:
                 (lib.send if op == "send" else lib.recv)(base.data_ptr() + start, nbytes, self.peer_rank, self.handle,
-                                                         self._stream_ptr, HOLD_GIL_POSTS and self._connected)
+                                                         self._stream_ptr, self._held)
             except BaseException:
                 self.fail("posting an op failed")
                 raise

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector import nccl_link
@@ -747,3 +747,62 @@ def test_only_a_ticket_naming_a_built_communicator_is_posted_on_the_loop(
     flag.set()
     assert link._postable_now("p0:0", "recv", ("n1", 5), flag) is None
     assert link.cache.asked == ([("d0:0", "n1", True), ("p0:0", "n1", False)] if post_on_loop else [])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_the_poller_carries_transfers_whole_and_in_order_however_their_ends_interleave(data: st.DataObject) -> None:
+    """Several transfers carried by one poller thread; their chunks end in order per
+    transfer, interleaved at random across them, sometimes faster than the poller looks.
+    Each lands its blocks in order, once each, all from the poller, and its waiter wakes
+    once it is whole. A transfer whose last chunk never ends lands at most the chunks
+    before it, goes back to its waiter past its deadline, and fails there."""
+    n = data.draw(st.integers(1, 4), label="transfers")
+    sizes = data.draw(st.lists(st.sampled_from([16, 32, 128, 512]), min_size=n, max_size=n), label="blocks")
+    stuck = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="last chunk never ends")
+    poller = Poller()
+    wires: list[set[int]] = [set() for _ in range(n)]
+    landed: list[list[tuple[int, int, int, str]]] = [[] for _ in range(n)]
+    watches = []
+    start = time.monotonic()
+    for i in range(n):
+        posted = _posted(sizes[i], [], wire=wires[i])
+        watches.append(_watch(
+            posted, [], deadline=start + 0.3 if stuck[i] else float("inf"),
+            landed=lambda b0, b1, left, i=i: landed[i].append((b0, b1, left, threading.current_thread().name))))
+    counts = [len(w.posted.completions) - stuck[i] for i, w in enumerate(watches)]
+    order = data.draw(st.permutations([i for i in range(n) for _ in range(counts[i])]), label="ends")
+    settle = data.draw(st.lists(st.booleans(), min_size=len(order), max_size=len(order)), label="poller looks")
+    results: list[Waited | None] = [None] * n
+
+    def waits(i: int, carried: _Ended | None) -> None:
+        results[i] = _wait(watches[i], poller, carried)
+
+    try:
+        waiters = [threading.Thread(target=waits, args=(i, poller.carry(w)), name=f"waiter-{i}")
+                   for i, w in enumerate(watches)]
+        for waiter in waiters:
+            waiter.start()
+        for i, look in zip(order, settle, strict=True):
+            wires[i].add(len(wires[i]))  # that transfer's next chunk ends
+            if look:
+                b1 = watches[i].posted.parts[len(wires[i]) - 1][1]
+                wait_until(lambda i=i, b1=b1: landed[i] and landed[i][-1][1] >= b1, 5, f"transfer {i} landed to {b1}")
+        for waiter in waiters:
+            waiter.join(10)
+        assert not any(waiter.is_alive() for waiter in waiters)
+    finally:
+        poller.close()
+    for i, watch in enumerate(watches):
+        parts, got = watch.posted.parts, landed[i]
+        assert all(a[1] == b[0] for a, b in pairwise(got)) and (not got or got[0][0] == 0)
+        for b0, b1, left, _ in got:
+            assert left == len(parts) - 1 - next(k for k, p in enumerate(parts) if p[1] == b1)
+        if stuck[i]:  # handed back past its deadline: its waiter may land what ended meanwhile, then fails
+            assert {name for *_, name in got} <= {"kvbroker-nccl-poller", f"waiter-{i}"}
+            assert isinstance(watch.error, RecvTimeout)
+            assert not got or got[-1][1] <= parts[-1][0], "a chunk that never ended landed"
+        else:
+            assert {name for *_, name in got} == {"kvbroker-nccl-poller"}
+            assert watch.error is None and got[-1][1] == parts[-1][1] and got[-1][2] == 0
+            assert results[i] is not None and results[i].seen <= results[i].ended  # type: ignore[union-attr]

@@ -238,8 +238,9 @@ class Posted:
 @dataclass(frozen=True)
 class Waited:
     """When a transfer's end was seen (`time.monotonic()` values): the poller saw its last
-    op end (`seen`; the waiting thread itself if it never slept), that thread resumed
-    (`resumed`), and it was done with the transfer, its landings included (`ended`)."""
+    op end (`seen`; the waiting thread itself if it never slept), the one that goes on
+    with it resumed (`resumed`: the same moment when the poller carried it), and it was
+    done with the transfer, its landings included (`ended`)."""
 
     seen: float
     resumed: float
@@ -260,8 +261,8 @@ class _Watch:
 
     `at_once` (a sender: nothing is done chunk by chunk): only the last op is waited for,
     and `landed`, if any, is called once, for every chunk. A transfer's ops end in order
-    (one NCCL stream), so the waiting thread wakes once a transfer instead of once a
-    chunk, and each wake-up takes the GIL from the engine's thread.
+    (one NCCL stream), so its waiter wakes once a transfer instead of once a chunk, and
+    each wake-up takes the GIL from the engine's thread.
     """
 
     posted: Posted
@@ -326,8 +327,9 @@ class _Watch:
 
 
 class Poller:
-    """One thread that polls the ops a link's waiting threads wait for, and wakes each
-    thread once its op ended. The waiting threads sleep meanwhile, without the GIL.
+    """One thread that polls the ops a link's transfers wait for: it carries each
+    transfer (`carry`) and wakes its task on the loop once it ended, or wakes a thread
+    that waits for one op (`wait`) once that op ended. Nobody else polls meanwhile.
 
     Each waiting thread used to poll its own CUDA events every 10-100 us, taking the GIL
     each time; with eight transfers in flight that is eight threads waking 10,000 times

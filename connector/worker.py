@@ -12,12 +12,12 @@ vLLM calls the hooks on its worker thread ("main"). The broker client runs on an
 loop in a background thread (`workers.client.SyncBrokerClient`) and calls this object
 as its `TransferHandler` there. The TCP transport moves bytes on threads of its own;
 the nccl transport (`connector.nccl_link`) posts on that loop (or a worker thread of
-it) and waits on worker threads, and the GPU copies are ordered against the model by
-CUDA events. State shared between threads sits behind `lock`, which is never held
+it), and one poller thread of its own watches the ops and wakes the loop when a
+transfer ended; the GPU copies are ordered against the model by CUDA events. State shared between threads sits behind `lock`, which is never held
 across a portal call, so neither thread can block the other. KV cache tensors are read
 and written on the main thread (gather in the layer hooks, scatter between forward
 passes), except over nccl with the transport's copy kernel: there D scatters each chunk
-from the receiving thread, on a stream of its own ordered after the compute stream's work at
+from the link's poller thread, on a stream of its own ordered after the compute stream's work at
 `start_load_kv`, into blocks no forward pass uses before the request is reported, and
 the compute stream waits for those copies when it is (`connector.consumer`).
 

@@ -434,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the workers' logs (json: microsecond timestamps, for `kvbroker trace`)")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
                     help="the workers' log level (debug: also each landing's wait for its load's lock)")
+    ap.add_argument("--broker-log-level", default="warning", choices=("debug", "info", "warning"),
+                    help="the broker's log level (debug: also when it sent each Prepare and relayed each Go, "
+                         "for `kvbroker phases`)")
     ap.add_argument("--post-on-loop", type=int, choices=(0, 1), default=None,
                     help="nccl: D posts a receive on its client's loop thread when its communicator is built "
                          "(default: connector.nccl_link's)")
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
-    broker, endpoint = _start_broker()
+    broker, endpoint = _start_broker(args.broker_log_level)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     conn_p, conn_d = ctx.Pipe()

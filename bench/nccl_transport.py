@@ -1537,14 +1537,15 @@ def main(argv: list[str] | None = None) -> int:
             broker[0].wait(timeout=10)
 
 
-def _start_broker() -> tuple[subprocess.Popen, str]:
-    """`kvbroker serve` on a free loopback port, logging warnings only; (process, endpoint)."""
+def _start_broker(log_level: str = "warning") -> tuple[subprocess.Popen, str]:
+    """`kvbroker serve` on a free loopback port, logging JSON lines at `log_level` to this
+    process's standard error; (process, endpoint)."""
     folder = tempfile.mkdtemp(prefix="kvbroker-bench-")
     port_file = os.path.join(folder, "endpoint")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))}
     proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0",
-                             "--port-file", port_file, "--log-level", "warning", "--log-format", "json"],
+                             "--port-file", port_file, "--log-level", log_level, "--log-format", "json"],
                             cwd=root, env=env)
     deadline = time.monotonic() + 30
     while not os.path.exists(port_file):

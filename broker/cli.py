@@ -60,6 +60,7 @@ def serve(**opts: Any) -> None:
             max_attempts=opts["max_attempts"],
             max_transfers=opts["max_transfers"],
             max_peers=opts["max_peers"],
+            note_steps=opts["log_level"].lower() == "debug",
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

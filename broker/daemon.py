@@ -159,7 +159,7 @@ class BrokerDaemon:
             fields: dict[str, Any] = dict(effect.fields)
             if "transfer_id" in fields:
                 fields.setdefault("phase", effect.event.split(".", 1)[-1])
-            log.info(effect.event, **fields)
+            (log.debug if effect.level == "debug" else log.info)(effect.event, **fields)
 
     def _send(self, chan: ZmqChannel, send: Send) -> None:
         try:

@@ -6,6 +6,7 @@ and reference invariants after every message and every tick.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Literal
 
@@ -69,7 +70,23 @@ def test_full_handshake(c: FakeCluster) -> None:
     assert c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
     counters = c.status().counters
     assert (counters["offered"], counters["completed"], counters["aborted"], counters["bytes"]) == (1, 1, 0, 48)
-    assert [n.event for n in c.notes][-1] == "transfer.done"
+    assert [(n.event, n.level) for n in c.notes if n.fields.get("transfer_id") == "t1"] == [
+        ("transfer.offered", "info"), ("transfer.done", "info")]
+
+
+def test_message_steps_are_noted_at_debug_level_when_asked() -> None:
+    c = FakeCluster(dataclasses.replace(CONFIG, note_steps=True))
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 64)
+    d.take_one(Prepare)
+    d.ready("t1", nbytes=64)
+    p.take_one(Go)
+    d.done("t1", nbytes=64)
+    assert [(n.event, n.level) for n in c.notes if n.fields.get("transfer_id") == "t1"] == [
+        ("transfer.offered", "info"), ("transfer.prepared", "debug"), ("transfer.go", "debug"),
+        ("transfer.done", "info")]
+    prepared = next(n for n in c.notes if n.event == "transfer.prepared")
+    assert prepared.fields["decode"] == "d:0" and prepared.fields["credit_free"] == 36
 
 
 def test_go_carries_the_communicator_and_place_d_named_in_ready(c: FakeCluster) -> None:

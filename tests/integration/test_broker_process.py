@@ -275,6 +275,28 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
         assert broker.stop() == 0
 
 
+def test_debug_level_traces_each_message_step_of_a_transfer(tmp_path: Path) -> None:
+    """At debug level the broker also notes when it sent a transfer's Prepare (credit
+    granted) and relayed its Go, so a trace shows the broker's own hops; at info level
+    (above) it writes only the Offer and the Done."""
+    broker = BrokerProcess(tmp_path, "--log-level", "debug")
+    broker.start()
+    try:
+        d = spawn_peer(broker.endpoint, "decode", "d0", "--count", "2")
+        assert json.loads(d.stdout.readline())["registered"]  # type: ignore[union-attr]
+        p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", "2")
+        assert finish(p)["released"] == 2 and finish(d)["done"] == 2
+        out = subprocess.run(
+            [sys.executable, "-m", "broker.cli", "trace", "p0-1", str(broker.log_path)],
+            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+        )
+        assert out.returncode == 0, out.stderr
+        events = [line.split()[2] for line in out.stdout.splitlines()]
+        assert events == ["transfer.offered", "transfer.prepared", "transfer.go", "transfer.done"]
+    finally:
+        assert broker.stop() == 0
+
+
 def _keygen(out: Path, *name: str) -> None:
     made = subprocess.run(
         [sys.executable, "-m", "broker.cli", "keygen", "--out", str(out), *(("--name", name[0]) if name else ())],

@@ -237,10 +237,7 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
     broker = BrokerProcess(tmp_path, "--metrics-port", str(port))
     broker.start()
     try:
-        d = spawn_peer(broker.endpoint, "decode", "d0", "--count", "3")
-        assert json.loads(d.stdout.readline())["registered"]  # type: ignore[union-attr]
-        p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", "3")
-        assert finish(p)["released"] == 3 and finish(d)["done"] == 3
+        _transfers(broker, 3)
 
         import urllib.request
 
@@ -251,13 +248,7 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
         body = wait_until(scraped, 10, "metrics to show 3 completed transfers")
         assert "kvbroker_peers" in body and "kvbroker_transfers_in_flight" in body
 
-        out = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "trace", "p0-1", str(broker.log_path)],
-            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-        )
-        assert out.returncode == 0, out.stderr
-        events = [line.split()[2] for line in out.stdout.splitlines()]
-        assert events == ["transfer.offered", "transfer.done"]
+        assert _traced(broker, "p0-1") == ["transfer.offered", "transfer.done"]
         missing = subprocess.run(
             [sys.executable, "-m", "broker.cli", "trace", "nope", str(broker.log_path)],
             capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
@@ -282,19 +273,28 @@ def test_debug_level_traces_each_message_step_of_a_transfer(tmp_path: Path) -> N
     broker = BrokerProcess(tmp_path, "--log-level", "debug")
     broker.start()
     try:
-        d = spawn_peer(broker.endpoint, "decode", "d0", "--count", "2")
-        assert json.loads(d.stdout.readline())["registered"]  # type: ignore[union-attr]
-        p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", "2")
-        assert finish(p)["released"] == 2 and finish(d)["done"] == 2
-        out = subprocess.run(
-            [sys.executable, "-m", "broker.cli", "trace", "p0-1", str(broker.log_path)],
-            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
-        )
-        assert out.returncode == 0, out.stderr
-        events = [line.split()[2] for line in out.stdout.splitlines()]
-        assert events == ["transfer.offered", "transfer.prepared", "transfer.go", "transfer.done"]
+        _transfers(broker, 2)
+        assert _traced(broker, "p0-1") == ["transfer.offered", "transfer.prepared", "transfer.go", "transfer.done"]
     finally:
         assert broker.stop() == 0
+
+
+def _transfers(broker: BrokerProcess, count: int) -> None:
+    """`count` transfers from a prefill peer p0 to a decode peer d0, through `broker`."""
+    d = spawn_peer(broker.endpoint, "decode", "d0", "--count", str(count))
+    assert json.loads(d.stdout.readline())["registered"]  # type: ignore[union-attr]
+    p = spawn_peer(broker.endpoint, "prefill", "p0", "--count", str(count))
+    assert finish(p)["released"] == count and finish(d)["done"] == count
+
+
+def _traced(broker: BrokerProcess, transfer_id: str) -> list[str]:
+    """The events `kvbroker trace` shows for `transfer_id` in the broker's log."""
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "trace", transfer_id, str(broker.log_path)],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return [line.split()[2] for line in out.stdout.splitlines()]
 
 
 def _keygen(out: Path, *name: str) -> None:

@@ -342,9 +342,9 @@ class Poller:
     loop) once, when the transfer has landed or been sent. With eight in flight, waking
     a thread per chunk to launch its landing cost the landing 1.3-2.5 ms at the median,
     waiting for D's GIL; launched here, by the thread that just saw the end, 0.44-0.73
-    ms (docs/RESULTS.md). A carried watch whose deadline
-    passes is handed back to its waiter (`_Ended.expired`), which aborts the op: an abort
-    blocks for up to a second, and done here it would stall every other watch.
+    ms (docs/RESULTS.md). A carried watch whose deadline passes is handed back to its
+    waiter (`_Ended.expired`), which aborts the op: an abort blocks for up to a second,
+    and done here it would stall every other watch.
     """
 
     def __init__(self, name: str = "kvbroker-nccl-poller") -> None:

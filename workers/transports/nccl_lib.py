@@ -100,37 +100,30 @@ class NcclLib:
         self._lib = lib
         p = ctypes.POINTER
 
-        def bind(name: str, args: list[Any], res: Any = _Result) -> Any:
-            fn = getattr(lib, name)
+        # The enqueueing calls are bound twice: through `lib`, which lets go of the GIL for
+        # the call as ctypes does, and through `kept`, which keeps it (`held=True`). An
+        # enqueue takes microseconds, but a thread that lets go of the GIL for it may then
+        # wait for another thread to give the GIL back; with a busy poller and loop, D's
+        # post of a four-chunk receive took 0.4-1.2 ms that way. Only for ops that cannot
+        # block: the first op with a peer connects the pair, which waits for the peer to
+        # post too (`DirectCommunicator`).
+        kept = ctypes.PyDLL(path)
+
+        def bind(name: str, args: list[Any], res: Any = _Result, via: Any = lib) -> Any:
+            fn = getattr(via, name)
             fn.argtypes, fn.restype = args, res
             return fn
+
+        op_args = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm, ctypes.c_void_p]
 
         self._get_version = bind("ncclGetVersion", [p(ctypes.c_int)])
         self._get_error_string = bind("ncclGetErrorString", [_Result], ctypes.c_char_p)
         self._get_unique_id = bind("ncclGetUniqueId", [p(_UniqueId)])
         self._init_rank = bind("ncclCommInitRank", [p(_Comm), ctypes.c_int, _UniqueId, ctypes.c_int])
-        self._send = bind("ncclSend", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm,
-                                       ctypes.c_void_p])
-        self._recv = bind("ncclRecv", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm,
-                                       ctypes.c_void_p])
-        self._group_start = bind("ncclGroupStart", [])
-        self._group_end = bind("ncclGroupEnd", [])
-        # The enqueueing calls again, through a handle that keeps the GIL for the call
-        # (`held=True`). An enqueue takes microseconds, but a thread that lets go of the
-        # GIL for it may then wait for another thread to give the GIL back; with a busy
-        # poller and loop, D's post of a four-chunk receive took 0.4-1.2 ms that way. Only
-        # for ops that cannot block: the first op with a peer connects the pair, which
-        # waits for the peer to post too (`DirectCommunicator`).
-        kept = ctypes.PyDLL(path)
-
-        def bind_kept(name: str, args: list[Any]) -> Any:
-            fn = getattr(kept, name)
-            fn.argtypes, fn.restype = args, _Result
-            return fn
-
-        op_args = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _Comm, ctypes.c_void_p]
-        self._send_kept, self._recv_kept = bind_kept("ncclSend", op_args), bind_kept("ncclRecv", op_args)
-        self._group_start_kept, self._group_end_kept = bind_kept("ncclGroupStart", []), bind_kept("ncclGroupEnd", [])
+        self._send, self._send_kept = bind("ncclSend", op_args), bind("ncclSend", op_args, via=kept)
+        self._recv, self._recv_kept = bind("ncclRecv", op_args), bind("ncclRecv", op_args, via=kept)
+        self._group_start, self._group_start_kept = bind("ncclGroupStart", []), bind("ncclGroupStart", [], via=kept)
+        self._group_end, self._group_end_kept = bind("ncclGroupEnd", []), bind("ncclGroupEnd", [], via=kept)
         self._abort = bind("ncclCommAbort", [_Comm])
         self._destroy = bind("ncclCommDestroy", [_Comm])
         self._async_error = bind("ncclCommGetAsyncError", [_Comm, p(_Result)])

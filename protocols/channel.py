@@ -119,9 +119,10 @@ class ZmqChannel:
         try:
             self._send_frames(frames)
         except zmq.Again:
+            self._after_op()
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
-            raise self._error(exc, frames[0]) from exc
+            raise self._failed(exc, frames[0]) from exc
         self._after_op()
 
     def receive_nowait(self) -> list[bytes]:
@@ -133,9 +134,10 @@ class ZmqChannel:
         try:
             frames = self._recv_frames()
         except zmq.Again:
+            self._after_op()
             raise anyio.WouldBlock from None
         except zmq.ZMQError as exc:
-            raise self._error(exc) from exc
+            raise self._failed(exc) from exc
         self._after_op()
         return frames
 
@@ -218,7 +220,7 @@ class ZmqChannel:
                 blind = min(blind * 2, _BLIND_WAIT_MAX_S)
                 continue
             except zmq.ZMQError as exc:
-                raise self._error(exc, peer) from exc
+                raise self._failed(exc, peer) from exc
             self._after_op()
             return result
 
@@ -271,8 +273,17 @@ class ZmqChannel:
         return events
 
     def _after_op(self) -> None:
+        """After every call into the socket, failed ones too: libzmq may have processed its
+        mailbox there, which spends the fd's edge that a parked task sleeps on."""
         if self._want_in or self._want_out:
             self._events()
+
+    def _failed(self, exc: zmq.ZMQError, peer: bytes = b"") -> KvBrokerError:
+        """The error for a failed call; a socket still usable hands readiness on first."""
+        error = self._error(exc, peer)
+        if isinstance(error, PeerUnreachable):
+            self._after_op()
+        return error
 
     def _check_open(self) -> None:
         if self._closed:

@@ -292,6 +292,39 @@ async def test_a_send_does_not_strand_a_waiting_receiver(ctx: zmq.Context) -> No
 
 
 @pytest.mark.anyio
+async def test_a_refused_send_does_not_strand_a_waiting_receiver(ctx: zmq.Context) -> None:
+    """A send that fails (a ROUTER's to a departed peer) drains the mailbox as well: the
+    broker's receive loop must still wake for the message already queued. Else it sleeps
+    until some other pipe signals, and peer leases lapse meanwhile."""
+    r, d = make_pair(ctx)
+    got: list[list[bytes]] = []
+
+    async def receive_one() -> None:
+        got.append(await r.receive())
+
+    fd = cast(int, r.socket.getsockopt(zmq.FD))
+
+    def fd_readable() -> bool:
+        return bool(select.select([fd], [], [], 0)[0])
+
+    async with r, d:
+        with anyio.fail_after(DEADLINE):
+            await introduce(r, d)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(receive_one)
+                await anyio.wait_all_tasks_blocked()
+                d.send_nowait([b"heartbeat"])
+                select.select([fd], [], [], DEADLINE)
+                sends = 0
+                while fd_readable():
+                    with pytest.raises(PeerUnreachable):
+                        r.send_nowait([b"gone", b"Go"])
+                    sends += 1
+                    assert sends < 1_000_000
+    assert got == [[b"d1", b"heartbeat"]]
+
+
+@pytest.mark.anyio
 async def test_close_ends_every_waiter_with_channel_closed(ctx: zmq.Context) -> None:
     """One receiver on the ROUTER; a receiver and a blocked sender on one DEALER."""
     r, _ = make_pair(ctx)

@@ -15,6 +15,9 @@ Invariants this module keeps (each one has a test):
   was to receive are re-routed to another compatible decode peer (the staged copy on P is
   sent again, the prefill is not re-run) until `max_attempts`, and transfers it was to
   send are aborted on the decode side.
+- An Expect that comes after its transfer was aborted, or after the prefill peer it names
+  was lost, within the last `transfer_lease_s`, gets that Abort back at once: D learns it
+  from the broker, not from its own load deadline, whatever the order of the messages.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 from protocols.errors import RemoteProtocolError
 from protocols.messages import (
@@ -54,6 +57,8 @@ from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, T
 
 S = TransferState
 _MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
+_K = TypeVar("_K")
+MAX_REMEMBERED = 16_384  # aborted transfers and lost prefill peers kept for late Expects (a few MB at most)
 
 
 @dataclass(frozen=True)
@@ -148,12 +153,24 @@ def compat_diff(a: Register, b: Register) -> str:
     return "; ".join(diffs)
 
 
+def _remember(memory: OrderedDict[_K, tuple[float, str]], key: _K, until: float, reason: str) -> None:
+    """Keep `reason` for `key` until `until`; oldest first, so expiry pops from the front."""
+    memory.pop(key, None)
+    memory[key] = (until, reason)
+    while len(memory) > MAX_REMEMBERED:
+        memory.popitem(last=False)
+
+
 class Broker:
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config or BrokerConfig()
         self.peers: dict[str, Peer] = {}
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
+        # Why a transfer was aborted, and why a prefill peer was lost, each until
+        # `transfer_lease_s` after: an Expect that arrives behind them is answered at once.
+        self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
+        self.lost: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.counters: dict[str, int] = {
             k: 0
             for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames")
@@ -186,19 +203,23 @@ class Broker:
         out: list[Effect] = []
         for peer in [p for p in self.peers.values() if p.lease_until <= now]:
             self._evict(now, peer, "no heartbeat within its lease", out)
-            self._orphan_expects(peer, "no heartbeat within its lease", out)
+            self._orphan_expects(now, peer, "no heartbeat within its lease", out)
         for t in list(self.transfers.values()):
             if t.key not in self.transfers:
                 continue
             if t.lease_until <= now:
-                self._abort(t, f"its lease of {self.config.transfer_lease_s:g} s ended in state {t.state.value}", out)
+                self._abort(now, t, f"its lease of {self.config.transfer_lease_s:g} s ended in state {t.state.value}", out)
             elif t.state is S.WAITING_CREDIT and t.credit_deadline is not None and t.credit_deadline <= now:
                 self._abort(
+                    now,
                     t,
                     f"decode pool of {t.decode} had no room for {t.nbytes} bytes within "
                     f"{self.config.credit_timeout_s:g} s; enlarge its pool or lower the load",
                     out,
                 )
+        for memory in (self.aborted, self.lost):
+            while memory and next(iter(memory.values()))[0] <= now:
+                memory.popitem(last=False)
         return out
 
     def next_deadline(self) -> float | None:
@@ -239,6 +260,7 @@ class Broker:
             self._evict(now, self.peers[self.by_identity[identity]], "its socket registered as another peer", out)
         pool = Pool(capacity=reg.pool_capacity, alignment=reg.pool_alignment) if reg.role == "decode" else None
         self.peers[pid] = Peer(pid, identity, reg, now + self.config.peer_lease_s, pool)
+        self.lost.pop(pid, None)
         self.by_identity[identity] = pid
         out.append(
             Send(identity, Registered(peer_id=pid, heartbeat_s=self.config.heartbeat_s, lease_s=self.config.peer_lease_s))
@@ -278,22 +300,25 @@ class Broker:
             if t is None:
                 continue
             if peer.role == "prefill":
-                self._abort(t, f"prefill peer {peer.peer_id} was lost ({why})", out)
+                self._abort(now, t, f"prefill peer {peer.peer_id} was lost ({why})", out)
             else:
                 self._decode_lost(now, t, peer, why, out)
         peer.transfers.clear()
 
-    def _orphan_expects(self, peer: Peer, why: str, out: list[Effect]) -> None:
-        """A lost prefill peer will offer nothing more: end the Expects that named it.
+    def _orphan_expects(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
+        """A lost prefill peer will offer nothing more: end the Expects that named it, and
+        those that will name it (`_expect`) until it registers again.
 
         Not on re-registration (`_evict` alone): a prefill instance that only reconnected
         re-sends its Offers, and those complete the Expects.
         """
         if peer.role != "prefill":
             return
+        reason = f"prefill peer {peer.peer_id} was lost ({why}) before it offered"
+        _remember(self.lost, peer.peer_id, now + self.config.transfer_lease_s, reason)
         for t in [t for t in self.transfers.values() if t.state is S.EXPECTED and t.expected_from]:
             if f"{t.expected_from}:{t.rank}" == peer.peer_id:
-                self._abort(t, f"prefill peer {peer.peer_id} was lost ({why}) before it offered", out)
+                self._abort(now, t, reason, out)
 
     def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
         if t.state is S.EXPECTED or t.prefill is None:
@@ -303,7 +328,7 @@ class Broker:
         if t.expected_by == peer.peer_id:
             t.expected_by = None
         if t.attempt + 1 >= self.config.max_attempts:
-            self._abort(t, f"decode peer {peer.peer_id} was lost ({why}) after {t.attempt + 1} attempts", out)
+            self._abort(now, t, f"decode peer {peer.peer_id} was lost ({why}) after {t.attempt + 1} attempts", out)
             return
         t.attempt += 1
         self.counters["retried"] += 1
@@ -319,7 +344,7 @@ class Broker:
             out.append(Send(peer.identity, Heartbeat(seq=msg.seq)))
         elif isinstance(msg, Goodbye):
             self._evict(now, peer, "it said goodbye", out)
-            self._orphan_expects(peer, "it said goodbye", out)
+            self._orphan_expects(now, peer, "it said goodbye", out)
         elif isinstance(msg, Relay):
             target = self.peers.get(msg.to)
             if target is None:
@@ -348,6 +373,7 @@ class Broker:
             if peer.role != "prefill":
                 raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
             t = self._new(now, key, S.UNROUTED)
+            self.aborted.pop(key, None)  # offered again (a reconnected prefill peer): Expects pair with it
         t.prefill = peer.peer_id
         t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
         t.prompt = msg.prompt
@@ -362,6 +388,14 @@ class Broker:
         key = (msg.transfer_id, peer.reg.rank)
         t = self.transfers.get(key)
         if t is None:
+            ended = self.aborted.get(key)
+            if ended is None and msg.prefill:
+                ended = self.lost.get(f"{msg.prefill}:{key[1]}")  # gone until it registers again
+            if ended is not None:  # nothing will come for it: say so now, not at D's deadline
+                out.append(Send(peer.identity, Abort(transfer_id=msg.transfer_id, reason=ended[1][:2000])))
+                out.append(Note("transfer.expect_ended", {"transfer_id": msg.transfer_id, "peer": peer.peer_id,
+                                                          "reason": ended[1]}))
+                return
             t = self._new(now, key, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
             peer.transfers.add(key)
@@ -397,7 +431,7 @@ class Broker:
         if peer.peer_id not in (t.prefill, t.decode, t.expected_by):
             raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"{peer.peer_id} is not part of it")
         if isinstance(msg, Abort):
-            self._abort(t, msg.reason or f"aborted by {peer.peer_id}", out, skip=peer.peer_id)
+            self._abort(now, t, msg.reason or f"aborted by {peer.peer_id}", out, skip=peer.peer_id)
         elif t.decode != peer.peer_id:
             raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"it is routed to {t.decode}")
         elif isinstance(msg, Ready):
@@ -463,7 +497,7 @@ class Broker:
             if pid and pid in self.peers and self.peers[pid].pool is not None:  # a hint may name a prefill peer
                 d = self.peers[pid]
                 if prefill is not None and d.reg.compat_hash != t.compat_hash:
-                    self._abort(t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)
+                    self._abort(now, t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)
                     return
                 break
         if d is None:
@@ -477,6 +511,7 @@ class Broker:
         assert d.pool is not None
         if d.pool.credit_for(t.nbytes) > d.pool.capacity:
             self._abort(
+                now,
                 t,
                 f"it needs {t.nbytes} bytes but the receive pool of {d.peer_id} holds only {d.pool.capacity}; "
                 "raise the decode pool size",
@@ -537,9 +572,10 @@ class Broker:
             if pid and pid in self.peers:
                 self.peers[pid].transfers.discard(t.key)
 
-    def _abort(self, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
+    def _abort(self, now: float, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
         peers = {pid for pid in (t.prefill, t.decode, t.expected_by) if pid and pid != skip and pid in self.peers}
         self._drop(t, out)
+        _remember(self.aborted, t.key, now + self.config.transfer_lease_s, reason)
         self.counters["aborted"] += 1
         for pid in sorted(peers):
             out.append(Send(self.peers[pid].identity, Abort(transfer_id=t.transfer_id, reason=reason[:2000])))

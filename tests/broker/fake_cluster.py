@@ -131,6 +131,9 @@ class FakePeer:
     def expect(self, tid: str) -> list[Send | Note]:
         return self.send(Expect(transfer_id=tid))
 
+    def expect_from(self, tid: str, prefill: str) -> list[Send | Note]:
+        return self.send(Expect(transfer_id=tid, prefill=prefill))
+
     def ready(self, tid: str, nbytes: int | None = None, offset: int = 0) -> list[Send | Note]:
         if nbytes is None:
             nbytes = self.cluster.prepared[(self.identity, tid)].nbytes - offset

@@ -130,6 +130,46 @@ def test_expects_naming_a_lost_prefill_peer_end_at_once(c: FakeCluster) -> None:
     assert d.take_one(Abort).transfer_id == "t2" and c.state("t3") is S.EXPECTED
 
 
+def test_an_expect_behind_its_transfers_abort_gets_that_abort_at_once(c: FakeCluster) -> None:
+    """The broker aborted a transfer before the decode peer holding its request said so
+    (P died after offering; the Offer had been routed elsewhere): that peer's Expect gets
+    the Abort at once, not a wait until its own deadline. Kept one transfer lease; an
+    Offer of the same transfer again (P reconnected) pairs as usual."""
+    p, d1, d2 = c.prefill(), c.decode("d1"), c.decode("d2")
+    p.offer("t1", 60, decode="d1")
+    p.offer("t2", 60, decode="d1")
+    d1.take()
+    c.advance(5.0, keep_alive=[d1, d2])  # p's lease ends: both aborted on d1
+    assert {m.transfer_id for m in d1.take() if isinstance(m, Abort)} == {"t1", "t2"}
+    d2.expect("t1")
+    abort = d2.take_one(Abort)
+    assert abort.transfer_id == "t1" and "prefill peer p:0 was lost" in abort.reason
+    assert c.state("t1") is None
+    p = c.prefill()
+    p.offer("t2", 60, decode="d2")  # offered again: no longer ended
+    d2.expect("t2")
+    assert c.state("t2") is S.PREPARING and isinstance(d2.take_one(Prepare), Prepare)
+    c.advance(CONFIG.transfer_lease_s, keep_alive=True)
+    d2.take()
+    d2.expect("t1")  # a lease later it is forgotten: an Expect waits for its Offer again
+    assert c.state("t1") is S.EXPECTED and d2.take() == []
+
+
+def test_an_expect_naming_a_prefill_peer_already_lost_ends_at_once(c: FakeCluster) -> None:
+    """The prefill peer an Expect names was lost before the Expect came: Abort at once,
+    until that peer registers again (then its Offers may still come)."""
+    p, d = c.prefill(), c.decode()
+    p.goodbye()
+    d.expect_from("t1", "p")
+    abort = d.take_one(Abort)
+    assert abort.transfer_id == "t1" and "prefill peer p:0 was lost (it said goodbye) before it offered" in abort.reason
+    d.expect_from("t2", "q")  # names a peer never seen: it may still register
+    assert c.state("t2") is S.EXPECTED and d.take() == []
+    c.prefill()
+    d.expect_from("t3", "p")
+    assert c.state("t3") is S.EXPECTED and d.take() == []
+
+
 def test_the_same_offer_again_changes_nothing_another_is_refused(c: FakeCluster) -> None:
     """A client re-sends its tracked Offers after a reconnect, and may do so to a broker
     that never lost them: the same Offer again changes nothing, in any state."""

@@ -386,7 +386,9 @@ class ConsumerSide:
                 continue
             parked = self._parked.get(tid)
             if parked is not None:
-                parked.set()  # its Prepare came first: no Expect needed
+                # Its Prepare came first: no Expect now, but one on registering again.
+                await client.expect(tid, load.spec.prefill, announce=False)
+                parked.set()
                 continue
             # Tracked by the client, so a broker restart gets it again (with the route it
             # carries) until our Prepare comes. One that crosses our own Prepare is
@@ -418,13 +420,20 @@ class ConsumerSide:
             load = await self._wait_for_request(tid)
             if load is None:
                 return
+        again = (
+            "a second Prepare came while the first was being received: the broker lost track of it "
+            "(this peer or the broker reconnected or restarted), so the load ends now"
+        )
         with w.lock:
             start = load.state == "waiting"
             if start:
                 load.state, load.prepared_at = "receiving", arrived
                 load.scope = anyio.CancelScope()
+            scope = self._stop_locked(load, again) if load.state == "receiving" and not start else None
         if not start:
-            await self._abort(tid, "this decode instance already gave the transfer up")
+            await self._abort(tid, again if scope is not None else "this decode instance already gave the transfer up")
+            if scope is not None:
+                await self._cancel_receive(load, scope)
             return
         assert load.scope is not None
         # Kept if the task is cancelled from outside (the client's task group ends):
@@ -453,14 +462,13 @@ class ConsumerSide:
         with anyio.move_on_after(w.config.load_timeout_s):
             await event.wait()
         self._parked.pop(tid, None)
-        with w.lock:
+        reason = f"no request on decode instance {w.config.instance_id} claimed it within {w.config.load_timeout_s:g} s"
+        with w.lock:  # checked and buried at once: a request arriving between them would wait for nothing
             load = self._loads.get(tid)
-            aborted = tid in self._tombstones
-        if load is None and not aborted:
-            reason = (
-                f"no request on decode instance {w.config.instance_id} claimed it within {w.config.load_timeout_s:g} s"
-            )
-            self._remember_abort(tid, reason)
+            give_up = load is None and tid not in self._tombstones
+            if give_up:
+                self._bury(tid, reason)
+        if give_up:
             await self._abort(tid, reason)
         return load
 
@@ -667,23 +675,36 @@ class ConsumerSide:
         w, tid = self.w, msg.transfer_id
         with w.lock:
             load = self._loads.get(tid)
-            if load is not None and load.state in ("waiting", "receiving"):
-                load.reason, load.settled = BROKER_ABORT + msg.reason, True
-                if load.state == "waiting":
-                    load.state = "failed"
-            scope = load.scope if load is not None and load.state == "receiving" else None
+            if load is None:
+                # Under the same lock as the lookup: a request claiming it right after
+                # must find the tombstone, or it would wait its whole deadline.
+                self._bury(tid, msg.reason)
+            scope = self._stop_locked(load, BROKER_ABORT + msg.reason) if load is not None else None
         if load is None:
-            self._remember_abort(tid, msg.reason)
             parked = self._parked.pop(tid, None)
             if parked is not None:
                 parked.set()
         elif scope is not None:
-            if w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
-                await anyio.to_thread.run_sync(w.nccl.cancel, load.source, tid)  # an abort blocks: off the loop
-            scope.cancel()
+            await self._cancel_receive(load, scope)
 
-    def _remember_abort(self, tid: str, reason: str) -> None:
-        with self.w.lock:
-            self._tombstones[tid] = reason
-            while len(self._tombstones) > MAX_TOMBSTONES:
-                self._tombstones.popitem(last=False)
+    def _stop_locked(self, load: _Load, reason: str) -> anyio.CancelScope | None:
+        """End a load the broker no longer carries (caller holds the lock): a waiting one
+        fails now; a receiving one's scope is returned, for `_cancel_receive`."""
+        if load.state not in ("waiting", "receiving"):
+            return None
+        load.reason, load.settled = reason, True
+        if load.state == "waiting":
+            load.state = "failed"
+            return None
+        return load.scope
+
+    async def _cancel_receive(self, load: _Load, scope: anyio.CancelScope) -> None:
+        if self.w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
+            await anyio.to_thread.run_sync(self.w.nccl.cancel, load.source, load.transfer_id)  # blocks: off the loop
+        scope.cancel()
+
+    def _bury(self, tid: str, reason: str) -> None:
+        """Remember a transfer ended before a request claimed it (caller holds the lock)."""
+        self._tombstones[tid] = reason
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)

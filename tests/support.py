@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -87,6 +90,17 @@ class BrokerProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop the broker (SIGSTOP to its PID) for the block, as a starved or swapped-out
+        host would, and let it go on after."""
+        assert self.proc is not None and self.proc.poll() is None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def status(self) -> dict:
         out = subprocess.run(

@@ -100,7 +100,9 @@ class BrokerClient:
         self._chan: ZmqChannel | None = None
         self._connected: anyio.Event | None = None
         self._offers: dict[str, Offer] = {}
-        self._expects: dict[str, Expect] = {}  # until its Prepare, Abort or our abort
+        # Until its Done, an Abort either way, or a refusal: a session registered again
+        # re-announces every transfer still awaited, so the broker can say what became of it.
+        self._expects: dict[str, Expect] = {}
         self._log = log.bind(role=registration.role, instance=registration.instance_id, rank=registration.rank)
 
     @property
@@ -238,7 +240,6 @@ class BrokerClient:
     def _dispatch(self, msg: Message, tasks: anyio.abc.TaskGroup) -> None:
         h = self.handler
         if isinstance(msg, Prepare):
-            self._expects.pop(msg.transfer_id, None)
             tasks.start_soon(self._guarded, h.on_prepare, msg)
         elif isinstance(msg, Go):
             tasks.start_soon(self._guarded, h.on_go, msg)
@@ -299,15 +300,19 @@ class BrokerClient:
         self._offers[transfer_id] = msg
         await self.send(msg, tracked=True)
 
-    async def expect(self, transfer_id: str, prefill: str = "") -> None:
+    async def expect(self, transfer_id: str, prefill: str = "", *, announce: bool = True) -> None:
+        """Await a transfer. `announce=False`: its Prepare already came, so only on
+        registering again is the Expect sent (the broker may have lost track meanwhile)."""
         msg = Expect(transfer_id=transfer_id, prefill=prefill)
         self._expects[transfer_id] = msg
-        await self.send(msg, tracked=True)
+        if announce:
+            await self.send(msg, tracked=True)
 
     async def ready(self, transfer_id: str, nbytes: int, offset: int = 0, *, comm: str = "", seq: int = 0) -> None:
         await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes, comm=comm, seq=seq))
 
     async def done(self, transfer_id: str, nbytes: int) -> None:
+        self._expects.pop(transfer_id, None)
         await self.send(Done(transfer_id=transfer_id, nbytes=nbytes))
 
     async def abort(self, transfer_id: str, reason: str) -> None:

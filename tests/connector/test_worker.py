@@ -243,6 +243,59 @@ def test_dead_producer_fails_load_after_its_lease(broker: BrokerProcess) -> None
         d.close()
 
 
+def test_a_request_behind_its_transfers_abort_fails_at_once(broker: BrokerProcess) -> None:
+    """P offered to d1 and died; the broker aborted the transfer on d1 before d0, which
+    holds the request, said anything. d0's load fails at once on the broker's answer
+    to its Expect, not at its 30 s deadline; d1 stays clean."""
+    pc, dc, d1c = make_caches(seed=25), make_caches(seed=26), make_caches(seed=27)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d0 = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
+    d1 = make_worker(broker.endpoint, "d", "d1", d1c, load_timeout_s=30.0)
+    try:
+        stage(p, pc, "t-late", [1, 2], decode="d1")
+        assert p.client is not None and p.producer is not None and p.producer.sender is not None
+        p.client._future.cancel()  # P vanishes without a goodbye
+        p.producer.sender.close()
+        wait_until(lambda: all(t["transfer_id"] != "t-late" for t in broker.status()["transfers"]), 10,
+                   "the broker to abort t-late when p0's lease ends")
+        load(d0, "t-late", [3, 4], cached=0)
+        _, errors, took = run_steps(d0, {"req-t-late"}, 10)
+        assert errors == {3, 4} and took < 5
+        assert d1.statistics()["loading_now"] == 0
+    finally:
+        d0.close()
+        d1.close()
+
+
+@pytest.mark.parametrize("producer", ["alive", "dead"])
+def test_a_load_the_broker_lost_track_of_while_stopped_fails_at_once(broker: BrokerProcess, producer: str) -> None:
+    """The broker stalls past every lease while D receives (stopped, starved): the peers
+    take it for lost and register again; it evicts them and ends the transfer, and the
+    Abort meant for D goes to D's old socket. D's load still ends at once, not at its
+    20 s deadline: on the Abort answering the Expect D re-announces (P dead), or on the
+    second Prepare of the Offer P re-sends (P alive)."""
+    pc, dc = make_caches(seed=28), make_caches(seed=29)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        assert p.client is not None and p.producer is not None and p.producer.sender is not None
+        assert d.client is not None and d.consumer is not None
+        p.producer.sender.close()  # P's bytes never come: the receive stays open
+        stage(p, pc, "t-stall", [1, 2], decode="d0")
+        wait_until(lambda: "t-stall" in d.consumer._parked, 10, "D to park the Prepare")  # as in a cluster
+        load(d, "t-stall", [3, 4], cached=0)
+        wait_until(lambda: d.consumer._loads["t-stall"].state == "receiving", 10, "D to be receiving")
+        if producer == "dead":
+            p.client._future.cancel()
+        with broker.paused():
+            wait_until(lambda: not d.client.client.connected, 10, "D to take the stopped broker for lost")
+        _, errors, took = run_steps(d, {"req-t-stall"}, 30)
+        assert errors == {3, 4} and took < 10
+    finally:
+        d.close()
+        p.close()
+
+
 @pytest.mark.parametrize(
     ("p_dtype", "p_spec", "differs"),
     [

@@ -75,7 +75,8 @@ def connector_config(broker: str, role: str, instance: str, **extra: Any) -> dic
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("connector-e2e")
-    broker = BrokerProcess(root, "--peer-lease", "2", "--heartbeat", "0.5")
+    # At debug the broker also logs each Prepare it sends and Go it relays: a failed test's timeline shows them.
+    broker = BrokerProcess(root, "--peer-lease", "2", "--heartbeat", "0.5", "--log-level", "debug")
     endpoint = broker.start()
     model = str(tiny_model_dir)
     specs: dict[str, dict[str, Any] | None] = {
@@ -139,7 +140,7 @@ def timeline(cluster: dict[str, Any], tids: set[str]) -> str:
                 except ValueError:
                     continue
                 rows.append((rec.get("timestamp", ""), path.stem, rec.get("transfer_id"), rec.get("event"),
-                             rec.get("reason") or rec.get("error") or ""))
+                             rec.get("reason") or rec.get("error") or rec.get("detail") or ""))
     return "\n".join(" ".join(map(str, row)) for row in sorted(rows))
 
 
@@ -289,7 +290,10 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     fail = cluster["d-fail"].result(fail_id, timeout=LOAD_TIMEOUT_S + 30)
     fail_s = time.monotonic() - t0
     # Resolved by the broker's 2 s peer lease, well before D's own 20 s load deadline.
-    assert rec_s < 10 and fail_s < 10, (rec_s, fail_s, timeline(cluster, {"victim-rec", "victim-fail"}))
+    assert rec_s < 10 and fail_s < 10, (
+        f"recompute after {rec_s:.1f} s, fail after {fail_s:.1f} s; the transfers' timeline:\n"
+        + timeline(cluster, {"victim-rec", "victim-fail"})
+    )
     assert rec["outputs"] == ref["outputs"][:1]  # "recompute": computed locally, same tokens
     assert rec["finish_reasons"] == ["length"]
     assert fail["finish_reasons"] != ["length"] and len(fail["outputs"][0]) < MAX_TOKENS, fail  # "fail": an error

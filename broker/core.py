@@ -391,7 +391,7 @@ class Broker:
             ended = self.aborted.get(key)
             if ended is None and msg.prefill:
                 ended = self.lost.get(f"{msg.prefill}:{key[1]}")  # gone until it registers again
-            if ended is not None:  # nothing will come for it: say so now, not at D's deadline
+            if ended is not None and ended[0] > now:  # nothing will come for it: say so now, not at D's deadline
                 out.append(Send(peer.identity, Abort(transfer_id=msg.transfer_id, reason=ended[1][:2000])))
                 out.append(Note("transfer.expect_ended", {"transfer_id": msg.transfer_id, "peer": peer.peer_id,
                                                           "reason": ended[1]}))

@@ -876,6 +876,25 @@ class BrokerMachine(RuleBasedStateMachine):
         self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids)))
 
     @rule(data=st.data())
+    def late_expect(self, data: st.DataObject) -> None:
+        """A decode peer's request turns up after its transfer was aborted: the broker's
+        answer is that Abort, with its reason, and no transfer is made for it."""
+        keys = sorted(k for k, (until, _) in self.b.aborted.items() if until > self.c.now and k not in self.b.transfers)
+        decodes = {p.reg.rank: p for p in self.b.peers.values() if p.role == "decode"}
+        keys = [k for k in keys if k[1] in decodes]
+        if not keys:
+            return
+        tid, rank = data.draw(st.sampled_from(keys))
+        d = decodes[rank]
+        effects = self.c.deliver(d.identity, Expect(transfer_id=tid))
+        sent = [e for e in effects if isinstance(e, Send)]
+        assert [(e.identity, e.msg) for e in sent] == [
+            (d.identity, Abort(transfer_id=tid, reason=self.b.aborted[(tid, rank)][1][:2000]))
+        ]
+        assert (tid, rank) not in self.b.transfers
+        self.c.inboxes.clear()
+
+    @rule(data=st.data())
     def progress(self, data: st.DataObject) -> None:
         """D answers a Prepare with Ready, or a Go with Done; sometimes out of turn or out of range."""
         t = self.pick(data, [S.PREPARING, S.SENDING])
@@ -920,6 +939,9 @@ class BrokerMachine(RuleBasedStateMachine):
         self.c.now += 1e6
         self.c.tick()
         assert self.b.peers == {} and self.b.by_identity == {} and self.b.transfers == {}
+        self.c.now += CONFIG.transfer_lease_s  # what is kept for late Expects ends a lease later
+        self.c.tick()
+        assert not self.b.aborted and not self.b.lost
 
 
 BrokerMachine.TestCase.settings = settings(

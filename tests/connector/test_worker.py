@@ -611,6 +611,28 @@ def test_broker_outage_never_stalls_a_step_and_restart_recovers(broker: BrokerPr
         d.close()
 
 
+def test_a_load_under_way_when_the_broker_restarts_fails_at_once(broker: BrokerProcess) -> None:
+    """The broker restarts while D receives: the new one knows nothing of the transfer.
+    D re-announces its load and P re-offers; the second Prepare that pairing sends ends
+    D's load at once (before, D aborted the new transfer and waited out the old one)."""
+    pc, dc = make_caches(seed=30), make_caches(seed=31)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        assert p.producer is not None and p.producer.sender is not None and d.consumer is not None
+        p.producer.sender.close()  # P's bytes never come: the receive stays open
+        load(d, "t-restart", [5, 6], cached=0)
+        stage(p, pc, "t-restart", [1, 2], decode="d0")
+        wait_until(lambda: d.consumer._loads["t-restart"].state == "receiving", 10, "D to be receiving")
+        broker.kill()
+        broker.start()  # same address
+        _, errors, took = run_steps(d, {"req-t-restart"}, 30)
+        assert errors == {5, 6} and took < 10
+    finally:
+        d.close()
+        p.close()
+
+
 def test_pending_expect_routes_after_broker_restart(broker: BrokerProcess) -> None:
     """D's Expect carries the route when P names no decode peer. The broker restarts
     while D waits: D's client sends the Expect again on registering, so the KV still goes

@@ -12,7 +12,8 @@ shared by the whole module because each takes 10-25 s to start:
                (the plugin entry point), engine core in its own process like `vllm serve`
 
 Prefix caching is on everywhere. The broker runs with a short peer lease
-(``--peer-lease 2 --heartbeat 0.5``) so a killed producer is evicted within seconds.
+(``--peer-lease 3 --heartbeat 0.5``) so a killed producer is evicted within seconds; not
+shorter, or an engine starved for a moment on a 2-core machine loses its transfers.
 Like a proxy, each test sends a prompt to a producer (max_tokens=1) and to a consumer
 at the same time, both with ``kv_transfer_params={"transfer_id": ...}``; the
 producer's copy also names the consumer (``decode_instance_id``) since two consumers
@@ -76,7 +77,7 @@ def connector_config(broker: str, role: str, instance: str, **extra: Any) -> dic
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("connector-e2e")
     # At debug the broker also logs each Prepare it sends and Go it relays: a failed test's timeline shows them.
-    broker = BrokerProcess(root, "--peer-lease", "2", "--heartbeat", "0.5", "--log-level", "debug")
+    broker = BrokerProcess(root, "--peer-lease", "3", "--heartbeat", "0.5", "--log-level", "debug")
     endpoint = broker.start()
     model = str(tiny_model_dir)
     specs: dict[str, dict[str, Any] | None] = {
@@ -289,7 +290,7 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     rec_s = time.monotonic() - t0
     fail = cluster["d-fail"].result(fail_id, timeout=LOAD_TIMEOUT_S + 30)
     fail_s = time.monotonic() - t0
-    # Resolved by the broker's 2 s peer lease, well before D's own 20 s load deadline.
+    # Resolved by the broker's 3 s peer lease, well before D's own 20 s load deadline.
     assert rec_s < 10 and fail_s < 10, (
         f"recompute after {rec_s:.1f} s, fail after {fail_s:.1f} s; the transfers' timeline:\n"
         + timeline(cluster, {"victim-rec", "victim-fail"})

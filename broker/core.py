@@ -15,9 +15,11 @@ Invariants this module keeps (each one has a test):
   was to receive are re-routed to another compatible decode peer (the staged copy on P is
   sent again, the prefill is not re-run) until `max_attempts`, and transfers it was to
   send are aborted on the decode side.
-- An Expect that comes after its transfer was aborted, or after the prefill peer it names
-  was lost, within the last `transfer_lease_s`, gets that Abort back at once: D learns it
-  from the broker, not from its own load deadline, whatever the order of the messages.
+- A message that comes after its transfer ended, within the last `transfer_lease_s`, is
+  answered with that ending at once and makes no new transfer: an Expect gets the Abort
+  (also when the prefill peer it names was lost), so D learns it from the broker, not from
+  its own load deadline; an Offer sent again (its answer went to a socket that had gone)
+  gets the Abort or the Release, so P frees the copy and D's pool holds no phantom.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -58,7 +60,7 @@ from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, T
 S = TransferState
 _MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
 _K = TypeVar("_K")
-MAX_REMEMBERED = 16_384  # aborted transfers and lost prefill peers kept for late Expects (a few MB at most)
+MAX_REMEMBERED = 16_384  # ended transfers and lost prefill peers kept for late messages (a few MB at most)
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,10 @@ class Broker:
         self.peers: dict[str, Peer] = {}
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
-        # Why a transfer was aborted, and why a prefill peer was lost, each until
-        # `transfer_lease_s` after: an Expect that arrives behind them is answered at once.
+        # Why a transfer was aborted, where one was delivered, and why a prefill peer was
+        # lost, each until `transfer_lease_s` after: a message behind them is answered at once.
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
+        self.delivered: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
         self.lost: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.counters: dict[str, int] = {
             k: 0
@@ -217,7 +220,7 @@ class Broker:
                     f"{self.config.credit_timeout_s:g} s; enlarge its pool or lower the load",
                     out,
                 )
-        for memory in (self.aborted, self.lost):
+        for memory in (self.aborted, self.delivered, self.lost):
             while memory and next(iter(memory.values()))[0] <= now:
                 memory.popitem(last=False)
         return out
@@ -372,8 +375,9 @@ class Broker:
         else:
             if peer.role != "prefill":
                 raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
+            if self._answer_ended(now, peer, key, out, offer=True):
+                return
             t = self._new(now, key, S.UNROUTED)
-            self.aborted.pop(key, None)  # offered again (a reconnected prefill peer): Expects pair with it
         t.prefill = peer.peer_id
         t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
         t.prompt = msg.prompt
@@ -388,13 +392,8 @@ class Broker:
         key = (msg.transfer_id, peer.reg.rank)
         t = self.transfers.get(key)
         if t is None:
-            ended = self.aborted.get(key)
-            if ended is None and msg.prefill:
-                ended = self.lost.get(f"{msg.prefill}:{key[1]}")  # gone until it registers again
-            if ended is not None and ended[0] > now:  # nothing will come for it: say so now, not at D's deadline
-                out.append(Send(peer.identity, Abort(transfer_id=msg.transfer_id, reason=ended[1][:2000])))
-                out.append(Note("transfer.expect_ended", {"transfer_id": msg.transfer_id, "peer": peer.peer_id,
-                                                          "reason": ended[1]}))
+            lost = self.lost.get(f"{msg.prefill}:{key[1]}") if msg.prefill else None  # until it registers again
+            if self._answer_ended(now, peer, key, out, offer=False, lost=lost):
                 return
             t = self._new(now, key, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
@@ -465,10 +464,34 @@ class Broker:
             p = self.peers[t.prefill]
             nbytes = t.nbytes
             self._drop(t, out)
+            _remember(self.delivered, t.key, now + self.config.transfer_lease_s, f"it was delivered to {peer.peer_id}")
             self.counters["completed"] += 1
             self.counters["bytes"] += msg.nbytes
             out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
             out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
+
+    def _answer_ended(
+        self, now: float, peer: Peer, key: TransferKey, out: list[Effect], *, offer: bool,
+        lost: tuple[float, str] | None = None,
+    ) -> bool:
+        """Answer an Offer (`offer`) or an Expect for a transfer that ended within its lease,
+        or whose named prefill peer is `lost`, with that ending; True if it did. Nothing will
+        come for it: say so now, not at the peer's deadline, and make no transfer for it."""
+        tid = key[0]
+
+        def live(kept: tuple[float, str] | None) -> tuple[float, str] | None:
+            return kept if kept is not None and kept[0] > now else None
+
+        reply: Message
+        if ended := live(self.delivered.get(key)):
+            reply = Release(transfer_id=tid) if offer else Abort(transfer_id=tid, reason=ended[1])
+        elif ended := live(self.aborted.get(key)) or live(lost):
+            reply = Abort(transfer_id=tid, reason=ended[1][:2000])
+        else:
+            return False
+        out.append(Send(peer.identity, reply))
+        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": ended[1]}))
+        return True
 
     # -- routing and credit ---------------------------------------------------------
 

@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -64,7 +64,13 @@ if TYPE_CHECKING:
 
 __all__ = ["ConsumerSide"]
 
-MAX_TOMBSTONES = 4096  # transfers the broker aborted before a local request claimed them
+MAX_TOMBSTONES = 4096  # transfers the broker aborted before a local request claimed them; as many ended loads
+_V = TypeVar("_V")
+LOADED_ALREADY = (
+    "this decode instance already has its KV: the broker sent this Prepare after losing track of the "
+    "transfer (this peer or the broker reconnected or restarted)"
+)
+GAVE_UP = "this decode instance already gave the transfer up"
 BROKER_ABORT = "aborted by the broker: "
 # A load still "receiving" this long after its deadline lost its receiving task (the
 # client's loop stopped or was torn down): `get_finished` fails it and frees its lease.
@@ -119,6 +125,10 @@ class ConsumerSide:
         self._rejected: list[_Load] = []
         self._parked: dict[str, anyio.Event] = {}  # loop thread only
         self._tombstones: OrderedDict[str, str] = OrderedDict()
+        # Loads ended lately, and whether they got their KV: a Prepare the broker sends for
+        # one after losing track of this peer (it re-routed the transfer as the bytes
+        # landed) is refused at once, not parked until our deadline holding its credit.
+        self._ended: OrderedDict[str, bool] = OrderedDict()
         self._errors: set[int] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
@@ -273,6 +283,7 @@ class ConsumerSide:
             done = [load for load in self._loads.values() if load.state in ("received", "failed")]
             for load in done:
                 del self._loads[load.transfer_id]
+                _keep(self._ended, load.transfer_id, load.state == "received")
             done += self._rejected
             self._rejected = []
         return done
@@ -416,6 +427,10 @@ class ConsumerSide:
         arrived = time.monotonic()
         with w.lock:
             load = self._loads.get(tid)
+            ended = self._ended.get(tid) if load is None else None
+        if ended is not None:  # nothing to wait for
+            await self._abort(tid, LOADED_ALREADY if ended else GAVE_UP)
+            return
         if load is None:
             load = await self._wait_for_request(tid)
             if load is None:
@@ -430,8 +445,13 @@ class ConsumerSide:
                 load.state, load.prepared_at = "receiving", arrived
                 load.scope = anyio.CancelScope()
             scope = self._stop_locked(load, again) if load.state == "receiving" and not start else None
+            received = load.state == "received"
         if not start:
-            await self._abort(tid, again if scope is not None else "this decode instance already gave the transfer up")
+            if scope is not None:
+                reason = again
+            else:
+                reason = LOADED_ALREADY if received else GAVE_UP
+            await self._abort(tid, reason)
             if scope is not None:
                 await self._cancel_receive(load, scope)
             return
@@ -705,6 +725,11 @@ class ConsumerSide:
 
     def _bury(self, tid: str, reason: str) -> None:
         """Remember a transfer ended before a request claimed it (caller holds the lock)."""
-        self._tombstones[tid] = reason
-        while len(self._tombstones) > MAX_TOMBSTONES:
-            self._tombstones.popitem(last=False)
+        _keep(self._tombstones, tid, reason)
+
+
+def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
+    """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES."""
+    memory[tid] = value
+    while len(memory) > MAX_TOMBSTONES:
+        memory.popitem(last=False)

@@ -9,8 +9,10 @@ a D side that talk only through the broker and TCP.
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -628,6 +630,86 @@ def test_a_load_under_way_when_the_broker_restarts_fails_at_once(broker: BrokerP
         broker.start()  # same address
         _, errors, took = run_steps(d, {"req-t-restart"}, 30)
         assert errors == {5, 6} and took < 10
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_prepare_for_a_load_that_already_ended_is_refused_at_once(broker: BrokerProcess) -> None:
+    """The broker can lose track of a decode peer just as its bytes land: it takes the peer
+    for lost, re-routes the transfer, and the peer, registered again, gets a new Prepare.
+    A Prepare for a transfer this instance already loaded, or already gave up, is refused
+    at once; parked until the load deadline, it held the broker's credit and P's staged
+    copy that long."""
+    pc, dc = make_caches(seed=32), make_caches(seed=33)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        assert d.client is not None and d.consumer is not None
+        load(d, "t-loaded", [3, 4], cached=0)
+        stage(p, pc, "t-loaded", [1, 2], decode="d0")
+        assert run_steps(d, {"req-t-loaded"}, 10)[1] == set()
+        load(d, "t-given-up", [5, 6], cached=0)
+        d.client.call(d.consumer.on_abort, Abort(transfer_id="t-given-up", reason="P was lost"))
+        assert run_steps(d, {"req-t-given-up"}, 10)[1] == {5, 6}
+        for tid in ("t-loaded", "t-given-up"):
+            t0 = time.monotonic()
+            d.client.call(d.consumer.on_prepare, Prepare(transfer_id=tid, nbytes=1 << 16, source="p0:0", attempt=1))
+            assert time.monotonic() - t0 < 2 and tid not in d.consumer._parked
+        assert d.statistics()["loaded"] == 1 and d.statistics()["loading_now"] == 0
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_transfers_through_broker_stalls_and_restarts_end_whole_or_fail_at_once(
+    broker: BrokerProcess, seed: int
+) -> None:
+    """Twenty transfers, either side first, with the broker stopped past every lease or
+    restarted at a random point of some (before, between the two sides, or with the
+    transfer under way). Each load ends within seconds, never at its 20 s deadline:
+    whole, byte for byte, or failed for all its blocks; and P's staging empties after, so
+    no Release or Abort lost to an old socket leaves a copy or a phantom transfer behind."""
+    rng = random.Random(seed)
+    pc, dc = make_caches(seed=40), make_caches(seed=41)
+    p = make_worker(broker.endpoint, "p", "p0", pc, load_timeout_s=20.0)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    assert d.client is not None and p.producer is not None
+    client = d.client.client
+
+    def upset(how: str) -> None:
+        if how == "stop":
+            with broker.paused():
+                wait_until(lambda: not client.connected, 10, "D to take the stopped broker for lost")
+        elif how == "restart":
+            broker.kill()
+            broker.start()
+
+    outcomes: list[tuple[object, ...]] = []
+    try:
+        for i in range(20):
+            tid, src, dst = f"t{seed}-{i}", rng.sample(range(1, 32), 3), rng.sample(range(32, 64), 3)
+            for t in pc.values():  # this prompt's KV
+                t[src] = torch.randn_like(t[src])
+            saved = {n: t[src].clone() for n, t in pc.items()}
+            how, when, d_first = rng.choice(["", "", "stop", "restart"]), rng.randrange(3), rng.random() < 0.5
+            sides = [partial(load, d, tid, dst, cached=0), partial(stage, p, pc, tid, src, decode="d0")]
+            for k, side in enumerate(sides if d_first else sides[::-1]):
+                if when == k:
+                    upset(how)
+                side()
+            if when == 2:
+                upset(how)
+            _, errors, took = run_steps(d, {f"req-{tid}"}, 30)
+            outcomes.append((tid, how, when, d_first, sorted(errors), round(took, 2)))
+            assert took < 10, outcomes
+            if errors:
+                assert errors == set(dst), outcomes
+            else:
+                for n in LAYERS:
+                    assert torch.equal(dc[n][dst], saved[n]), outcomes
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 15, f"P's staging to empty; {outcomes}")
     finally:
         d.close()
         p.close()

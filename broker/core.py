@@ -258,7 +258,11 @@ class Broker:
             raise _Refused(f"the broker already holds {self.config.max_peers} peers; raise --max-peers")
         self._check_compat(reg)
         if old is not None:
-            self._evict(now, old, "it registered again", out)
+            if old.reg.incarnation == reg.incarnation:  # the same process reconnected: its Offers follow
+                self._evict(now, old, "it registered again", out)
+            else:  # a new process: the old one's requests will never be offered
+                self._evict(now, old, "it restarted", out)
+                self._orphan_expects(now, old, "it restarted", out)
         if identity in self.by_identity:
             self._evict(now, self.peers[self.by_identity[identity]], "its socket registered as another peer", out)
         pool = Pool(capacity=reg.pool_capacity, alignment=reg.pool_alignment) if reg.role == "decode" else None
@@ -312,8 +316,9 @@ class Broker:
         """A lost prefill peer will offer nothing more: end the Expects that named it, and
         those that will name it (`_expect`) until it registers again.
 
-        Not on re-registration (`_evict` alone): a prefill instance that only reconnected
-        re-sends its Offers, and those complete the Expects.
+        Not when the same process registers again (`_evict` alone): a prefill instance
+        that only reconnected re-sends its Offers, and those complete the Expects. A new
+        process under the same id (another `Register.incarnation`) is a loss.
         """
         if peer.role != "prefill":
             return

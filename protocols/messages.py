@@ -67,6 +67,9 @@ class Register(_Msg, kw_only=True, tag="register"):
     compat_hash: Annotated[str, Meta(max_length=128)] = ""
     # The fields behind compat_hash, so a refusal can name what differs.
     compat: Annotated[dict[Annotated[str, Meta(max_length=64)], Text], Meta(max_length=32)] = {}
+    # Random per process: the same peer id registering with another one is a restart (its
+    # old process will offer nothing more), with the same one a reconnect.
+    incarnation: Digest = ""
 
 
 class Registered(_Msg, kw_only=True, tag="registered"):

@@ -13,6 +13,7 @@ synchronous callers such as vLLM's connector hooks: each method is one `portal.c
 from __future__ import annotations
 
 import random
+import secrets
 import sys
 import time
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import anyio
 import anyio.abc
 import anyio.from_thread
+import msgspec
 import structlog
 import zmq
 
@@ -91,6 +93,8 @@ class BrokerClient:
         pool_free: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
+        if not registration.incarnation:  # this client is this process's one registration
+            registration = msgspec.structs.replace(registration, incarnation=secrets.token_hex(8))
         self.registration = registration
         self.handler: TransferHandler = handler or NullHandler()
         self.pool_free = pool_free

@@ -228,6 +228,7 @@ class FakeCluster:
         compat_hash: str = "h",
         compat: dict[str, str] | None = None,
         identity: bytes | None = None,
+        incarnation: str = "",
     ) -> FakePeer:
         """Send a Register; the reply (Registered or Error) is left in the peer's inbox."""
         reg = Register(
@@ -240,6 +241,7 @@ class FakeCluster:
             pool_alignment=alignment,
             compat_hash=compat_hash,
             compat=compat or {},
+            incarnation=incarnation,
         )
         peer = FakePeer(self, identity or f"{instance}/{rank}".encode(), reg)
         self.peers.append(peer)

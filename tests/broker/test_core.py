@@ -189,6 +189,24 @@ def test_an_expect_naming_a_prefill_peer_already_lost_ends_at_once(c: FakeCluste
     assert c.state("t3") is S.EXPECTED and d.take() == []
 
 
+def test_a_prefill_peer_that_restarts_ends_the_expects_that_named_it(c: FakeCluster) -> None:
+    """A new process registering under a prefill peer's id (another incarnation: it
+    crashed and came back within its lease) will never offer what the old one was
+    computing: the Expects that named it end at once. The same process registering
+    again (a reconnect) ends nothing: its Offers follow."""
+    c.prefill(incarnation="a")
+    d = c.decode()
+    d.expect_from("t1", "p")
+    c.register("p", "prefill", incarnation="a", identity=b"p/0-again")  # reconnected
+    assert c.state("t1") is S.EXPECTED and d.take() == []
+    c.register("p", "prefill", incarnation="b", identity=b"p/0-new")  # restarted
+    abort = d.take_one(Abort)
+    assert abort.transfer_id == "t1" and abort.reason == "prefill peer p:0 was lost (it restarted) before it offered"
+    assert c.state("t1") is None
+    d.expect_from("t2", "p")  # the new process may still offer this one
+    assert c.state("t2") is S.EXPECTED and d.take() == []
+
+
 def test_the_same_offer_again_changes_nothing_another_is_refused(c: FakeCluster) -> None:
     """A client re-sends its tracked Offers after a reconnect, and may do so to a broker
     that never lost them: the same Offer again changes nothing, in any state."""
@@ -854,9 +872,11 @@ class BrokerMachine(RuleBasedStateMachine):
         role=st.sampled_from(["prefill", "decode"]),
         capacity=st.integers(0, 200),
         compat_hash=st.sampled_from(["h1", "h1", "h1", "h2"]),
+        incarnation=st.sampled_from(["", "", "restarted"]),
     )
     def register(
-        self, data: st.DataObject, instance: str, rank: int, world_size: int, role: str, capacity: int, compat_hash: str
+        self, data: st.DataObject, instance: str, rank: int, world_size: int, role: str, capacity: int,
+        compat_hash: str, incarnation: str,
     ) -> None:
         reg = Register(
             role=role,  # type: ignore[arg-type]
@@ -866,6 +886,7 @@ class BrokerMachine(RuleBasedStateMachine):
             pool_capacity=capacity,
             compat_hash=compat_hash,
             compat={"dtype": compat_hash},
+            incarnation=incarnation,
         )
         own = f"{instance}/{rank}".encode()  # mostly its own socket; sometimes one another peer holds
         self.send(data.draw(st.sampled_from([own] * 3 + IDENTITIES)), reg)

@@ -397,6 +397,36 @@ def test_named_prefill_lost_before_offering_fails_the_load_at_once(broker: Broke
         d.close()
 
 
+def test_a_prefill_instance_restarted_under_its_id_fails_the_loads_that_named_it(tmp_path: Path) -> None:
+    """D's request names its prefill instance, which dies before offering and comes back
+    (a new process, same instance id) well within its 10 s lease. The new process will
+    never offer what the old one was computing: D's load fails at once, not at its 20 s
+    deadline. (The same process registering again, a reconnect, keeps the wait: its
+    Offers follow.)"""
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "10")
+    b.start()
+    pc, dc = make_caches(seed=34), make_caches(seed=35)
+    p = make_worker(b.endpoint, "p", "p0", pc)
+    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    p2 = None
+    try:
+        load(d, "t-lost", [30, 31], cached=0, prefill="p0")
+        wait_until(lambda: any(t["transfer_id"] == "t-lost" for t in b.status()["transfers"]), 10,
+                   "d0's Expect to reach the broker")
+        assert p.client is not None
+        p.client._future.cancel()  # the process dies without a goodbye
+        t0 = time.monotonic()
+        p2 = make_worker(b.endpoint, "p", "p0", pc)  # and comes back under its id
+        _, errors, took = run_steps(d, {"req-t-lost"}, 30)
+        assert errors == {30, 31} and time.monotonic() - t0 < 5, took
+    finally:
+        d.close()
+        p.close()
+        if p2 is not None:
+            p2.close()
+        b.kill()
+
+
 def test_kv_of_another_prompt_is_refused_by_the_decode_side(broker: BrokerProcess) -> None:
     """P and D got different prompts under one transfer_id (a proxy bug): D compares the
     prompt digest P sent with its own, fails the load instead of decoding from that KV,

@@ -71,6 +71,10 @@ LOADED_ALREADY = (
     "transfer (this peer or the broker reconnected or restarted)"
 )
 GAVE_UP = "this decode instance already gave the transfer up"
+LOST_TRACK = (
+    "a second Prepare came while the first was being received: the broker lost track of it "
+    "(this peer or the broker reconnected or restarted), so the load ends now"
+)
 BROKER_ABORT = "aborted by the broker: "
 # A load still "receiving" this long after its deadline lost its receiving task (the
 # client's loop stopped or was torn down): `get_finished` fails it and frees its lease.
@@ -260,7 +264,7 @@ class ConsumerSide:
 
     def _collect(self, finished_req_ids: set[str]) -> list[_Load]:
         """Take the loads that ended (expiring late ones first). A restarted broker gets
-        our pending Expects again from the client, which tracks them until their Prepare."""
+        our Expects again from the client, which tracks them until the load's Done or Abort."""
         w = self.w
         now = time.monotonic()
         with w.lock:
@@ -402,7 +406,7 @@ class ConsumerSide:
                 parked.set()
                 continue
             # Tracked by the client, so a broker restart gets it again (with the route it
-            # carries) until our Prepare comes. One that crosses our own Prepare is
+            # carries) until the load's Done or Abort. One that crosses our own Prepare is
             # accepted by the broker; one for a transfer granted to another decode peer
             # is refused, and that refusal fails this load at once instead of at its
             # deadline.
@@ -435,23 +439,15 @@ class ConsumerSide:
             load = await self._wait_for_request(tid)
             if load is None:
                 return
-        again = (
-            "a second Prepare came while the first was being received: the broker lost track of it "
-            "(this peer or the broker reconnected or restarted), so the load ends now"
-        )
         with w.lock:
             start = load.state == "waiting"
             if start:
                 load.state, load.prepared_at = "receiving", arrived
                 load.scope = anyio.CancelScope()
-            scope = self._stop_locked(load, again) if load.state == "receiving" and not start else None
+            scope = self._stop_locked(load, LOST_TRACK) if load.state == "receiving" and not start else None
             received = load.state == "received"
         if not start:
-            if scope is not None:
-                reason = again
-            else:
-                reason = LOADED_ALREADY if received else GAVE_UP
-            await self._abort(tid, reason)
+            await self._abort(tid, LOST_TRACK if scope is not None else LOADED_ALREADY if received else GAVE_UP)
             if scope is not None:
                 await self._cancel_receive(load, scope)
             return
@@ -487,7 +483,7 @@ class ConsumerSide:
             load = self._loads.get(tid)
             give_up = load is None and tid not in self._tombstones
             if give_up:
-                self._bury(tid, reason)
+                _keep(self._tombstones, tid, reason)
         if give_up:
             await self._abort(tid, reason)
         return load
@@ -698,7 +694,7 @@ class ConsumerSide:
             if load is None:
                 # Under the same lock as the lookup: a request claiming it right after
                 # must find the tombstone, or it would wait its whole deadline.
-                self._bury(tid, msg.reason)
+                _keep(self._tombstones, tid, msg.reason)
             scope = self._stop_locked(load, BROKER_ABORT + msg.reason) if load is not None else None
         if load is None:
             parked = self._parked.pop(tid, None)
@@ -723,13 +719,8 @@ class ConsumerSide:
             await anyio.to_thread.run_sync(self.w.nccl.cancel, load.source, load.transfer_id)  # blocks: off the loop
         scope.cancel()
 
-    def _bury(self, tid: str, reason: str) -> None:
-        """Remember a transfer ended before a request claimed it (caller holds the lock)."""
-        _keep(self._tombstones, tid, reason)
-
-
 def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
-    """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES."""
+    """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES (caller holds the lock)."""
     memory[tid] = value
     while len(memory) > MAX_TOMBSTONES:
         memory.popitem(last=False)

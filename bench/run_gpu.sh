@@ -48,9 +48,9 @@ timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport n
 echo "connector bench (8 in flight) rc=$?"
 grep -v '^20\|^{' "$OUT/connector_nccl_inflight8.log" | tail -3
 # The same eight after a 10 ms forward pass: what the transfers add once the prefill is done.
-# JSON logs with each landing's wait for its load's lock (`kvbroker phases` reads them).
+# JSON logs with each landing's wait for its load's lock and the broker's Prepare and Go (`kvbroker phases` reads them).
 timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --inflight 8 --tokens 512,2048 \
-  --iters 10 --prefill-ms 10 --log-format json --log-level debug --thread-cpu --json "$OUT/connector_nccl_inflight8_prefill10.json" \
+  --iters 10 --prefill-ms 10 --log-format json --log-level debug --broker-log-level debug --thread-cpu --json "$OUT/connector_nccl_inflight8_prefill10.json" \
   > "$OUT/connector_nccl_inflight8_prefill10.log" 2>&1
 echo "connector bench (8 in flight, after a prefill) rc=$?"
 grep -v '^20\|^{' "$OUT/connector_nccl_inflight8_prefill10.log" | tail -3

@@ -10,7 +10,9 @@ Invariants this module keeps (each one has a test):
   by its transfers in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
   sequence of messages, ticks and evictions.
 - Every wait has a deadline: a transfer lives at most `transfer_lease_s`; a credit wait
-  at most `credit_timeout_s`; a peer at most `peer_lease_s` past its last heartbeat.
+  at most `credit_timeout_s`; a peer at most `peer_lease_s` past its last heartbeat; an
+  Expect naming a prefill instance that is not registered at most `peer_lease_s` until
+  that instance registers.
 - A dead peer is evicted and holds nothing afterwards: its pool is dropped, transfers it
   was to receive are re-routed to another compatible decode peer (the staged copy on P is
   sent again, the prefill is not re-run) until `max_attempts`, and transfers it was to
@@ -212,6 +214,8 @@ class Broker:
                 continue
             if t.lease_until <= now:
                 self._abort(now, t, f"its lease of {self.config.transfer_lease_s:g} s ended in state {t.state.value}", out)
+            elif t.absent_until is not None and t.absent_until <= now:
+                self._absent(now, t, out)
             elif t.state is S.WAITING_CREDIT and t.credit_deadline is not None and t.credit_deadline <= now:
                 self._abort(
                     now,
@@ -232,6 +236,8 @@ class Broker:
             times.append(t.lease_until)
             if t.state is S.WAITING_CREDIT and t.credit_deadline is not None:
                 times.append(t.credit_deadline)
+            if t.absent_until is not None:
+                times.append(t.absent_until)
         return min(times, default=None)
 
     # -- peers ----------------------------------------------------------------------
@@ -328,6 +334,22 @@ class Broker:
             if f"{t.expected_from}:{t.rank}" == peer.peer_id:
                 self._abort(now, t, reason, out)
 
+    def _absent(self, now: float, t: Transfer, out: list[Effect]) -> None:
+        """The prefill instance an Expect named had one peer lease to register, counted
+        from the Expect. If it did, the Expect waits for its Offer as any other; if not,
+        it ends now rather than at D's load deadline: after a broker restart, a prefill
+        instance that was down when the others registered again will offer nothing."""
+        t.absent_until = None
+        name = f"{t.expected_from}:{t.rank}"
+        if t.state is not S.EXPECTED or name in self.peers:
+            return
+        self._abort(
+            now, t,
+            f"prefill peer {name} named by the request did not register within {self.config.peer_lease_s:g} s; "
+            "check that the instance runs and points at this broker",
+            out,
+        )
+
     def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
         if t.state is S.EXPECTED or t.prefill is None:
             self._drop(t, out)
@@ -383,7 +405,7 @@ class Broker:
             if self._answer_ended(now, peer, key, out, offer=True):
                 return
             t = self._new(now, key, S.UNROUTED)
-        t.prefill = peer.peer_id
+        t.prefill, t.absent_until = peer.peer_id, None
         t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
         t.prompt = msg.prompt
         peer.transfers.add(key)
@@ -402,6 +424,8 @@ class Broker:
                 return
             t = self._new(now, key, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
+            if msg.prefill and f"{msg.prefill}:{key[1]}" not in self.peers:
+                t.absent_until = now + self.config.peer_lease_s  # one lease to register in
             peer.transfers.add(key)
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)

@@ -84,6 +84,9 @@ class Transfer:
     decode: str | None = None
     expected_by: str | None = None
     expected_from: str = ""  # the prefill instance the expecting peer named, if any
+    # Set while the named prefill instance is not registered: by then it must be, or the
+    # Expect ends (a broker that restarted while that instance was down never hears of it).
+    absent_until: float | None = None
     decode_hint: str = ""
     prompt: str = ""
     nbytes: int = 0

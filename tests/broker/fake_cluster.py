@@ -76,6 +76,11 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             assert t.reserved == b.peers[t.decode].pool.credit_for(t.nbytes)  # type: ignore[union-attr]
         else:
             assert t.reserved == 0
+        # A deadline for the named prefill peer to register: only while no Offer came, and
+        # always while that peer is absent (else the Expect would wait for D's deadline).
+        assert t.absent_until is None or (t.state is S.EXPECTED and t.expected_from)
+        if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" not in b.peers:
+            assert t.absent_until is not None, f"{key} waits for {t.expected_from}, which is absent, with no deadline"
         if t.state is S.EXPECTED:
             assert t.prefill is None and t.decode is None and t.expected_by is not None
         elif t.state is S.UNROUTED:
@@ -94,6 +99,7 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             assert t.lease_until > ticked_at, f"{t.key} outlived its lease"
             if t.state is S.WAITING_CREDIT:
                 assert t.credit_deadline is not None and t.credit_deadline > ticked_at
+            assert t.absent_until is None or t.absent_until > ticked_at, f"{t.key} outlived its wait for {t.expected_from}"
 
 
 def snapshot(b: Broker, now: float) -> tuple[object, ...]:

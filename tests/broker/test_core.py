@@ -189,6 +189,31 @@ def test_an_expect_naming_a_prefill_peer_already_lost_ends_at_once(c: FakeCluste
     assert c.state("t3") is S.EXPECTED and d.take() == []
 
 
+def test_an_expect_naming_a_prefill_peer_that_never_registers_ends_after_one_peer_lease(c: FakeCluster) -> None:
+    """A broker that restarted while a prefill instance was down never hears of it: the
+    others register again within a heartbeat, it never does. An Expect naming it ends one
+    peer lease after it came, not at D's load deadline; one naming an instance that
+    registers within that lease waits for its Offer as any other."""
+    d = c.decode()
+    d.expect_from("t1", "q")
+    d.expect_from("t2", "r")
+    assert c.state("t1") is S.EXPECTED and c.state("t2") is S.EXPECTED and d.take() == []
+    assert c.broker.next_deadline() == c.now + CONFIG.peer_lease_s
+    c.advance(CONFIG.peer_lease_s - 0.5, keep_alive=[d])
+    assert d.take() == []
+    r = c.prefill("r")
+    c.advance(0.5, keep_alive=True)
+    abort = d.take_one(Abort)
+    assert abort.transfer_id == "t1" and abort.reason == (
+        "prefill peer q:0 named by the request did not register within 5 s; "
+        "check that the instance runs and points at this broker")
+    assert c.state("t1") is None and c.state("t2") is S.EXPECTED and d.take() == []
+    r.offer("t2", 40)
+    assert d.take_one(Prepare).transfer_id == "t2"
+    d.expect_from("t1", "q")  # the same request again: the kept ending answers it
+    assert d.take_one(Abort).reason == abort.reason and c.state("t1") is None
+
+
 def test_a_prefill_peer_that_restarts_ends_the_expects_that_named_it(c: FakeCluster) -> None:
     """A new process registering under a prefill peer's id (another incarnation: it
     crashed and came back within its lease) will never offer what the old one was
@@ -913,7 +938,10 @@ class BrokerMachine(RuleBasedStateMachine):
                     self.send(own if mine else self.who(data, "decode"), Expect(transfer_id=t.transfer_id))  # type: ignore[arg-type]
             return
         t = self.pick(data, list(S)) if how == 1 else None
-        self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids)))
+        # Now and then the request names its prefill instance: one registered, or one that is not.
+        named = sorted({p.reg.instance_id for p in self.b.peers.values() if p.role == "prefill"} | {"p-absent"})
+        prefill = data.draw(st.sampled_from(["", *named]))
+        self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids), prefill=prefill))
 
     @rule(data=st.data(), offer=st.booleans())
     def late_message(self, data: st.DataObject, offer: bool) -> None:

@@ -427,6 +427,33 @@ def test_a_prefill_instance_restarted_under_its_id_fails_the_loads_that_named_it
         b.kill()
 
 
+def test_a_load_naming_a_prefill_instance_down_across_a_broker_restart_fails_after_one_lease(tmp_path: Path) -> None:
+    """D's request names its prefill instance; that instance dies (no goodbye), and the
+    broker restarts before its lease ends. The new broker never hears of it: D registers
+    again and re-announces the load, and the Expect ends one peer lease (2 s) later, not
+    at D's 20 s load deadline."""
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "2")
+    b.start()
+    pc, dc = make_caches(seed=36), make_caches(seed=37)
+    p = make_worker(b.endpoint, "p", "p0", pc)
+    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        load(d, "t-absent", [30, 31], cached=0, prefill="p0")
+        wait_until(lambda: any(t["transfer_id"] == "t-absent" for t in b.status()["transfers"]), 10,
+                   "d0's Expect to reach the broker")
+        assert p.client is not None
+        p.client._future.cancel()  # p0 dies without a goodbye
+        b.kill()
+        b.start()  # same address, no memory of p0
+        t0 = time.monotonic()
+        _, errors, took = run_steps(d, {"req-t-absent"}, 30)
+        assert errors == {30, 31} and time.monotonic() - t0 < 10, took
+    finally:
+        d.close()
+        p.close()
+        b.kill()
+
+
 def test_kv_of_another_prompt_is_refused_by_the_decode_side(broker: BrokerProcess) -> None:
     """P and D got different prompts under one transfer_id (a proxy bug): D compares the
     prompt digest P sent with its own, fails the load instead of decoding from that KV,

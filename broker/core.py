@@ -22,6 +22,10 @@ Invariants this module keeps (each one has a test):
   (also when the prefill peer it names was lost), so D learns it from the broker, not from
   its own load deadline; an Offer sent again (its answer went to a socket that had gone)
   gets the Abort or the Release, so P frees the copy and D's pool holds no phantom.
+- A transfer goes only where its request is: to the decode peer that expects it, or the
+  one its Offer names; unclaimed, to a peer that takes any transfer, or to the only
+  candidate. Between several peers that take only their own (`Register.claims_only`,
+  vLLM instances) it waits for the Expect instead of guessing.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -541,6 +545,17 @@ class Broker:
             and p.peer_id not in t.tried
         ]
 
+    def _unclaimed_candidates(self, t: Transfer) -> list[Peer]:
+        """Where a transfer nobody claimed may go: any compatible decode peer that takes
+        unclaimed transfers, or the one decode peer that could take it at all. Between
+        several that take only their own (`Register.claims_only`: vLLM instances), a guess
+        is right one time in N, and a wrong one fails the request on the peer that holds
+        it; so the transfer waits, unrouted, for that peer's Expect."""
+        candidates = self._candidates(t)
+        if len(candidates) <= 1:
+            return candidates
+        return [p for p in candidates if not p.reg.claims_only]
+
     def _route(self, now: float, t: Transfer, out: list[Effect]) -> None:
         """Pick the decode peer for an offered transfer and queue it for credit."""
         d: Peer | None = None
@@ -553,10 +568,11 @@ class Broker:
                     return
                 break
         if d is None:
-            fits = [p for p in self._candidates(t) if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
+            candidates = self._unclaimed_candidates(t)
+            fits = [p for p in candidates if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
             d = max(fits, key=lambda p: (p.pool.free, -len(p.transfers)), default=None) if fits else None  # type: ignore[union-attr]
-            if d is None and self._candidates(t):
-                d = self._candidates(t)[0]  # too small: refused just below, with the size named
+            if d is None and candidates:
+                d = candidates[0]  # too small: refused just below, with the size named
         if d is None:
             t.state = S.UNROUTED
             return

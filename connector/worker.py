@@ -186,6 +186,7 @@ class ConnectorWorker:
             pool_alignment=1 if self.is_producer else self.pool.alignment,
             compat_hash=compat_hash(self.compat),
             compat=self.compat,
+            claims_only=not self.is_producer,  # vLLM loads KV only for requests it holds
         )
         pool = self.pool
         client = BrokerClient(

@@ -70,6 +70,11 @@ class Register(_Msg, kw_only=True, tag="register"):
     # Random per process: the same peer id registering with another one is a restart (its
     # old process will offer nothing more), with the same one a reconnect.
     incarnation: Digest = ""
+    # Decode: takes only transfers meant for it (its Expect, or an Offer naming it), as a
+    # vLLM instance, which loads KV only for requests it holds. The broker then never
+    # guesses between several such peers for an Offer nobody claimed yet; it waits for
+    # the Expect. False: any transfer routed here is welcome (a pool that serves anyone).
+    claims_only: bool = False
 
 
 class Registered(_Msg, kw_only=True, tag="registered"):

@@ -235,6 +235,7 @@ class FakeCluster:
         compat: dict[str, str] | None = None,
         identity: bytes | None = None,
         incarnation: str = "",
+        claims_only: bool = False,
     ) -> FakePeer:
         """Send a Register; the reply (Registered or Error) is left in the peer's inbox."""
         reg = Register(
@@ -248,6 +249,7 @@ class FakeCluster:
             compat_hash=compat_hash,
             compat=compat or {},
             incarnation=incarnation,
+            claims_only=claims_only,
         )
         peer = FakePeer(self, identity or f"{instance}/{rank}".encode(), reg)
         self.peers.append(peer)

@@ -89,6 +89,45 @@ def test_message_steps_are_noted_at_debug_level_when_asked() -> None:
     assert prepared.fields["decode"] == "d:0" and prepared.fields["credit_free"] == 36
 
 
+def test_an_unclaimed_offer_waits_for_the_expect_between_decode_peers_that_take_only_their_own(
+    c: FakeCluster,
+) -> None:
+    """Two vLLM decode instances (`claims_only`) and an Offer that names neither, before
+    either's Expect: a guess would be wrong half the time, and the instance holding the
+    request would fail it. The Offer waits, unrouted, for the Expect; an Offer naming its
+    decode instance routes at once; with one such instance there is nothing to guess."""
+    p = c.prefill()
+    d1, d2 = c.decode("d1", claims_only=True), c.decode("d2", claims_only=True)
+    p.offer("t1", 20)
+    assert c.state("t1") is S.UNROUTED and d1.take() == [] and d2.take() == []
+    d2.expect("t1")
+    assert d2.take_one(Prepare).transfer_id == "t1" and d1.take() == []
+    p.offer("t2", 20, decode="d1")
+    assert d1.take_one(Prepare).transfer_id == "t2" and d2.take() == []
+    d2.goodbye()  # one left: the unclaimed (t1, whose holder left) goes to it at once
+    p.offer("t3", 20)
+    assert [(m.transfer_id, m.attempt) for m in d1.take() if isinstance(m, Prepare)] == [("t1", 1), ("t3", 0)]
+    c.decode("d3")  # a pool that takes anyone's transfers may be chosen beside it
+    p.offer("t4", 20)
+    assert c.state("t4") is S.PREPARING and c.broker.transfers[("t4", 0)].decode == "d3:0"
+
+
+def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c: FakeCluster) -> None:
+    """D dies after P's KV was staged for it; the proxy sends the request again, to the
+    other of two vLLM decode instances. The staged copy goes there on that instance's
+    Expect, without a second prefill; before the Expect it goes nowhere."""
+    p = c.prefill()
+    d1, d2, d3 = (c.decode(n, claims_only=True) for n in ("d1", "d2", "d3"))
+    d1.expect("t1")
+    p.offer("t1", 40)
+    d1.take_one(Prepare)
+    d1.goodbye()
+    assert c.state("t1") is S.UNROUTED and d2.take() == [] and d3.take() == []
+    d3.expect("t1")
+    prepare = d3.take_one(Prepare)
+    assert (prepare.transfer_id, prepare.attempt) == ("t1", 1) and d2.take() == []
+
+
 def test_go_carries_the_communicator_and_place_d_named_in_ready(c: FakeCluster) -> None:
     """nccl: D names the communicator its receive is posted on and its place there; P
     must post its send on the same one in the same order, so the broker relays both."""
@@ -898,10 +937,11 @@ class BrokerMachine(RuleBasedStateMachine):
         capacity=st.integers(0, 200),
         compat_hash=st.sampled_from(["h1", "h1", "h1", "h2"]),
         incarnation=st.sampled_from(["", "", "restarted"]),
+        claims_only=st.booleans(),
     )
     def register(
         self, data: st.DataObject, instance: str, rank: int, world_size: int, role: str, capacity: int,
-        compat_hash: str, incarnation: str,
+        compat_hash: str, incarnation: str, claims_only: bool,
     ) -> None:
         reg = Register(
             role=role,  # type: ignore[arg-type]
@@ -912,6 +952,7 @@ class BrokerMachine(RuleBasedStateMachine):
             compat_hash=compat_hash,
             compat={"dtype": compat_hash},
             incarnation=incarnation,
+            claims_only=claims_only,
         )
         own = f"{instance}/{rank}".encode()  # mostly its own socket; sometimes one another peer holds
         self.send(data.draw(st.sampled_from([own] * 3 + IDENTITIES)), reg)

@@ -212,6 +212,32 @@ def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
         d.close()
 
 
+def test_an_offer_naming_no_decode_instance_reaches_the_one_of_two_that_holds_the_request(
+    broker: BrokerProcess,
+) -> None:
+    """Two decode instances, and a proxy that names none: P offers before either has the
+    request. The broker must not guess (a wrong guess failed the request on the instance
+    that held it): the transfer waits for d1's Expect and arrives there whole."""
+    pc = make_caches(seed=38)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    caches = {name: make_caches(seed=39 + k) for k, name in enumerate(("d0", "d1"))}
+    ds = {name: make_worker(broker.endpoint, "d", name, caches[name]) for name in caches}
+    try:
+        stage(p, pc, "t-unnamed", [1, 2, 3])
+        wait_until(lambda: any(t["transfer_id"] == "t-unnamed" for t in broker.status()["transfers"]), 10,
+                   "the Offer to reach the broker")
+        load(ds["d1"], "t-unnamed", [10, 11, 12], cached=0)
+        _, errors, _ = run_steps(ds["d1"], {"req-t-unnamed"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(caches["d1"][n][[10, 11, 12]], pc[n][[1, 2, 3]])
+        assert ds["d0"].consumer is not None and not ds["d0"].consumer._parked
+    finally:
+        p.close()
+        for d in ds.values():
+            d.close()
+
+
 def test_missing_producer_fails_within_deadline(broker: BrokerProcess) -> None:
     dc = make_caches(seed=5)
     d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=1.0)

@@ -71,6 +71,8 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy:
         )
     if isinstance(t, mi.LiteralType):
         return st.sampled_from(t.values)
+    if isinstance(t, mi.BoolType):
+        return st.booleans()
     if isinstance(t, mi.ListType):
         return st.lists(strategy_for(t.item_type), min_size=t.min_length or 0, max_size=_cap(t.max_length))
     if isinstance(t, mi.DictType):

@@ -679,10 +679,27 @@ class Broker:
                 nbytes=t.nbytes,
                 attempt=t.attempt,
                 lease_left_s=round(t.lease_until - now, 3),
+                waiting_for=self._waiting_for(t),
             )
             for t in list(self.transfers.values())[:1000]
         ]
         return Status(peers=peers, pools=pools, transfers=transfers, counters=dict(self.counters))
+
+
+    def _waiting_for(self, t: Transfer) -> str:
+        """What a transfer waits for, for `kvbroker status`: an operator reads why it stands."""
+        if t.state is S.EXPECTED:
+            if not t.expected_from:
+                return "an Offer"
+            name = f"{t.expected_from}:{t.rank}"
+            return f"an Offer from {name}" + ("" if name in self.peers else " (not registered)")
+        if t.state is S.UNROUTED:
+            if self._candidates(t):
+                return "a decode peer's Expect (the Offer names none, and several could hold the request)"
+            return "a compatible decode peer to register"
+        if t.state is S.WAITING_CREDIT:
+            return f"room in the pool of {t.decode}"
+        return f"Ready from {t.decode}" if t.state is S.PREPARING else f"Done from {t.decode}"
 
 
 class _NotRegistered(RemoteProtocolError):

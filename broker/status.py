@@ -61,8 +61,9 @@ def render_status(s: Status) -> str:
         "",
         f"transfers in flight ({len(s.transfers)})",
         _table(
-            ["transfer_id", "rank", "state", "prefill", "decode", "MiB", "attempt", "lease_left_s"],
-            [[t.transfer_id, t.rank, t.state, t.prefill, t.decode, _mib(t.nbytes), t.attempt, t.lease_left_s] for t in s.transfers],
+            ["transfer_id", "rank", "state", "prefill", "decode", "MiB", "attempt", "lease_left_s", "waiting_for"],
+            [[t.transfer_id, t.rank, t.state, t.prefill, t.decode, _mib(t.nbytes), t.attempt, t.lease_left_s, t.waiting_for]
+             for t in s.transfers],
         ),
         "",
         "counters: " + ", ".join(f"{k}={v}" for k, v in sorted(s.counters.items())),

@@ -204,6 +204,8 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     attempt: int
     lease_left_s: float
+    # What the transfer waits for now, in words ("Ready from d0:0", "a claim: ...").
+    waiting_for: str = ""
 
 
 class Status(_Msg, kw_only=True, tag="status"):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from broker.core import Broker, BrokerConfig, Send
+from broker.status import render_status
 from broker.transfers import HOLDS_CREDIT, TRANSITIONS, ProtocolViolation, Transfer, TransferState, check_transition
 from protocols.messages import (
     Abort,
@@ -126,6 +127,29 @@ def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c:
     d3.expect("t1")
     prepare = d3.take_one(Prepare)
     assert (prepare.transfer_id, prepare.attempt) == ("t1", 1) and d2.take() == []
+
+
+def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:
+    """`kvbroker status` names what holds each transfer, so an operator can act on it."""
+    p = c.prefill()
+    d1, d2 = c.decode("d1", pool=50, claims_only=True), c.decode("d2", pool=50, claims_only=True)
+    d1.expect("t-expected")
+    d1.expect_from("t-absent", "q")
+    p.offer("t-unclaimed", 10)
+    p.offer("t-preparing", 30, decode="d1")
+    p.offer("t-credit", 30, decode="d1")
+    p.offer("t-sending", 10, decode="d2")
+    d2.ready("t-sending")
+    waiting = {t.transfer_id: t.waiting_for for t in c.status().transfers}
+    assert waiting == {
+        "t-expected": "an Offer",
+        "t-absent": "an Offer from q:0 (not registered)",
+        "t-unclaimed": "a decode peer's Expect (the Offer names none, and several could hold the request)",
+        "t-preparing": "Ready from d1:0",
+        "t-credit": "room in the pool of d1:0",
+        "t-sending": "Done from d2:0",
+    }
+    assert "waiting_for" in render_status(c.status()) and "room in the pool of d1:0" in render_status(c.status())
 
 
 def test_go_carries_the_communicator_and_place_d_named_in_ready(c: FakeCluster) -> None:

@@ -25,7 +25,8 @@ Invariants this module keeps (each one has a test):
 - A transfer goes only where its request is: to the decode peer that expects it, or the
   one its Offer names; unclaimed, to a peer that takes any transfer, or to the only
   candidate. Between several peers that take only their own (`Register.claims_only`,
-  vLLM instances) it waits for the Expect instead of guessing.
+  vLLM instances) it waits for the Expect instead of guessing; for a named decode
+  instance that is not registered, it waits at most `peer_lease_s`.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -339,17 +340,23 @@ class Broker:
                 self._abort(now, t, reason, out)
 
     def _absent(self, now: float, t: Transfer, out: list[Effect]) -> None:
-        """The prefill instance an Expect named had one peer lease to register, counted
-        from the Expect. If it did, the Expect waits for its Offer as any other; if not,
-        it ends now rather than at D's load deadline: after a broker restart, a prefill
-        instance that was down when the others registered again will offer nothing."""
+        """The instance a transfer names (an Expect's prefill instance, an unrouted Offer's
+        decode instance) had one peer lease to register, counted from when it was found
+        missing. If it did, the transfer goes on as any other; if not, it ends now rather
+        than at a deadline on the side that waits: after a broker restart, an instance that
+        was down when the others registered again sends and claims nothing."""
         t.absent_until = None
-        name = f"{t.expected_from}:{t.rank}"
-        if t.state is not S.EXPECTED or name in self.peers:
+        if t.state is S.EXPECTED:
+            name, which = f"{t.expected_from}:{t.rank}", "prefill peer {} named by the request"
+        elif t.state is S.UNROUTED and t.decode_hint:
+            name, which = f"{t.decode_hint}:{t.rank}", "decode peer {} named by the Offer"
+        else:
+            return
+        if name in self.peers:
             return
         self._abort(
             now, t,
-            f"prefill peer {name} named by the request did not register within {self.config.peer_lease_s:g} s; "
+            f"{which.format(name)} did not register within {self.config.peer_lease_s:g} s; "
             "check that the instance runs and points at this broker",
             out,
         )
@@ -550,11 +557,16 @@ class Broker:
         unclaimed transfers, or the one decode peer that could take it at all. Between
         several that take only their own (`Register.claims_only`: vLLM instances), a guess
         is right one time in N, and a wrong one fails the request on the peer that holds
-        it; so the transfer waits, unrouted, for that peer's Expect."""
+        it; so the transfer waits, unrouted, for that peer's Expect. When the Offer names
+        a decode instance that is not registered, the request is there: none of the others
+        that take only their own can use it."""
         candidates = self._candidates(t)
-        if len(candidates) <= 1:
+        if len(candidates) <= 1 and not self._hint_absent(t):
             return candidates
         return [p for p in candidates if not p.reg.claims_only]
+
+    def _hint_absent(self, t: Transfer) -> bool:
+        return bool(t.decode_hint) and f"{t.decode_hint}:{t.rank}" not in self.peers
 
     def _route(self, now: float, t: Transfer, out: list[Effect]) -> None:
         """Pick the decode peer for an offered transfer and queue it for credit."""
@@ -575,7 +587,10 @@ class Broker:
                 d = candidates[0]  # too small: refused just below, with the size named
         if d is None:
             t.state = S.UNROUTED
+            if self._hint_absent(t) and t.absent_until is None:
+                t.absent_until = now + self.config.peer_lease_s  # one lease for it to register in
             return
+        t.absent_until = None
         assert d.pool is not None
         if d.pool.credit_for(t.nbytes) > d.pool.capacity:
             self._abort(
@@ -694,6 +709,8 @@ class Broker:
             name = f"{t.expected_from}:{t.rank}"
             return f"an Offer from {name}" + ("" if name in self.peers else " (not registered)")
         if t.state is S.UNROUTED:
+            if self._hint_absent(t):
+                return f"decode peer {t.decode_hint}:{t.rank}, named by the Offer, to register"
             if self._candidates(t):
                 return "a decode peer's Expect (the Offer names none, and several could hold the request)"
             return "a compatible decode peer to register"

@@ -84,8 +84,10 @@ class Transfer:
     decode: str | None = None
     expected_by: str | None = None
     expected_from: str = ""  # the prefill instance the expecting peer named, if any
-    # Set while the named prefill instance is not registered: by then it must be, or the
-    # Expect ends (a broker that restarted while that instance was down never hears of it).
+    # Set while the instance the transfer names is not registered (an Expect's prefill
+    # instance; an unrouted Offer's decode instance, when the decode peers take only their
+    # own transfers): by then it must be, or the transfer ends. A broker that restarted
+    # while that instance was down never hears of it.
     absent_until: float | None = None
     decode_hint: str = ""
     prompt: str = ""

@@ -76,9 +76,11 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             assert t.reserved == b.peers[t.decode].pool.credit_for(t.nbytes)  # type: ignore[union-attr]
         else:
             assert t.reserved == 0
-        # A deadline for the named prefill peer to register: only while no Offer came, and
-        # always while that peer is absent (else the Expect would wait for D's deadline).
-        assert t.absent_until is None or (t.state is S.EXPECTED and t.expected_from)
+        # A deadline for the instance the transfer names to register: an Expect's prefill
+        # instance (always while it is absent, else the Expect would wait for D's deadline),
+        # or an unrouted Offer's decode instance.
+        assert t.absent_until is None or (t.state is S.EXPECTED and t.expected_from) or (
+            t.state is S.UNROUTED and t.decode_hint)
         if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" not in b.peers:
             assert t.absent_until is not None, f"{key} waits for {t.expected_from}, which is absent, with no deadline"
         if t.state is S.EXPECTED:

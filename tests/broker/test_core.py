@@ -113,6 +113,29 @@ def test_an_unclaimed_offer_waits_for_the_expect_between_decode_peers_that_take_
     assert c.state("t4") is S.PREPARING and c.broker.transfers[("t4", 0)].decode == "d3:0"
 
 
+def test_an_offer_naming_an_unregistered_decode_instance_waits_one_lease_for_it(c: FakeCluster) -> None:
+    """The Offer names the vLLM decode instance that holds the request, and that instance
+    is not registered (it restarts, or it is down). No other such instance can use the
+    KV, so none gets it, not even the only one there is: the transfer waits one peer lease
+    for the named instance, routes when it registers, and else ends, freeing P's copy."""
+    p, d0 = c.prefill(), c.decode("d0", claims_only=True)
+    p.offer("t1", 20, decode="d1")
+    p.offer("t2", 20, decode="d2")
+    assert c.state("t1") is S.UNROUTED and c.state("t2") is S.UNROUTED and d0.take() == []
+    c.advance(CONFIG.peer_lease_s - 0.5)
+    d1 = c.register("d1", "decode", pool=100, claims_only=True)  # d1 comes back: its transfer routes at once
+    assert [type(m).__name__ for m in d1.take()] == ["Registered", "Prepare"] and c.state("t1") is S.PREPARING
+    c.advance(0.5)
+    abort = p.take_one(Abort)
+    assert abort.transfer_id == "t2" and abort.reason == (
+        "decode peer d2:0 named by the Offer did not register within 5 s; "
+        "check that the instance runs and points at this broker")
+    assert c.state("t2") is None and d0.take() == [] and c.state("t1") is S.PREPARING
+    p.offer("t3", 20, decode="d2")
+    d0.expect("t3")  # the proxy sent the request elsewhere after all: the claim wins
+    assert d0.take_one(Prepare).transfer_id == "t3"
+
+
 def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c: FakeCluster) -> None:
     """D dies after P's KV was staged for it; the proxy sends the request again, to the
     other of two vLLM decode instances. The staged copy goes there on that instance's
@@ -140,6 +163,7 @@ def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:
     p.offer("t-credit", 30, decode="d1")
     p.offer("t-sending", 10, decode="d2")
     d2.ready("t-sending")
+    p.offer("t-named", 10, decode="d3")
     waiting = {t.transfer_id: t.waiting_for for t in c.status().transfers}
     assert waiting == {
         "t-expected": "an Offer",
@@ -148,6 +172,7 @@ def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:
         "t-preparing": "Ready from d1:0",
         "t-credit": "room in the pool of d1:0",
         "t-sending": "Done from d2:0",
+        "t-named": "decode peer d3:0, named by the Offer, to register",
     }
     assert "waiting_for" in render_status(c.status()) and "room in the pool of d1:0" in render_status(c.status())
 

@@ -238,6 +238,28 @@ def test_an_offer_naming_no_decode_instance_reaches_the_one_of_two_that_holds_th
             d.close()
 
 
+def test_a_copy_for_a_decode_instance_that_is_down_is_freed_after_one_lease(tmp_path: Path) -> None:
+    """P's Offer names d1, which is down; d0 is up. The KV is useless to d0 (the request
+    is on d1), so d0 gets nothing, and P frees its copy one peer lease (2 s) later. Before,
+    d0 was sent it, and held it, and P's staging, until d0's 20 s load deadline."""
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "2")
+    b.start()
+    pc, dc = make_caches(seed=41), make_caches(seed=42)
+    p = make_worker(b.endpoint, "p", "p0", pc)
+    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        t0 = time.monotonic()
+        stage(p, pc, "t-down", [1, 2], decode="d1")
+        wait_until(lambda: not p.statistics()["staged_now"], 10, "P to free the copy for d1")
+        assert time.monotonic() - t0 < 10 and p.statistics()["aborted"] == 1
+        assert d.consumer is not None and not d.consumer._parked
+        assert d.pool is not None and d.pool.statistics().reserved == 0
+    finally:
+        p.close()
+        d.close()
+        b.kill()
+
+
 def test_missing_producer_fails_within_deadline(broker: BrokerProcess) -> None:
     dc = make_caches(seed=5)
     d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=1.0)

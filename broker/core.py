@@ -26,7 +26,9 @@ Invariants this module keeps (each one has a test):
   one its Offer names; unclaimed, to a peer that takes any transfer, or to the only
   candidate. Between several peers that take only their own (`Register.claims_only`,
   vLLM instances) it waits for the Expect instead of guessing; for a named decode
-  instance that is not registered, it waits at most `peer_lease_s`.
+  instance that is not registered, it waits at most `peer_lease_s`. An Expect takes a
+  transfer from such a peer that was granted it on the Offer's word, never claimed it
+  and has not answered Ready.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -322,6 +324,10 @@ class Broker:
             else:
                 self._decode_lost(now, t, peer, why, out)
         peer.transfers.clear()
+        if peer.role == "prefill":  # the Expects naming it: one lease for it to be back (`_absent`)
+            for t in self.transfers.values():
+                if t.state is S.EXPECTED and t.absent_until is None and f"{t.expected_from}:{t.rank}" == peer.peer_id:
+                    t.absent_until = now + self.config.peer_lease_s
 
     def _orphan_expects(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         """A lost prefill peer will offer nothing more: end the Expects that named it, and
@@ -348,11 +354,13 @@ class Broker:
         t.absent_until = None
         if t.state is S.EXPECTED:
             name, which = f"{t.expected_from}:{t.rank}", "prefill peer {} named by the request"
+            if self._is_prefill(name):
+                return
         elif t.state is S.UNROUTED and t.decode_hint:
             name, which = f"{t.decode_hint}:{t.rank}", "decode peer {} named by the Offer"
+            if not self._hint_absent(t):
+                return
         else:
-            return
-        if name in self.peers:
             return
         self._abort(
             now, t,
@@ -435,7 +443,7 @@ class Broker:
                 return
             t = self._new(now, key, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
-            if msg.prefill and f"{msg.prefill}:{key[1]}" not in self.peers:
+            if msg.prefill and not self._is_prefill(f"{msg.prefill}:{key[1]}"):
                 t.absent_until = now + self.config.peer_lease_s  # one lease to register in
             peer.transfers.add(key)
             return
@@ -450,7 +458,13 @@ class Broker:
             t.expected_by = peer.peer_id
             return
         if t.state in HOLDS_CREDIT:
-            raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already granted to {t.decode}")
+            holder = self.peers.get(t.decode or "")
+            if not (t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only):
+                raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already granted to {t.decode}")
+            # Granted on the Offer's word to a peer that takes only its own, which never
+            # claimed it: that peer holds no request for it and only parks the Prepare (a
+            # proxy that named it, then sent the request elsewhere). The claim wins.
+            out.append(Send(holder.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} holds its request")))
         # Not yet granted elsewhere: move it to the decode peer that holds the request.
         self._unroute(t, out)
         before = self.peers.get(t.expected_by or "")
@@ -564,6 +578,10 @@ class Broker:
         if len(candidates) <= 1 and not self._hint_absent(t):
             return candidates
         return [p for p in candidates if not p.reg.claims_only]
+
+    def _is_prefill(self, peer_id: str) -> bool:
+        p = self.peers.get(peer_id)
+        return p is not None and p.role == "prefill"
 
     def _hint_absent(self, t: Transfer) -> bool:
         return bool(t.decode_hint) and f"{t.decode_hint}:{t.rank}" not in self.peers
@@ -707,7 +725,7 @@ class Broker:
             if not t.expected_from:
                 return "an Offer"
             name = f"{t.expected_from}:{t.rank}"
-            return f"an Offer from {name}" + ("" if name in self.peers else " (not registered)")
+            return f"an Offer from {name}" + ("" if self._is_prefill(name) else " (not registered)")
         if t.state is S.UNROUTED:
             if self._hint_absent(t):
                 return f"decode peer {t.decode_hint}:{t.rank}, named by the Offer, to register"

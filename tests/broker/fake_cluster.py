@@ -81,7 +81,8 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
         # or an unrouted Offer's decode instance.
         assert t.absent_until is None or (t.state is S.EXPECTED and t.expected_from) or (
             t.state is S.UNROUTED and t.decode_hint)
-        if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" not in b.peers:
+        named = b.peers.get(f"{t.expected_from}:{t.rank}")
+        if t.state is S.EXPECTED and t.expected_from and (named is None or named.role != "prefill"):
             assert t.absent_until is not None, f"{key} waits for {t.expected_from}, which is absent, with no deadline"
         if t.state is S.EXPECTED:
             assert t.prefill is None and t.decode is None and t.expected_by is not None

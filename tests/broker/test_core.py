@@ -136,6 +136,29 @@ def test_an_offer_naming_an_unregistered_decode_instance_waits_one_lease_for_it(
     assert d0.take_one(Prepare).transfer_id == "t3"
 
 
+def test_a_claim_takes_a_transfer_from_the_named_decode_instance_that_never_claimed_it(c: FakeCluster) -> None:
+    """The Offer named d1 (a vLLM instance), which got the Prepare and parks it: it holds
+    no such request. d0's Expect shows the request is on d0 (the proxy sent it there
+    after all): d1 is told to drop it, its credit returns, and d0 gets the transfer. A
+    transfer its holder claimed, or one already sending, stays where it is."""
+    p = c.prefill()
+    d0, d1 = c.decode("d0", claims_only=True), c.decode("d1", claims_only=True)
+    p.offer("t1", 20, decode="d1")
+    assert d1.take_one(Prepare).transfer_id == "t1" and c.pool(d1)[1] == 20
+    d0.expect("t1")
+    abort = d1.take_one(Abort)
+    assert (abort.transfer_id, abort.reason) == ("t1", "d0:0 holds its request") and c.pool(d1)[1] == 0
+    assert d0.take_one(Prepare).transfer_id == "t1" and c.state("t1") is S.PREPARING
+    d1.expect("t2")
+    p.offer("t2", 20, decode="d1")
+    d1.take_one(Prepare)
+    refused(c, d0.identity, Expect(transfer_id="t2"), "protocol", contains="already granted to d1:0")
+    p.offer("t3", 20, decode="d1")
+    d1.take_one(Prepare)
+    d1.ready("t3")
+    refused(c, d0.identity, Expect(transfer_id="t3"), "protocol", contains="already granted to d1:0")
+
+
 def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c: FakeCluster) -> None:
     """D dies after P's KV was staged for it; the proxy sends the request again, to the
     other of two vLLM decode instances. The staged copy goes there on that instance's

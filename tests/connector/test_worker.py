@@ -238,6 +238,35 @@ def test_an_offer_naming_no_decode_instance_reaches_the_one_of_two_that_holds_th
             d.close()
 
 
+def test_a_request_the_proxy_sent_to_another_decode_instance_than_it_named_still_loads(
+    broker: BrokerProcess,
+) -> None:
+    """P's Offer names d1, but the request went to d0 (a proxy that retried it there).
+    d1 parks the Prepare for a request it does not hold; d0's Expect takes the transfer
+    from it, and d0 loads the KV whole (before, d0's Expect was refused and its load
+    failed, while d1 held P's copy until its own deadline)."""
+    pc = make_caches(seed=43)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    caches = {name: make_caches(seed=44 + k) for k, name in enumerate(("d0", "d1"))}
+    ds = {name: make_worker(broker.endpoint, "d", name, caches[name]) for name in caches}
+    try:
+        stage(p, pc, "t-moved", [4, 5], decode="d1")
+        consumer = ds["d1"].consumer
+        assert consumer is not None
+        wait_until(lambda: "t-moved" in consumer._parked, 10, "d1 to park the Prepare")
+        load(ds["d0"], "t-moved", [20, 21], cached=0)
+        _, errors, _ = run_steps(ds["d0"], {"req-t-moved"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(caches["d0"][n][[20, 21]], pc[n][[4, 5]])
+        wait_until(lambda: "t-moved" not in consumer._parked, 5, "d1 to drop the parked Prepare")
+        wait_until(lambda: not p.statistics()["staged_now"], 5, "P to release its copy")
+    finally:
+        p.close()
+        for d in ds.values():
+            d.close()
+
+
 def test_a_copy_for_a_decode_instance_that_is_down_is_freed_after_one_lease(tmp_path: Path) -> None:
     """P's Offer names d1, which is down; d0 is up. The KV is useless to d0 (the request
     is on d1), so d0 gets nothing, and P frees its copy one peer lease (2 s) later. Before,

@@ -16,8 +16,8 @@ Prefix caching is on everywhere. The broker runs with a short peer lease
 shorter, or an engine starved for a moment on a 2-core machine loses its transfers.
 Like a proxy, each test sends a prompt to a producer (max_tokens=1) and to a consumer
 at the same time, both with ``kv_transfer_params={"transfer_id": ...}``; the
-producer's copy also names the consumer (``decode_instance_id``) since two consumers
-are registered.
+producer's copy also names the consumer (``decode_instance_id``), except in the test of
+a proxy that names none.
 """
 
 from __future__ import annotations
@@ -166,9 +166,11 @@ def submit_pd(
     producer: str = "p-main",
     consumer: str = "d-main",
     max_tokens: int = MAX_TOKENS,
+    name_consumer: bool = True,
 ) -> tuple[Any, Any]:
     """Send the prompts to a producer and a consumer at once, as a proxy does; returns both message ids."""
-    p_params = [{"transfer_id": t, "decode_instance_id": consumer} for t in tids]
+    named = {"decode_instance_id": consumer} if name_consumer else {}
+    p_params = [{"transfer_id": t, **named} for t in tids]
     p_id = cluster[producer].submit({"prompts": prompts, "max_tokens": 1, "kv_transfer_params": p_params})
     d_id = cluster[consumer].submit(
         {"prompts": prompts, "max_tokens": max_tokens, "kv_transfer_params": [{"transfer_id": t} for t in tids]}
@@ -258,6 +260,22 @@ def test_corrupted_transfer_changes_outputs(cluster: dict[str, Any]) -> None:
     injected = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.fault_injected")}
     assert set(tids) <= injected
     assert all(a != b for a, b in zip(d["outputs"], ref["outputs"])), (d["outputs"], ref["outputs"])
+
+
+def test_a_proxy_that_names_no_consumer_still_gets_each_load_where_its_request_is(cluster: dict[str, Any]) -> None:
+    """Two consumers are registered and the producer's requests name neither: the broker
+    must route each transfer to the consumer whose request claims it, not guess by free
+    room. d-fail fails a request whose load fails, so a wrong guess shows as an error."""
+    prompts = make_prompts([70, 140, 40, 100], salt=41)
+    tids = [f"unnamed-{i}" for i in range(len(prompts))]
+    ref = cluster["plain"].generate(prompts, MAX_TOKENS)
+    p_id, d_id = submit_pd(cluster, prompts, tids, consumer="d-fail", name_consumer=False)
+    d = cluster["d-fail"].result(d_id)
+    cluster["p-main"].result(p_id)
+    assert d["outputs"] == ref["outputs"], timeline(cluster, set(tids))
+    loaded = {r["transfer_id"] for r in log_events(cluster, "d-fail", "transfer.loaded")}
+    assert set(tids) <= loaded, timeline(cluster, set(tids))
+    assert not {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.ready")} & set(tids)
 
 
 def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any]) -> None:

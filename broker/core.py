@@ -64,6 +64,7 @@ from protocols.messages import (
     TransferInfo,
 )
 
+from .latency import PHASES, Histogram
 from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, TransferState, check_transition
 
 S = TransferState
@@ -183,6 +184,7 @@ class Broker:
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
         self.delivered: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
         self.lost: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        self.latency: dict[str, Histogram] = {phase: Histogram() for phase in PHASES}
         self.counters: dict[str, int] = {
             k: 0
             for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames")
@@ -424,7 +426,7 @@ class Broker:
             if self._answer_ended(now, peer, key, out, offer=True):
                 return
             t = self._new(now, key, S.UNROUTED)
-        t.prefill, t.absent_until = peer.peer_id, None
+        t.prefill, t.absent_until, t.offered_at = peer.peer_id, None, now
         t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
         t.prompt = msg.prompt
         peer.transfers.add(key)
@@ -492,7 +494,7 @@ class Broker:
                 raise ProtocolViolation(
                     Ready, t.state, t.transfer_id, f"range {msg.offset}+{msg.nbytes} exceeds the {t.nbytes} bytes offered"
                 )
-            t.state = S.SENDING
+            t.state, t.go_at = S.SENDING, now
             d = self.peers[t.decode]
             assert t.prefill is not None
             out.append(
@@ -521,6 +523,10 @@ class Broker:
             _remember(self.delivered, t.key, now + self.config.transfer_lease_s, f"it was delivered to {peer.peer_id}")
             self.counters["completed"] += 1
             self.counters["bytes"] += msg.nbytes
+            if t.offered_at is not None and t.go_at is not None:
+                self.latency["handshake"].observe(t.go_at - t.offered_at)
+                self.latency["data"].observe(now - t.go_at)
+                self.latency["total"].observe(now - t.offered_at)
             out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
             out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
 
@@ -716,7 +722,10 @@ class Broker:
             )
             for t in list(self.transfers.values())[:1000]
         ]
-        return Status(peers=peers, pools=pools, transfers=transfers, counters=dict(self.counters))
+        return Status(
+            peers=peers, pools=pools, transfers=transfers, counters=dict(self.counters),
+            latency={phase: h.info() for phase, h in self.latency.items()},
+        )
 
 
     def _waiting_for(self, t: Transfer) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 if TYPE_CHECKING:
     from .daemon import BrokerDaemon
@@ -40,6 +40,16 @@ class StatusCollector:
             yield g
         for key, value in sorted(snap.counters.items()):
             yield CounterMetricFamily(f"kvbroker_{key}", f"Broker counter {key}", value=value)
+        seconds = HistogramMetricFamily(
+            "kvbroker_transfer_seconds", "Completed transfers by phase: handshake (Offer to Go), "
+            "data (Go to Done), total (Offer to Done)", labels=["phase"])
+        for phase, info in sorted(snap.latency.items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip([*map(str, info.bounds_s), "+Inf"], info.counts):
+                cumulative += n
+                buckets.append((bound, cumulative))
+            seconds.add_metric([phase], buckets, sum_value=info.sum_s)
+        yield seconds
 
 
 def serve_metrics(daemon: BrokerDaemon, host: str, port: int) -> Any:

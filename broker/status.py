@@ -9,6 +9,8 @@ from protocols.channel import ZmqChannel, curve_client_keys, dealer
 from protocols.codec import Codec
 from protocols.messages import Status, StatusRequest
 
+from .latency import quantile_bound
+
 # A status reply lists up to 1,000 transfers: allow it a larger frame than requests get.
 STATUS_MAX_FRAME = 64 << 20
 
@@ -66,6 +68,17 @@ def render_status(s: Status) -> str:
              for t in s.transfers],
         ),
         "",
+        "completed transfers, seconds (at or under the bucket bound)",
+        _table(
+            ["phase", "count", "p50", "p90", "p99", "mean"],
+            [[phase, sum(h.counts), *(_bound(quantile_bound(h, q)) for q in (0.5, 0.9, 0.99)),
+              f"{h.sum_s / sum(h.counts):.4f}" if sum(h.counts) else "-"] for phase, h in s.latency.items()],
+        ),
+        "",
         "counters: " + ", ".join(f"{k}={v}" for k, v in sorted(s.counters.items())),
     ]
     return "\n".join(parts)
+
+
+def _bound(seconds: float | None) -> str:
+    return "-" if seconds is None else f"<={seconds:g}"

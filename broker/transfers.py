@@ -89,6 +89,8 @@ class Transfer:
     # own transfers): by then it must be, or the transfer ends. A broker that restarted
     # while that instance was down never hears of it.
     absent_until: float | None = None
+    offered_at: float | None = None  # when P's Offer came, for the latency histograms
+    go_at: float | None = None  # when the (last) Go left
     decode_hint: str = ""
     prompt: str = ""
     nbytes: int = 0

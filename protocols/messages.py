@@ -208,11 +208,22 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     waiting_for: str = ""
 
 
+class LatencyInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A histogram of completed transfers' durations: counts[i] fell at or under
+    bounds_s[i] (and over the bound before); the last count is past every bound."""
+
+    bounds_s: list[float]
+    counts: list[int]
+    sum_s: float
+
+
 class Status(_Msg, kw_only=True, tag="status"):
     peers: list[PeerInfo] = []
     pools: list[PoolInfo] = []
     transfers: list[TransferInfo] = []
     counters: dict[str, int] = {}
+    # By phase ("handshake", "data", "total"): see broker/latency.py.
+    latency: dict[str, LatencyInfo] = {}
 
 
 Message = Union[

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from broker.core import Broker, BrokerConfig, Send
+from broker.latency import quantile_bound
 from broker.status import render_status
 from broker.transfers import HOLDS_CREDIT, TRANSITIONS, ProtocolViolation, Transfer, TransferState, check_transition
 from protocols.messages import (
@@ -26,6 +27,7 @@ from protocols.messages import (
     Go,
     Goodbye,
     Heartbeat,
+    LatencyInfo,
     Layout,
     Message,
     Offer,
@@ -198,6 +200,49 @@ def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:
         "t-named": "decode peer d3:0, named by the Offer, to register",
     }
     assert "waiting_for" in render_status(c.status()) and "room in the pool of d1:0" in render_status(c.status())
+
+
+def test_completed_transfers_are_timed_by_phase(c: FakeCluster) -> None:
+    """The broker's clock times each completed transfer: Offer to Go (the handshake), Go
+    to Done (the data), Offer to Done. An aborted transfer is not timed; a re-delivered
+    one counts its total from the first Offer."""
+    p, d1 = c.prefill(), c.decode("d1", pool=100)
+    p.offer("t1", 10)
+    c.now += 0.003
+    d1.ready("t1")
+    c.now += 0.04
+    d1.done("t1", 10)
+    p.offer("t2", 10)
+    d1.abort("t2", "gave up")
+    p.offer("t3", 10)
+    c.now += 1.5
+    d2 = c.decode("d2", pool=100)
+    d1.goodbye()  # t3 goes to d2, 1.5 s after its Offer
+    d2.ready("t3")
+    c.now += 0.0001
+    d2.done("t3", 10)
+    lat = c.status().latency
+    bounds = lat["total"].bounds_s
+
+    def bucket(seconds: float) -> int:
+        return next(i for i, b in enumerate([*bounds, float("inf")]) if seconds <= b)
+
+    def counts(*seconds: float) -> list[int]:
+        out = [0] * (len(bounds) + 1)
+        for x in seconds:
+            out[bucket(x)] += 1
+        return out
+
+    assert lat["handshake"].counts == counts(0.003, 1.5)
+    assert lat["data"].counts == counts(0.04, 0.0001)
+    assert lat["total"].counts == counts(0.043, 1.5001)
+    assert lat["total"].sum_s == pytest.approx(1.5431)
+
+
+def test_latency_quantile_bounds() -> None:
+    info = LatencyInfo(bounds_s=[0.001, 0.01, 0.1], counts=[5, 3, 1, 1], sum_s=0.0)
+    assert [quantile_bound(info, q) for q in (0.5, 0.8, 0.9, 0.99)] == [0.001, 0.01, 0.1, float("inf")]
+    assert quantile_bound(LatencyInfo(bounds_s=[0.001], counts=[0, 0], sum_s=0.0), 0.5) is None
 
 
 def test_go_carries_the_communicator_and_place_d_named_in_ready(c: FakeCluster) -> None:

@@ -247,6 +247,9 @@ def test_metrics_and_trace(tmp_path: Path) -> None:
 
         body = wait_until(scraped, 10, "metrics to show 3 completed transfers")
         assert "kvbroker_peers" in body and "kvbroker_transfers_in_flight" in body
+        for phase in ("handshake", "data", "total"):
+            assert f'kvbroker_transfer_seconds_count{{phase="{phase}"}} 3.0' in body, body
+            assert f'kvbroker_transfer_seconds_bucket{{le="+Inf",phase="{phase}"}} 3.0' in body, body
 
         assert _traced(broker, "p0-1") == ["transfer.offered", "transfer.done"]
         missing = subprocess.run(

@@ -10,6 +10,7 @@ and `/metrics` read the buckets. Phases, each measured at the broker:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from protocols.messages import LatencyInfo
@@ -29,7 +30,7 @@ class Histogram:
 
     def observe(self, seconds: float) -> None:
         seconds = max(0.0, seconds)  # a clock that stepped back counts as instant
-        self.counts[next((i for i, b in enumerate(BOUNDS_S) if seconds <= b), len(BOUNDS_S))] += 1
+        self.counts[bisect_left(BOUNDS_S, seconds)] += 1  # the first bound at or over it
         self.sum_s += seconds
 
     def info(self) -> LatencyInfo:

@@ -727,7 +727,6 @@ class Broker:
             latency={phase: h.info() for phase, h in self.latency.items()},
         )
 
-
     def _waiting_for(self, t: Transfer) -> str:
         """What a transfer waits for, for `kvbroker status`: an operator reads why it stands."""
         if t.state is S.EXPECTED:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -95,6 +97,30 @@ def load(d: ConnectorWorker, tid: str, blocks: list[int], cached: int, tokens: s
     )
     d.start_load_kv()
     d.clear()
+
+
+@contextmanager
+def own_broker_pair(
+    tmp_path: Path, peer_lease_s: float, seed: int
+) -> Iterator[tuple[BrokerProcess, ConnectorWorker, ConnectorWorker, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """A broker of its own (heartbeat 0.5 s, the given peer lease), producer p0 and
+    consumer d0 (20 s load deadline) on it, and their caches; all stopped after."""
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", str(peer_lease_s))
+    b.start()
+    pc, dc = make_caches(seed=seed), make_caches(seed=seed + 1)
+    p = make_worker(b.endpoint, "p", "p0", pc)
+    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    try:
+        yield b, p, d, pc, dc
+    finally:
+        d.close()
+        p.close()
+        b.kill()
+
+
+def wait_for_transfer(broker: BrokerProcess, tid: str) -> None:
+    """Until the broker holds `tid` (its Offer or Expect has arrived)."""
+    wait_until(lambda: any(t["transfer_id"] == tid for t in broker.status()["transfers"]), 10, f"{tid} at the broker")
 
 
 def run_steps(d: ConnectorWorker, want: set[str], timeout: float) -> tuple[set[str], set[int], float]:
@@ -224,8 +250,7 @@ def test_an_offer_naming_no_decode_instance_reaches_the_one_of_two_that_holds_th
     ds = {name: make_worker(broker.endpoint, "d", name, caches[name]) for name in caches}
     try:
         stage(p, pc, "t-unnamed", [1, 2, 3])
-        wait_until(lambda: any(t["transfer_id"] == "t-unnamed" for t in broker.status()["transfers"]), 10,
-                   "the Offer to reach the broker")
+        wait_for_transfer(broker, "t-unnamed")
         load(ds["d1"], "t-unnamed", [10, 11, 12], cached=0)
         _, errors, _ = run_steps(ds["d1"], {"req-t-unnamed"}, 10)
         assert errors == set()
@@ -271,22 +296,13 @@ def test_a_copy_for_a_decode_instance_that_is_down_is_freed_after_one_lease(tmp_
     """P's Offer names d1, which is down; d0 is up. The KV is useless to d0 (the request
     is on d1), so d0 gets nothing, and P frees its copy one peer lease (2 s) later. Before,
     d0 was sent it, and held it, and P's staging, until d0's 20 s load deadline."""
-    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "2")
-    b.start()
-    pc, dc = make_caches(seed=41), make_caches(seed=42)
-    p = make_worker(b.endpoint, "p", "p0", pc)
-    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
-    try:
+    with own_broker_pair(tmp_path, 2, seed=41) as (_, p, d, pc, _):
         t0 = time.monotonic()
         stage(p, pc, "t-down", [1, 2], decode="d1")
         wait_until(lambda: not p.statistics()["staged_now"], 10, "P to free the copy for d1")
         assert time.monotonic() - t0 < 10 and p.statistics()["aborted"] == 1
         assert d.consumer is not None and not d.consumer._parked
         assert d.pool is not None and d.pool.statistics().reserved == 0
-    finally:
-        p.close()
-        d.close()
-        b.kill()
 
 
 def test_missing_producer_fails_within_deadline(broker: BrokerProcess) -> None:
@@ -464,8 +480,7 @@ def test_named_prefill_lost_before_offering_fails_the_load_at_once(broker: Broke
     d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=30.0)
     try:
         load(d, "t-orphan", [30, 31], cached=0, prefill="p0")
-        wait_until(lambda: any(t["transfer_id"] == "t-orphan" for t in broker.status()["transfers"]), 10,
-                   "d0's Expect to reach the broker")
+        wait_for_transfer(broker, "t-orphan")
         p.close()  # says goodbye: p0 will offer nothing more
         _, errors, took = run_steps(d, {"req-t-orphan"}, 10)
         assert errors == {30, 31} and took < 10
@@ -488,8 +503,7 @@ def test_a_prefill_instance_restarted_under_its_id_fails_the_loads_that_named_it
     p2 = None
     try:
         load(d, "t-lost", [30, 31], cached=0, prefill="p0")
-        wait_until(lambda: any(t["transfer_id"] == "t-lost" for t in b.status()["transfers"]), 10,
-                   "d0's Expect to reach the broker")
+        wait_for_transfer(b, "t-lost")
         assert p.client is not None
         p.client._future.cancel()  # the process dies without a goodbye
         t0 = time.monotonic()
@@ -509,15 +523,9 @@ def test_a_load_naming_a_prefill_instance_down_across_a_broker_restart_fails_aft
     broker restarts before its lease ends. The new broker never hears of it: D registers
     again and re-announces the load, and the Expect ends one peer lease (2 s) later, not
     at D's 20 s load deadline."""
-    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "2")
-    b.start()
-    pc, dc = make_caches(seed=36), make_caches(seed=37)
-    p = make_worker(b.endpoint, "p", "p0", pc)
-    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
-    try:
+    with own_broker_pair(tmp_path, 2, seed=36) as (b, p, d, _, _):
         load(d, "t-absent", [30, 31], cached=0, prefill="p0")
-        wait_until(lambda: any(t["transfer_id"] == "t-absent" for t in b.status()["transfers"]), 10,
-                   "d0's Expect to reach the broker")
+        wait_for_transfer(b, "t-absent")
         assert p.client is not None
         p.client._future.cancel()  # p0 dies without a goodbye
         b.kill()
@@ -525,10 +533,6 @@ def test_a_load_naming_a_prefill_instance_down_across_a_broker_restart_fails_aft
         t0 = time.monotonic()
         _, errors, took = run_steps(d, {"req-t-absent"}, 30)
         assert errors == {30, 31} and time.monotonic() - t0 < 10, took
-    finally:
-        d.close()
-        p.close()
-        b.kill()
 
 
 def test_kv_of_another_prompt_is_refused_by_the_decode_side(broker: BrokerProcess) -> None:

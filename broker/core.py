@@ -65,7 +65,14 @@ from protocols.messages import (
 )
 
 from .latency import PHASES, Histogram
-from .transfers import HOLDS_CREDIT, ProtocolViolation, Transfer, TransferKey, TransferState, check_transition
+from .transfers import (
+    HOLDS_CREDIT,
+    ProtocolViolation,
+    Transfer,
+    TransferKey,
+    TransferState,
+    check_transition,
+)
 
 S = TransferState
 _MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)

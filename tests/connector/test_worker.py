@@ -25,8 +25,8 @@ from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_hash
 from protocols.errors import BrokerUnavailable, Refused
 from protocols.messages import Abort, Layout, Prepare, Register
-from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from tests.support import BrokerProcess, engine_step_pause, wait_until
+from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 
 pytestmark = pytest.mark.slow
 

@@ -586,9 +586,11 @@ class Broker:
         is right one time in N, and a wrong one fails the request on the peer that holds
         it; so the transfer waits, unrouted, for that peer's Expect. When the Offer names
         a decode instance that is not registered, the request is there: none of the others
-        that take only their own can use it."""
+        that take only their own can use it. Nor when it is being re-delivered: its request
+        was on the peer that was lost, and only a claim shows where the proxy sent it again
+        (a guess would park it there, holding that pool's credit, until the load deadline)."""
         candidates = self._candidates(t)
-        if len(candidates) <= 1 and not self._hint_absent(t):
+        if len(candidates) <= 1 and not self._hint_absent(t) and t.attempt == 0:
             return candidates
         return [p for p in candidates if not p.reg.claims_only]
 

@@ -107,9 +107,12 @@ def test_an_unclaimed_offer_waits_for_the_expect_between_decode_peers_that_take_
     assert d2.take_one(Prepare).transfer_id == "t1" and d1.take() == []
     p.offer("t2", 20, decode="d1")
     assert d1.take_one(Prepare).transfer_id == "t2" and d2.take() == []
-    d2.goodbye()  # one left: the unclaimed (t1, whose holder left) goes to it at once
+    d2.goodbye()  # one left: a new unclaimed Offer goes to it at once...
     p.offer("t3", 20)
-    assert [(m.transfer_id, m.attempt) for m in d1.take() if isinstance(m, Prepare)] == [("t1", 1), ("t3", 0)]
+    assert [(m.transfer_id, m.attempt) for m in d1.take() if isinstance(m, Prepare)] == [("t3", 0)]
+    assert c.state("t1") is S.UNROUTED  # ...but not t1, whose request was on d2: only a claim moves it
+    d1.expect("t1")
+    assert (d1.take_one(Prepare).transfer_id, c.state("t1")) == ("t1", S.PREPARING)
     c.decode("d3")  # a pool that takes anyone's transfers may be chosen beside it
     p.offer("t4", 20)
     assert c.state("t4") is S.PREPARING and c.broker.transfers[("t4", 0)].decode == "d3:0"
@@ -175,6 +178,11 @@ def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c:
     d3.expect("t1")
     prepare = d3.take_one(Prepare)
     assert (prepare.transfer_id, prepare.attempt) == ("t1", 1) and d2.take() == []
+    d2.goodbye()
+    d3.take()
+    d3.goodbye()  # none left at all; then one registers: it claims before it gets it
+    d4 = c.decode("d4", claims_only=True)
+    assert c.state("t1") is S.UNROUTED and d4.take() == []
 
 
 def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:

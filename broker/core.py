@@ -28,7 +28,9 @@ Invariants this module keeps (each one has a test):
   vLLM instances) it waits for the Expect instead of guessing; for a named decode
   instance that is not registered, it waits at most `peer_lease_s`. An Expect takes a
   transfer from such a peer that was granted it on the Offer's word, never claimed it
-  and has not answered Ready.
+  and has not answered Ready. An Expect for a transfer another decode peer holds waits
+  behind it (one at a time): it gets the transfer if the holder is lost (the proxy sent
+  the request again after the holder failed it) and the transfer's ending otherwise.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -328,7 +330,9 @@ class Broker:
             t = self.transfers.get(key)
             if t is None:
                 continue
-            if peer.role == "prefill":
+            if t.waiting_claim == peer.peer_id:
+                t.waiting_claim = None  # it only waited behind the holder
+            elif peer.role == "prefill":
                 self._abort(now, t, f"prefill peer {peer.peer_id} was lost ({why})", out)
             else:
                 self._decode_lost(now, t, peer, why, out)
@@ -385,6 +389,8 @@ class Broker:
         self._unroute(t, out)
         if t.expected_by == peer.peer_id:
             t.expected_by = None
+        if t.waiting_claim is not None:  # the peer the request was sent to again takes it
+            t.expected_by, t.waiting_claim = t.waiting_claim, None
         if t.attempt + 1 >= self.config.max_attempts:
             self._abort(now, t, f"decode peer {peer.peer_id} was lost ({why}) after {t.attempt + 1} attempts", out)
             return
@@ -466,10 +472,20 @@ class Broker:
             # Routed here by a hint before this Expect arrived: nothing moves.
             t.expected_by = peer.peer_id
             return
+        if t.expected_by == peer.peer_id or t.waiting_claim == peer.peer_id:
+            self.counters["repeated"] += 1
+            return  # the same claim again (re-sent after a reconnect): nothing moves
         if t.state in HOLDS_CREDIT:
             holder = self.peers.get(t.decode or "")
             if not (t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only):
-                raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already granted to {t.decode}")
+                if t.waiting_claim is not None:
+                    raise ProtocolViolation(Expect, t.state, msg.transfer_id,
+                                            f"it is granted to {t.decode}, and {t.waiting_claim} waits for it")
+                # The holder may have failed the request to the client, which the proxy
+                # then sent here: wait behind the holder rather than fail the request now.
+                t.waiting_claim = peer.peer_id
+                peer.transfers.add(key)
+                return
             # Granted on the Offer's word to a peer that takes only its own, which never
             # claimed it: that peer holds no request for it and only parks the Prepare (a
             # proxy that named it, then sent the request elsewhere). The claim wins.
@@ -490,6 +506,10 @@ class Broker:
                 return  # Aborts cross in flight; one for a finished transfer is harmless.
             raise ProtocolViolation(type(msg), None, msg.transfer_id, "no such transfer")
         check_transition(t.state, type(msg), peer.role, msg.transfer_id)
+        if isinstance(msg, Abort) and peer.peer_id == t.waiting_claim:
+            t.waiting_claim = None  # its request gave up: the claim is withdrawn, the transfer goes on
+            peer.transfers.discard(key)
+            return
         if peer.peer_id not in (t.prefill, t.decode, t.expected_by):
             raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"{peer.peer_id} is not part of it")
         if isinstance(msg, Abort):
@@ -528,6 +548,9 @@ class Broker:
             nbytes = t.nbytes
             self._drop(t, out)
             _remember(self.delivered, t.key, now + self.config.transfer_lease_s, f"it was delivered to {peer.peer_id}")
+            if t.waiting_claim in self.peers:
+                out.append(Send(self.peers[t.waiting_claim].identity,  # type: ignore[index]
+                                Abort(transfer_id=t.transfer_id, reason=f"it was delivered to {peer.peer_id}")))
             self.counters["completed"] += 1
             self.counters["bytes"] += msg.nbytes
             if t.offered_at is not None and t.go_at is not None:
@@ -684,12 +707,13 @@ class Broker:
         """Remove a finished transfer from every table; its credit returns."""
         self._unroute(t, out)
         self.transfers.pop(t.key, None)
-        for pid in (t.prefill, t.expected_by):
+        for pid in (t.prefill, t.expected_by, t.waiting_claim):
             if pid and pid in self.peers:
                 self.peers[pid].transfers.discard(t.key)
 
     def _abort(self, now: float, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
-        peers = {pid for pid in (t.prefill, t.decode, t.expected_by) if pid and pid != skip and pid in self.peers}
+        peers = {pid for pid in (t.prefill, t.decode, t.expected_by, t.waiting_claim)
+                 if pid and pid != skip and pid in self.peers}
         self._drop(t, out)
         _remember(self.aborted, t.key, now + self.config.transfer_lease_s, reason)
         self.counters["aborted"] += 1

@@ -89,6 +89,10 @@ class Transfer:
     # own transfers): by then it must be, or the transfer ends. A broker that restarted
     # while that instance was down never hears of it.
     absent_until: float | None = None
+    # A second decode peer that claimed the transfer while another held it (a proxy that
+    # sent the request again after the first instance failed it): it gets the transfer if
+    # the holder is lost, and the transfer's ending otherwise.
+    waiting_claim: str | None = None
     offered_at: float | None = None  # when P's Offer came, for the latency histograms
     go_at: float | None = None  # when the (last) Go left
     decode_hint: str = ""

@@ -54,7 +54,7 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
         for key in p.transfers:
             assert key in b.transfers, f"{pid} holds {key}, which no longer exists"
             t = b.transfers[key]
-            assert pid in (t.prefill, t.decode, t.expected_by), f"{pid} holds {key} but is not part of it"
+            assert pid in (t.prefill, t.decode, t.expected_by, t.waiting_claim), f"{pid} holds {key} but is not part of it"
         if p.pool is not None:
             pool = p.pool
             holders = [t for t in b.transfers.values() if t.decode == pid and t.state in HOLDS_CREDIT]
@@ -67,7 +67,8 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
                 assert pool.credit_for(b.transfers[next(iter(pool.waiting))].nbytes) > pool.free
     for key, t in b.transfers.items():
         assert t.key == key
-        for ref in (t.prefill, t.decode, t.expected_by):
+        assert t.waiting_claim is None or (t.state in HOLDS_CREDIT and t.waiting_claim not in (t.decode, t.expected_by))
+        for ref in (t.prefill, t.decode, t.expected_by, t.waiting_claim):
             assert ref is None or ref in b.peers, f"{key} refers to {ref}, which was evicted"
             if ref is not None:
                 assert key in b.peers[ref].transfers

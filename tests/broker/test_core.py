@@ -157,11 +157,39 @@ def test_a_claim_takes_a_transfer_from_the_named_decode_instance_that_never_clai
     d1.expect("t2")
     p.offer("t2", 20, decode="d1")
     d1.take_one(Prepare)
-    refused(c, d0.identity, Expect(transfer_id="t2"), "protocol", contains="already granted to d1:0")
+    d0.expect("t2")  # d1 claimed it: d0 waits behind it (see the test of waiting claims)
     p.offer("t3", 20, decode="d1")
     d1.take_one(Prepare)
     d1.ready("t3")
-    refused(c, d0.identity, Expect(transfer_id="t3"), "protocol", contains="already granted to d1:0")
+    d0.expect("t3")  # already sending: d0 waits too
+    assert d0.take() == [] and d1.take() == [] and (c.state("t2"), c.state("t3")) == (S.PREPARING, S.SENDING)
+
+
+def test_a_second_claim_waits_behind_the_holder(c: FakeCluster) -> None:
+    """d1 holds the request and the transfer; it dies, and the proxy sends the request
+    again to d2 before the broker has noticed (d1's lease still runs). d2's claim waits:
+    when d1 is lost, d2 gets the staged copy (no second prefill); when the holder finishes
+    instead, d2 is told where it went; a claim whose request gave up is withdrawn."""
+    p = c.prefill()
+    d1, d2 = c.decode("d1", claims_only=True), c.decode("d2", claims_only=True)
+    for tid in ("t1", "t2", "t3"):
+        d1.expect(tid)
+        p.offer(tid, 20)
+        d1.take_one(Prepare)
+        d2.expect(tid)
+    d1.ready("t2")
+    assert p.take_one(Go).transfer_id == "t2"
+    assert d2.take() == [] and [c.state(t) for t in ("t1", "t2", "t3")] == [S.PREPARING, S.SENDING, S.PREPARING]
+    d2.abort("t3", "its request finished")  # withdraws d2's claim only
+    assert c.state("t3") is S.PREPARING and d1.take() == [] and p.take() == []
+    d1.done("t2", 20)
+    assert d2.take_one(Abort) == Abort(transfer_id="t2", reason="it was delivered to d1:0")
+    p.take()
+    c.advance(CONFIG.peer_lease_s, keep_alive=[p, d2])  # d1's lease ends
+    prepares = [m for m in d2.take() if isinstance(m, Prepare)]
+    assert [(m.transfer_id, m.attempt) for m in prepares] == [("t1", 1)] and c.state("t3") is S.UNROUTED
+    d2.ready("t1")
+    assert p.take_one(Go).decode == "d2:0"
 
 
 def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c: FakeCluster) -> None:
@@ -511,8 +539,11 @@ def test_expect_trailing_a_hinted_route_is_accepted(c: FakeCluster) -> None:
     d1.ready("t1")
     d1.expect("t1")  # in SENDING too
     assert d1.take() == [] and c.state("t1") is S.SENDING
-    # Another decode peer cannot take a transfer already granted elsewhere.
-    refused(c, d2.identity, Expect(transfer_id="t1"), "protocol", contains="already granted to d1:0")
+    # Another decode peer's claim waits behind the holder: a third is refused.
+    d2.expect("t1")
+    assert d2.take() == [] and c.state("t1") is S.SENDING
+    d3 = c.decode("d3", pool=1000)
+    refused(c, d3.identity, Expect(transfer_id="t1"), "protocol", contains="granted to d1:0, and d2:0 waits for it")
 
 
 def test_offer_hint_naming_a_prefill_instance_is_ignored(c: FakeCluster) -> None:

@@ -292,6 +292,33 @@ def test_a_request_the_proxy_sent_to_another_decode_instance_than_it_named_still
             d.close()
 
 
+def test_a_request_sent_again_after_its_decode_instance_died_gets_the_staged_kv(tmp_path: Path) -> None:
+    """d1 holds the request and dies; the proxy sends the request again to d0 at once,
+    before the broker's lease on d1 has run out. d0's claim waits behind d1, and when d1
+    is evicted d0 gets P's staged copy, whole: no second prefill, no recompute (before,
+    d0's claim was refused and its load failed)."""
+    with own_broker_pair(tmp_path, 2, seed=46) as (b, p, d0, pc, dc0):
+        dc1 = make_caches(seed=48)
+        d1 = make_worker(b.endpoint, "d", "d1", dc1, load_timeout_s=20.0)
+        try:
+            load(d1, "t-again", [7, 8], cached=0)
+            wait_for_transfer(b, "t-again")
+            assert d1.client is not None
+            d1.client._future.cancel()  # d1 dies without a goodbye
+            stage(p, pc, "t-again", [3, 4], decode="d1")
+            wait_until(lambda: any(t["transfer_id"] == "t-again" and t["state"] == "preparing"
+                                   for t in b.status()["transfers"]), 10, "the Prepare to the dead d1")
+            load(d0, "t-again", [20, 21], cached=0)
+            _, errors, took = run_steps(d0, {"req-t-again"}, 15)
+            assert errors == set(), took
+            for n in LAYERS:
+                assert torch.equal(dc0[n][[20, 21]], pc[n][[3, 4]])
+            wait_until(lambda: not p.statistics()["staged_now"], 5, "P to release its copy")
+            assert (p.statistics()["staged"], p.statistics()["released"], p.statistics()["aborted"]) == (1, 1, 0)
+        finally:
+            d1.close()
+
+
 def test_a_copy_for_a_decode_instance_that_is_down_is_freed_after_one_lease(tmp_path: Path) -> None:
     """P's Offer names d1, which is down; d0 is up. The KV is useless to d0 (the request
     is on d1), so d0 gets nothing, and P frees its copy one peer lease (2 s) later. Before,

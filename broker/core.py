@@ -446,6 +446,9 @@ class Broker:
         self.counters["offered"] += 1
         out.append(Note("transfer.offered", {"transfer_id": msg.transfer_id, "nbytes": msg.nbytes, "peer": peer.peer_id}))
         self._route(now, t, out)
+        if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
+            out.append(Note("transfer.unrouted", {"transfer_id": t.transfer_id, "waiting_for": self._waiting_for(t)},
+                            level="debug"))
 
     def _expect(self, now: float, peer: Peer, msg: Expect, out: list[Effect]) -> None:
         if peer.role != "decode":
@@ -485,11 +488,15 @@ class Broker:
                 # then sent here: wait behind the holder rather than fail the request now.
                 t.waiting_claim = peer.peer_id
                 peer.transfers.add(key)
+                out.append(Note("transfer.claim_waits", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
+                                                         "holder": t.decode}))
                 return
             # Granted on the Offer's word to a peer that takes only its own, which never
             # claimed it: that peer holds no request for it and only parks the Prepare (a
             # proxy that named it, then sent the request elsewhere). The claim wins.
             out.append(Send(holder.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} holds its request")))
+            out.append(Note("transfer.claimed_away", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
+                                                      "holder": holder.peer_id}))
         # Not yet granted elsewhere: move it to the decode peer that holds the request.
         self._unroute(t, out)
         before = self.peers.get(t.expected_by or "")

@@ -77,6 +77,18 @@ def test_full_handshake(c: FakeCluster) -> None:
         ("transfer.offered", "info"), ("transfer.done", "info")]
 
 
+def test_an_offer_left_unrouted_is_noted_with_what_it_waits_for() -> None:
+    c = FakeCluster(dataclasses.replace(CONFIG, note_steps=True))
+    p = c.prefill()
+    c.decode("d1", claims_only=True)
+    c.decode("d2", claims_only=True)
+    p.offer("t1", 10)  # names no decode instance, and two could hold its request
+    assert [(n.event, n.fields, n.level) for n in c.notes if n.fields.get("transfer_id") == "t1"] == [
+        ("transfer.offered", {"transfer_id": "t1", "nbytes": 10, "peer": "p:0"}, "info"),
+        ("transfer.unrouted", {"transfer_id": "t1", "waiting_for": "a decode peer's Expect (the Offer names none, "
+                               "and several could hold the request)"}, "debug")]
+
+
 def test_message_steps_are_noted_at_debug_level_when_asked() -> None:
     c = FakeCluster(dataclasses.replace(CONFIG, note_steps=True))
     p, d = c.prefill(), c.decode(pool=100)
@@ -154,6 +166,8 @@ def test_a_claim_takes_a_transfer_from_the_named_decode_instance_that_never_clai
     abort = d1.take_one(Abort)
     assert (abort.transfer_id, abort.reason) == ("t1", "d0:0 holds its request") and c.pool(d1)[1] == 0
     assert d0.take_one(Prepare).transfer_id == "t1" and c.state("t1") is S.PREPARING
+    assert [n.fields for n in c.notes if n.event == "transfer.claimed_away"] == [
+        {"transfer_id": "t1", "peer": "d0:0", "holder": "d1:0"}]
     d1.expect("t2")
     p.offer("t2", 20, decode="d1")
     d1.take_one(Prepare)
@@ -190,6 +204,10 @@ def test_a_second_claim_waits_behind_the_holder(c: FakeCluster) -> None:
     assert [(m.transfer_id, m.attempt) for m in prepares] == [("t1", 1)] and c.state("t3") is S.UNROUTED
     d2.ready("t1")
     assert p.take_one(Go).decode == "d2:0"
+    waits = [n.fields for n in c.notes if n.event == "transfer.claim_waits"]
+    assert waits == [{"transfer_id": t, "peer": "d2:0", "holder": "d1:0"} for t in ("t1", "t2", "t3")]
+    waits = [n.fields for n in c.notes if n.event == "transfer.claim_waits"]
+    assert waits == [{"transfer_id": t, "peer": "d2:0", "holder": "d1:0"} for t in ("t1", "t2", "t3")]
 
 
 def test_an_unclaimed_transfer_waits_for_a_claim_when_its_decode_peer_is_lost(c: FakeCluster) -> None:

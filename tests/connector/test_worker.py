@@ -904,6 +904,75 @@ def test_transfers_through_broker_stalls_and_restarts_end_whole_or_fail_at_once(
         p.close()
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kv_follows_each_request_to_its_decode_instance_whatever_the_proxy_names(
+    broker: BrokerProcess, seed: int
+) -> None:
+    """Three decode instances. Each request goes to one of them; P's copy names that one,
+    none, or a wrong one (the proxy sent the request elsewhere after all); either side may
+    come first. Every load lands whole on the instance that holds its request, within
+    seconds; after, no instance holds a lease or a parked Prepare and P's staging is empty."""
+    rng = random.Random(seed)
+    pc = make_caches(seed=50)
+    p = make_worker(broker.endpoint, "p", "p0", pc, load_timeout_s=20.0)
+    names = ["d0", "d1", "d2"]
+    caches = {name: make_caches(seed=51 + k) for k, name in enumerate(names)}
+    ds = {name: make_worker(broker.endpoint, "d", name, caches[name], load_timeout_s=20.0) for name in names}
+    outcomes: list[tuple[object, ...]] = []
+    try:
+        for step in range(8):
+            n = rng.randint(2, 4)
+            srcs, dsts = rng.sample(range(1, 32), 2 * n), rng.sample(range(32, 64), 2 * n)
+            moves = {f"r{seed}-{step}-{k}": (srcs[2 * k: 2 * k + 2], dsts[2 * k: 2 * k + 2], rng.choice(names))
+                     for k in range(n)}
+            named = {tid: rng.choice(["", home, *[x for x in names if x != home]]) for tid, (_, _, home) in moves.items()}
+            for src, _, _ in moves.values():
+                for t in pc.values():
+                    t[src] = torch.randn_like(t[src])
+            saved = {tid: {name: t[src].clone() for name, t in pc.items()} for tid, (src, _, _) in moves.items()}
+
+            def save_all(moves: dict[str, tuple[list[int], list[int], str]] = moves, named: dict[str, str] = named) -> None:
+                p.bind(KvBrokerMetadata(saves={
+                    tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=2 * 32 - 5, decode=named[tid])
+                    for tid, (src, _, _) in moves.items()}))
+                for name in LAYERS:
+                    p.save_kv_layer(name, pc[name])
+                p.wait_for_save()
+                p.clear()
+
+            def load_all(moves: dict[str, tuple[list[int], list[int], str]] = moves) -> None:
+                for tid, (_, dst, home) in moves.items():
+                    load(ds[home], tid, dst, cached=0)
+
+            d_first = rng.random() < 0.5
+            for side in ((load_all, save_all) if d_first else (save_all, load_all)):
+                side()
+            want = {home: {f"req-{tid}" for tid, (_, _, h) in moves.items() if h == home} for home in names}
+            done: dict[str, set[str]] = {home: set() for home in names}
+            errors: set[tuple[str, int]] = set()
+            t0 = time.monotonic()
+            while any(not want[h] <= done[h] for h in names):
+                assert time.monotonic() - t0 < 10, (outcomes, named, done)
+                for home in names:
+                    _, recving = ds[home].get_finished(set())
+                    done[home] |= recving or set()
+                    errors |= {(home, b) for b in ds[home].get_block_ids_with_load_errors()}
+                engine_step_pause()
+            outcomes.append((step, d_first, sorted(named.values()), round(time.monotonic() - t0, 2)))
+            assert not errors, (errors, outcomes, named)
+            for tid, (_, dst, home) in moves.items():
+                for name in LAYERS:
+                    assert torch.equal(caches[home][name][dst], saved[tid][name]), (tid, home, named[tid], outcomes)
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 10, f"P's staging to empty; {outcomes}")
+        for d in ds.values():
+            assert d.pool is not None and d.pool.statistics().leases == 0, outcomes
+            assert d.consumer is not None and not d.consumer._parked, outcomes
+    finally:
+        p.close()
+        for d in ds.values():
+            d.close()
+
+
 def test_pending_expect_routes_after_broker_restart(broker: BrokerProcess) -> None:
     """D's Expect carries the route when P names no decode peer. The broker restarts
     while D waits: D's client sends the Expect again on registering, so the KV still goes

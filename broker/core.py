@@ -196,7 +196,8 @@ class Broker:
         self.latency: dict[str, Histogram] = {phase: Histogram() for phase in PHASES}
         self.counters: dict[str, int] = {
             k: 0
-            for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames")
+            for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames",
+                      "claims_moved", "claims_waited")
         }
 
     # -- entry points -------------------------------------------------------------
@@ -488,6 +489,7 @@ class Broker:
                 # then sent here: wait behind the holder rather than fail the request now.
                 t.waiting_claim = peer.peer_id
                 peer.transfers.add(key)
+                self.counters["claims_waited"] += 1
                 out.append(Note("transfer.claim_waits", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
                                                          "holder": t.decode}))
                 return
@@ -495,6 +497,7 @@ class Broker:
             # claimed it: that peer holds no request for it and only parks the Prepare (a
             # proxy that named it, then sent the request elsewhere). The claim wins.
             out.append(Send(holder.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} holds its request")))
+            self.counters["claims_moved"] += 1
             out.append(Note("transfer.claimed_away", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
                                                       "holder": holder.peer_id}))
         # Not yet granted elsewhere: move it to the decode peer that holds the request.
@@ -782,7 +785,8 @@ class Broker:
             return "a compatible decode peer to register"
         if t.state is S.WAITING_CREDIT:
             return f"room in the pool of {t.decode}"
-        return f"Ready from {t.decode}" if t.state is S.PREPARING else f"Done from {t.decode}"
+        step = f"Ready from {t.decode}" if t.state is S.PREPARING else f"Done from {t.decode}"
+        return f"{step} ({t.waiting_claim} waits behind it)" if t.waiting_claim else step
 
 
 class _NotRegistered(RemoteProtocolError):

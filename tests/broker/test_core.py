@@ -168,6 +168,7 @@ def test_a_claim_takes_a_transfer_from_the_named_decode_instance_that_never_clai
     assert d0.take_one(Prepare).transfer_id == "t1" and c.state("t1") is S.PREPARING
     assert [n.fields for n in c.notes if n.event == "transfer.claimed_away"] == [
         {"transfer_id": "t1", "peer": "d0:0", "holder": "d1:0"}]
+    assert c.status().counters["claims_moved"] == 1
     d1.expect("t2")
     p.offer("t2", 20, decode="d1")
     d1.take_one(Prepare)
@@ -194,6 +195,7 @@ def test_a_second_claim_waits_behind_the_holder(c: FakeCluster) -> None:
     d1.ready("t2")
     assert p.take_one(Go).transfer_id == "t2"
     assert d2.take() == [] and [c.state(t) for t in ("t1", "t2", "t3")] == [S.PREPARING, S.SENDING, S.PREPARING]
+    assert {t.transfer_id: t.waiting_for for t in c.status().transfers}["t2"] == "Done from d1:0 (d2:0 waits behind it)"
     d2.abort("t3", "its request finished")  # withdraws d2's claim only
     assert c.state("t3") is S.PREPARING and d1.take() == [] and p.take() == []
     d1.done("t2", 20)
@@ -204,8 +206,10 @@ def test_a_second_claim_waits_behind_the_holder(c: FakeCluster) -> None:
     assert [(m.transfer_id, m.attempt) for m in prepares] == [("t1", 1)] and c.state("t3") is S.UNROUTED
     d2.ready("t1")
     assert p.take_one(Go).decode == "d2:0"
+    assert c.status().counters["claims_waited"] == 3
     waits = [n.fields for n in c.notes if n.event == "transfer.claim_waits"]
     assert waits == [{"transfer_id": t, "peer": "d2:0", "holder": "d1:0"} for t in ("t1", "t2", "t3")]
+    assert c.status().counters["claims_waited"] == 3
     waits = [n.fields for n in c.notes if n.event == "transfer.claim_waits"]
     assert waits == [{"transfer_id": t, "peer": "d2:0", "holder": "d1:0"} for t in ("t1", "t2", "t3")]
 

@@ -28,9 +28,10 @@ Invariants this module keeps (each one has a test):
   vLLM instances) it waits for the Expect instead of guessing; for a named decode
   instance that is not registered, it waits at most `peer_lease_s`. An Expect takes a
   transfer from such a peer that was granted it on the Offer's word, never claimed it
-  and has not answered Ready. An Expect for a transfer another decode peer holds waits
-  behind it (one at a time): it gets the transfer if the holder is lost (the proxy sent
-  the request again after the holder failed it) and the transfer's ending otherwise.
+  and has not answered Ready. Another peer's Expect means the proxy sent the request
+  there (again): until the transfer is granted, that claim takes it and the peer that
+  claimed it before is told; once granted, the claim waits behind the holder (one at a
+  time), and gets the transfer if the holder is lost, the transfer's ending otherwise.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -385,6 +386,9 @@ class Broker:
 
     def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
         if t.state is S.EXPECTED or t.prefill is None:
+            if t.waiting_claim is not None:  # the request was sent again: that peer expects it now
+                t.expected_by, t.waiting_claim = t.waiting_claim, None
+                return
             self._drop(t, out)
             return
         self._unroute(t, out)
@@ -467,45 +471,48 @@ class Broker:
             peer.transfers.add(key)
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)
-        if t.state is S.EXPECTED:
-            if t.expected_by != peer.peer_id:
-                raise ProtocolViolation(Expect, t.state, msg.transfer_id, f"it is already expected by {t.expected_by}")
-            self.counters["repeated"] += 1
-            return  # the same Expect again (re-sent after a reconnect): nothing moves
-        if t.decode == peer.peer_id:
-            # Routed here by a hint before this Expect arrived: nothing moves.
-            t.expected_by = peer.peer_id
-            return
         if t.expected_by == peer.peer_id or t.waiting_claim == peer.peer_id:
             self.counters["repeated"] += 1
             return  # the same claim again (re-sent after a reconnect): nothing moves
+        if t.decode == peer.peer_id and t.expected_by is None:
+            t.expected_by = peer.peer_id  # routed here on the Offer's word before this Expect: nothing moves
+            return
+        # A claim from another peer than the holder: the proxy sent the request there
+        # (again, after the holder failed it; or instead of the instance it named).
+        holder = self.peers.get(t.decode or "")
         if t.state in HOLDS_CREDIT:
-            holder = self.peers.get(t.decode or "")
             if not (t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only):
+                # Granted to a peer that claimed it or takes anything: its bytes may be
+                # moving. Wait behind it; its loss hands the transfer over (`_decode_lost`).
                 if t.waiting_claim is not None:
                     raise ProtocolViolation(Expect, t.state, msg.transfer_id,
-                                            f"it is granted to {t.decode}, and {t.waiting_claim} waits for it")
-                # The holder may have failed the request to the client, which the proxy
-                # then sent here: wait behind the holder rather than fail the request now.
+                                            f"it is held by {t.decode}, and {t.waiting_claim} waits for it")
                 t.waiting_claim = peer.peer_id
                 peer.transfers.add(key)
                 self.counters["claims_waited"] += 1
                 out.append(Note("transfer.claim_waits", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
                                                          "holder": t.decode}))
                 return
-            # Granted on the Offer's word to a peer that takes only its own, which never
-            # claimed it: that peer holds no request for it and only parks the Prepare (a
-            # proxy that named it, then sent the request elsewhere). The claim wins.
-            out.append(Send(holder.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} holds its request")))
+            # Granted on the Offer's word to a peer that takes only its own and never
+            # claimed it: it holds no request for it and only parks the Prepare.
+            previous: Peer | None = holder
+        else:  # not granted yet: the latest claim takes it, and the one before is told
+            previous = self.peers.get(t.expected_by or "")
+        if previous is not None:
+            out.append(Send(previous.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} claims it now")))
             self.counters["claims_moved"] += 1
             out.append(Note("transfer.claimed_away", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
-                                                      "holder": holder.peer_id}))
-        # Not yet granted elsewhere: move it to the decode peer that holds the request.
-        self._unroute(t, out)
-        before = self.peers.get(t.expected_by or "")
-        if before is not None:
-            before.transfers.discard(key)  # it no longer holds the request
+                                                      "holder": previous.peer_id}))
+            if t.expected_by == previous.peer_id:
+                previous.transfers.discard(key)
         t.expected_by = peer.peer_id
+        peer.transfers.add(key)
+        if t.state is S.EXPECTED:
+            t.expected_from = msg.prefill or t.expected_from
+            if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.rank}"):
+                t.absent_until = now + self.config.peer_lease_s
+            return
+        self._unroute(t, out)
         self._route(now, t, out)
 
     def _advance(self, now: float, peer: Peer, msg: Ready | Done | Abort, out: list[Effect]) -> None:

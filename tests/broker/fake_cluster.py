@@ -67,7 +67,8 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
                 assert pool.credit_for(b.transfers[next(iter(pool.waiting))].nbytes) > pool.free
     for key, t in b.transfers.items():
         assert t.key == key
-        assert t.waiting_claim is None or (t.state in HOLDS_CREDIT and t.waiting_claim not in (t.decode, t.expected_by))
+        assert t.waiting_claim is None or (
+            t.waiting_claim not in (t.decode, t.expected_by) and (t.expected_by or t.decode) is not None)
         for ref in (t.prefill, t.decode, t.expected_by, t.waiting_claim):
             assert ref is None or ref in b.peers, f"{key} refers to {ref}, which was evicted"
             if ref is not None:

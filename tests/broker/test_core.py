@@ -164,7 +164,7 @@ def test_a_claim_takes_a_transfer_from_the_named_decode_instance_that_never_clai
     assert d1.take_one(Prepare).transfer_id == "t1" and c.pool(d1)[1] == 20
     d0.expect("t1")
     abort = d1.take_one(Abort)
-    assert (abort.transfer_id, abort.reason) == ("t1", "d0:0 holds its request") and c.pool(d1)[1] == 0
+    assert (abort.transfer_id, abort.reason) == ("t1", "d0:0 claims it now") and c.pool(d1)[1] == 0
     assert d0.take_one(Prepare).transfer_id == "t1" and c.state("t1") is S.PREPARING
     assert [n.fields for n in c.notes if n.event == "transfer.claimed_away"] == [
         {"transfer_id": "t1", "peer": "d0:0", "holder": "d1:0"}]
@@ -462,16 +462,19 @@ def test_the_same_offer_again_changes_nothing_another_is_refused(c: FakeCluster)
     refused(c, p.identity, Offer(transfer_id="t1", nbytes=60), ProtocolViolation.code, contains="Offer")
 
 
-def test_expect_again_is_accepted_and_a_second_expecter_refused(c: FakeCluster) -> None:
+def test_expect_again_changes_nothing_and_a_later_claim_takes_a_transfer_not_granted_yet(c: FakeCluster) -> None:
     """A client re-sends its pending Expects after a reconnect: the same Expect again
-    changes nothing; another decode peer expecting the same transfer is refused."""
-    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=1000)
+    changes nothing. Another decode peer's Expect means the proxy sent the request there
+    (again): before the transfer is granted, that claim takes it, and the peer that
+    claimed it before is told, so its load does not wait for its deadline."""
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=1000), c.decode("d2", pool=100)
     d1.expect("t1")
     d1.expect("t1")
     assert c.state("t1") is S.EXPECTED and d1.take() == []
-    refused(c, d2.identity, Expect(transfer_id="t1"), ProtocolViolation.code, contains="already expected by d1:0")
-    p.offer("t1", 50)  # d2 has more room, but d1 holds the request
-    assert d1.take_one(Prepare).source == "p:0" and d2.take() == []
+    d2.expect("t1")
+    assert d1.take_one(Abort) == Abort(transfer_id="t1", reason="d2:0 claims it now")
+    p.offer("t1", 50)  # d1 has more room, but the request is on d2 now
+    assert d2.take_one(Prepare).source == "p:0" and d1.take() == []
 
 
 def test_expect_before_offer_routes_to_the_expecting_peer(c: FakeCluster) -> None:
@@ -537,6 +540,7 @@ def test_expect_moves_a_transfer_that_another_decode_peer_expected(c: FakeCluste
     d2.expect("t1")
     assert c.broker.transfers[("t1", 0)].decode == "d2:0"
     assert ("t1", 0) not in c.broker.peers["d1:0"].transfers
+    assert [m for m in d1.take() if isinstance(m, Abort)] == [Abort(transfer_id="t1", reason="d2:0 claims it now")]
     d1.take()
     d1.goodbye()  # d1 no longer holds t1: losing it must not disturb t1
     assert c.broker.transfers[("t1", 0)].attempt == 0 and c.state("t1") is S.PREPARING
@@ -565,7 +569,7 @@ def test_expect_trailing_a_hinted_route_is_accepted(c: FakeCluster) -> None:
     d2.expect("t1")
     assert d2.take() == [] and c.state("t1") is S.SENDING
     d3 = c.decode("d3", pool=1000)
-    refused(c, d3.identity, Expect(transfer_id="t1"), "protocol", contains="granted to d1:0, and d2:0 waits for it")
+    refused(c, d3.identity, Expect(transfer_id="t1"), "protocol", contains="held by d1:0, and d2:0 waits for it")
 
 
 def test_offer_hint_naming_a_prefill_instance_is_ignored(c: FakeCluster) -> None:
@@ -933,7 +937,6 @@ def test_bad_messages_get_an_error_and_change_nothing(busy: tuple[FakeCluster, F
     refused(c, d2.identity, Abort(transfer_id="preparing"), "protocol", contains="not part of it")
     refused(c, p.identity, Abort(transfer_id="expected"), "protocol", contains="only a decode peer")
     refused(c, d.identity, Abort(transfer_id="expected"), "protocol", contains="d:0 is not part of it")
-    refused(c, d.identity, Expect(transfer_id="expected"), "protocol", contains="state expected")
     refused(c, p.identity, Relay(to="ghost:0", key="k"), "unknown_peer")
     broker_to_peer: tuple[Message, ...] = (
         Registered(peer_id="p:0", heartbeat_s=1.0, lease_s=5.0),

@@ -973,6 +973,79 @@ def test_kv_follows_each_request_to_its_decode_instance_whatever_the_proxy_names
             d.close()
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_requests_sent_again_after_their_decode_instance_died_get_the_staged_kv(tmp_path: Path, seed: int) -> None:
+    """Three decode instances; one dies (no goodbye) holding some of the requests, before
+    P saves. The proxy sends those requests again, each to one of the other two, before
+    or after P's save and long before the broker's 2 s lease on the dead one ends. Every
+    request, sent again or not, loads whole from P's single staged copy."""
+    rng = random.Random(seed)
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "2")
+    b.start()
+    pc = make_caches(seed=60)
+    p = make_worker(b.endpoint, "p", "p0", pc, load_timeout_s=20.0)
+    names = ["d0", "d1", "d2"]
+    caches = {name: make_caches(seed=61 + k) for k, name in enumerate(names)}
+    ds = {name: make_worker(b.endpoint, "d", name, caches[name], load_timeout_s=20.0) for name in names}
+    try:
+        victim = rng.choice(names)
+        n = rng.randint(3, 6)
+        srcs, dsts = rng.sample(range(1, 32), 2 * n), rng.sample(range(32, 64), 2 * n)
+        homes = [rng.choice(names) for _ in range(n)]
+        homes[0] = victim  # at least one request is on the instance that dies
+        moves = {f"v{seed}-{k}": (srcs[2 * k: 2 * k + 2], dsts[2 * k: 2 * k + 2], homes[k]) for k in range(n)}
+        named = {tid: rng.choice(["", home]) for tid, (_, _, home) in moves.items()}
+        for tid, (_, dst, home) in moves.items():
+            load(ds[home], tid, dst, cached=0)
+        for tid, (_, _, home) in moves.items():
+            if home == victim:
+                wait_for_transfer(b, tid)
+        client = ds[victim].client
+        assert client is not None
+        client._future.cancel()  # the victim dies without a goodbye
+        again = {tid: rng.choice([x for x in names if x != victim]) for tid, m in moves.items() if m[2] == victim}
+        after_save = rng.random() < 0.5
+
+        def send_again() -> None:
+            for tid, home in again.items():
+                load(ds[home], tid, moves[tid][1], cached=0)
+
+        if not after_save:
+            send_again()
+        p.bind(KvBrokerMetadata(saves={
+            tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=2 * 32 - 5, decode=named[tid])
+            for tid, (src, _, _) in moves.items()}))
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        p.clear()
+        if after_save:
+            send_again()
+        final = {tid: again.get(tid, home) for tid, (_, _, home) in moves.items()}
+        want = {h: {f"req-{tid}" for tid, fh in final.items() if fh == h} for h in names if h != victim}
+        done: dict[str, set[str]] = {h: set() for h in want}
+        errors: set[tuple[str, int]] = set()
+        t0 = time.monotonic()
+        while any(not want[h] <= done[h] for h in want):
+            assert time.monotonic() - t0 < 15, (victim, again, named, after_save, done)
+            for h in want:
+                _, recving = ds[h].get_finished(set())
+                done[h] |= recving or set()
+                errors |= {(h, blk) for blk in ds[h].get_block_ids_with_load_errors()}
+            engine_step_pause()
+        assert not errors, (errors, victim, again, named, after_save)
+        for tid, (src, dst, _) in moves.items():
+            for name in LAYERS:
+                assert torch.equal(caches[final[tid]][name][dst], pc[name][src]), (tid, final[tid], named[tid])
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 10, "P's staging to empty")
+        assert p.statistics()["staged"] == n and p.statistics()["aborted"] == 0
+    finally:
+        p.close()
+        for d in ds.values():
+            d.close()
+        b.kill()
+
+
 def test_pending_expect_routes_after_broker_restart(broker: BrokerProcess) -> None:
     """D's Expect carries the route when P names no decode peer. The broker restarts
     while D waits: D's client sends the Expect again on registering, so the KV still goes

@@ -219,6 +219,33 @@ def test_transfer_skips_prefix_hit_and_never_writes_it(broker: BrokerProcess) ->
         d.close()
 
 
+def save_many(p: ConnectorWorker, caches: dict[str, torch.Tensor], saves: dict[str, tuple[list[int], str]]) -> None:
+    """One producer step saving several transfers: id -> (blocks, the decode instance named, or "")."""
+    p.bind(KvBrokerMetadata(saves={
+        tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=2 * 32 - 5, decode=decode)
+        for tid, (src, decode) in saves.items()}))
+    for name in LAYERS:
+        p.save_kv_layer(name, caches[name])
+    p.wait_for_save()
+    p.clear()
+
+
+def run_steps_on(ds: dict[str, ConnectorWorker], want: dict[str, set[str]], timeout: float) -> set[tuple[str, int]]:
+    """Empty steps on every decode instance until each reported the requests it must;
+    returns (instance, block) for every load error seen."""
+    t0 = time.monotonic()
+    done: dict[str, set[str]] = {h: set() for h in want}
+    errors: set[tuple[str, int]] = set()
+    while any(not want[h] <= done[h] for h in want):
+        assert time.monotonic() - t0 < timeout, f"no report for {({h: want[h] - done[h] for h in want})}"
+        for h in want:
+            _, recving = ds[h].get_finished(set())
+            done[h] |= recving or set()
+            errors |= {(h, blk) for blk in ds[h].get_block_ids_with_load_errors()}
+        engine_step_pause()
+    return errors
+
+
 def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
     pc, dc = make_caches(seed=3), make_caches(seed=4)
     p = make_worker(broker.endpoint, "p", "p0", pc)
@@ -932,13 +959,7 @@ def test_kv_follows_each_request_to_its_decode_instance_whatever_the_proxy_names
             saved = {tid: {name: t[src].clone() for name, t in pc.items()} for tid, (src, _, _) in moves.items()}
 
             def save_all(moves: dict[str, tuple[list[int], list[int], str]] = moves, named: dict[str, str] = named) -> None:
-                p.bind(KvBrokerMetadata(saves={
-                    tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=2 * 32 - 5, decode=named[tid])
-                    for tid, (src, _, _) in moves.items()}))
-                for name in LAYERS:
-                    p.save_kv_layer(name, pc[name])
-                p.wait_for_save()
-                p.clear()
+                save_many(p, pc, {tid: (src, named[tid]) for tid, (src, _, _) in moves.items()})
 
             def load_all(moves: dict[str, tuple[list[int], list[int], str]] = moves) -> None:
                 for tid, (_, dst, home) in moves.items():
@@ -948,16 +969,8 @@ def test_kv_follows_each_request_to_its_decode_instance_whatever_the_proxy_names
             for side in ((load_all, save_all) if d_first else (save_all, load_all)):
                 side()
             want = {home: {f"req-{tid}" for tid, (_, _, h) in moves.items() if h == home} for home in names}
-            done: dict[str, set[str]] = {home: set() for home in names}
-            errors: set[tuple[str, int]] = set()
             t0 = time.monotonic()
-            while any(not want[h] <= done[h] for h in names):
-                assert time.monotonic() - t0 < 10, (outcomes, named, done)
-                for home in names:
-                    _, recving = ds[home].get_finished(set())
-                    done[home] |= recving or set()
-                    errors |= {(home, b) for b in ds[home].get_block_ids_with_load_errors()}
-                engine_step_pause()
+            errors = run_steps_on(ds, want, 10)
             outcomes.append((step, d_first, sorted(named.values()), round(time.monotonic() - t0, 2)))
             assert not errors, (errors, outcomes, named)
             for tid, (_, dst, home) in moves.items():
@@ -1012,27 +1025,12 @@ def test_requests_sent_again_after_their_decode_instance_died_get_the_staged_kv(
 
         if not after_save:
             send_again()
-        p.bind(KvBrokerMetadata(saves={
-            tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=2 * 32 - 5, decode=named[tid])
-            for tid, (src, _, _) in moves.items()}))
-        for name in LAYERS:
-            p.save_kv_layer(name, pc[name])
-        p.wait_for_save()
-        p.clear()
+        save_many(p, pc, {tid: (src, named[tid]) for tid, (src, _, _) in moves.items()})
         if after_save:
             send_again()
         final = {tid: again.get(tid, home) for tid, (_, _, home) in moves.items()}
         want = {h: {f"req-{tid}" for tid, fh in final.items() if fh == h} for h in names if h != victim}
-        done: dict[str, set[str]] = {h: set() for h in want}
-        errors: set[tuple[str, int]] = set()
-        t0 = time.monotonic()
-        while any(not want[h] <= done[h] for h in want):
-            assert time.monotonic() - t0 < 15, (victim, again, named, after_save, done)
-            for h in want:
-                _, recving = ds[h].get_finished(set())
-                done[h] |= recving or set()
-                errors |= {(h, blk) for blk in ds[h].get_block_ids_with_load_errors()}
-            engine_step_pause()
+        errors = run_steps_on(ds, want, 15)
         assert not errors, (errors, victim, again, named, after_save)
         for tid, (src, dst, _) in moves.items():
             for name in LAYERS:

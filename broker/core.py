@@ -750,6 +750,7 @@ class Broker:
                 endpoints=dict(p.reg.endpoints),
                 lease_left_s=round(p.lease_until - now, 3),
                 transfers=len(p.transfers),
+                claims_only=p.reg.claims_only,
             )
             for p in self.peers.values()
         ]

@@ -51,8 +51,10 @@ def render_status(s: Status) -> str:
     parts = [
         f"peers ({len(s.peers)})",
         _table(
-            ["peer", "role", "rank", "lease_left_s", "transfers", "endpoints"],
-            [[p.peer_id, p.role, p.rank, p.lease_left_s, p.transfers, " ".join(f"{k}={v}" for k, v in p.endpoints.items())] for p in s.peers],
+            ["peer", "role", "rank", "lease_left_s", "transfers", "takes", "endpoints"],
+            [[p.peer_id, p.role, p.rank, p.lease_left_s, p.transfers,
+              ("its claims" if p.claims_only else "any") if p.role == "decode" else "",
+              " ".join(f"{k}={v}" for k, v in p.endpoints.items())] for p in s.peers],
         ),
         "",
         f"pools ({len(s.pools)})",

@@ -185,6 +185,7 @@ class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: dict[str, str]
     lease_left_s: float
     transfers: int
+    claims_only: bool = False  # a decode peer that takes only transfers it claims (Register.claims_only)
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):

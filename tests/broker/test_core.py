@@ -257,7 +257,10 @@ def test_status_says_what_each_transfer_waits_for(c: FakeCluster) -> None:
         "t-sending": "Done from d2:0",
         "t-named": "decode peer d3:0, named by the Offer, to register",
     }
-    assert "waiting_for" in render_status(c.status()) and "room in the pool of d1:0" in render_status(c.status())
+    table = render_status(c.status())
+    assert "waiting_for" in table and "room in the pool of d1:0" in table
+    assert [(x.peer_id, x.claims_only) for x in c.status().peers] == [("p:0", False), ("d1:0", True), ("d2:0", True)]
+    assert "its claims" in table
 
 
 def test_completed_transfers_are_timed_by_phase(c: FakeCluster) -> None:

@@ -341,8 +341,8 @@ class Broker:
         peer.transfers.clear()
         if peer.role == "prefill":  # the Expects naming it: one lease for it to be back (`_absent`)
             for t in self.transfers.values():
-                if t.state is S.EXPECTED and t.absent_until is None and f"{t.expected_from}:{t.rank}" == peer.peer_id:
-                    t.absent_until = now + self.config.peer_lease_s
+                if t.state is S.EXPECTED and f"{t.expected_from}:{t.rank}" == peer.peer_id:
+                    self._await_named_prefill(now, t)
 
     def _orphan_expects(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         """A lost prefill peer will offer nothing more: end the Expects that named it, and
@@ -385,17 +385,15 @@ class Broker:
         )
 
     def _decode_lost(self, now: float, t: Transfer, peer: Peer, why: str, out: list[Effect]) -> None:
-        if t.state is S.EXPECTED or t.prefill is None:
-            if t.waiting_claim is not None:  # the request was sent again: that peer expects it now
-                t.expected_by, t.waiting_claim = t.waiting_claim, None
-                return
-            self._drop(t, out)
-            return
-        self._unroute(t, out)
         if t.expected_by == peer.peer_id:
             t.expected_by = None
-        if t.waiting_claim is not None:  # the peer the request was sent to again takes it
+        if t.waiting_claim is not None:  # the request was sent again: the peer it went to takes over
             t.expected_by, t.waiting_claim = t.waiting_claim, None
+        if t.state is S.EXPECTED or t.prefill is None:
+            if t.expected_by is None:
+                self._drop(t, out)
+            return
+        self._unroute(t, out)
         if t.attempt + 1 >= self.config.max_attempts:
             self._abort(now, t, f"decode peer {peer.peer_id} was lost ({why}) after {t.attempt + 1} attempts", out)
             return
@@ -466,8 +464,7 @@ class Broker:
                 return
             t = self._new(now, key, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
-            if msg.prefill and not self._is_prefill(f"{msg.prefill}:{key[1]}"):
-                t.absent_until = now + self.config.peer_lease_s  # one lease to register in
+            self._await_named_prefill(now, t)
             peer.transfers.add(key)
             return
         check_transition(t.state, Expect, peer.role, msg.transfer_id)
@@ -509,8 +506,7 @@ class Broker:
         peer.transfers.add(key)
         if t.state is S.EXPECTED:
             t.expected_from = msg.prefill or t.expected_from
-            if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.rank}"):
-                t.absent_until = now + self.config.peer_lease_s
+            self._await_named_prefill(now, t)
             return
         self._unroute(t, out)
         self._route(now, t, out)
@@ -633,6 +629,11 @@ class Broker:
         if len(candidates) <= 1 and not self._hint_absent(t) and t.attempt == 0:
             return candidates
         return [p for p in candidates if not p.reg.claims_only]
+
+    def _await_named_prefill(self, now: float, t: Transfer) -> None:
+        """An Expect names a prefill instance that is not registered: one lease for it to register in."""
+        if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.rank}"):
+            t.absent_until = now + self.config.peer_lease_s
 
     def _is_prefill(self, peer_id: str) -> bool:
         p = self.peers.get(peer_id)

@@ -561,9 +561,10 @@ class Broker:
             nbytes = t.nbytes
             self._drop(t, out)
             _remember(self.delivered, t.key, now + self.config.transfer_lease_s, f"it was delivered to {peer.peer_id}")
-            if t.waiting_claim in self.peers:
-                out.append(Send(self.peers[t.waiting_claim].identity,  # type: ignore[index]
-                                Abort(transfer_id=t.transfer_id, reason=f"it was delivered to {peer.peer_id}")))
+            claimant = self.peers.get(t.waiting_claim or "")
+            if claimant is not None:
+                out.append(Send(claimant.identity, Abort(transfer_id=t.transfer_id,
+                                                         reason=f"it was delivered to {peer.peer_id}")))
             self.counters["completed"] += 1
             self.counters["bytes"] += msg.nbytes
             if t.offered_at is not None and t.go_at is not None:

@@ -549,27 +549,18 @@ def test_a_prefill_instance_restarted_under_its_id_fails_the_loads_that_named_it
     never offer what the old one was computing: D's load fails at once, not at its 20 s
     deadline. (The same process registering again, a reconnect, keeps the wait: its
     Offers follow.)"""
-    b = BrokerProcess(tmp_path, "--heartbeat", "0.5", "--peer-lease", "10")
-    b.start()
-    pc, dc = make_caches(seed=34), make_caches(seed=35)
-    p = make_worker(b.endpoint, "p", "p0", pc)
-    d = make_worker(b.endpoint, "d", "d0", dc, load_timeout_s=20.0)
-    p2 = None
-    try:
+    with own_broker_pair(tmp_path, 10, seed=34) as (b, p, d, pc, _):
         load(d, "t-lost", [30, 31], cached=0, prefill="p0")
         wait_for_transfer(b, "t-lost")
         assert p.client is not None
         p.client._future.cancel()  # the process dies without a goodbye
         t0 = time.monotonic()
         p2 = make_worker(b.endpoint, "p", "p0", pc)  # and comes back under its id
-        _, errors, took = run_steps(d, {"req-t-lost"}, 30)
-        assert errors == {30, 31} and time.monotonic() - t0 < 5, took
-    finally:
-        d.close()
-        p.close()
-        if p2 is not None:
+        try:
+            _, errors, took = run_steps(d, {"req-t-lost"}, 30)
+            assert errors == {30, 31} and time.monotonic() - t0 < 5, took
+        finally:
             p2.close()
-        b.kill()
 
 
 def test_a_load_naming_a_prefill_instance_down_across_a_broker_restart_fails_after_one_lease(tmp_path: Path) -> None:

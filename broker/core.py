@@ -198,7 +198,7 @@ class Broker:
         self.counters: dict[str, int] = {
             k: 0
             for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames",
-                      "claims_moved", "claims_waited")
+                      "claims_moved", "claims_waited", "stalls")
         }
 
     # -- entry points -------------------------------------------------------------
@@ -248,6 +248,24 @@ class Broker:
             while memory and next(iter(memory.values()))[0] <= now:
                 memory.popitem(last=False)
         return out
+
+    def resume(self, stalled_s: float) -> None:
+        """The broker itself did not run for `stalled_s` (a stopped process, a starved host):
+        move every deadline on by that much. The heartbeats, Readys and Dones sent meanwhile
+        wait in the socket's queue; counting the broker's own absence against their senders
+        would evict every peer and abort every transfer on the first tick after it."""
+        self.counters["stalls"] += 1
+        for p in self.peers.values():
+            p.lease_until += stalled_s
+        for t in self.transfers.values():
+            t.lease_until += stalled_s
+            if t.credit_deadline is not None:
+                t.credit_deadline += stalled_s
+            if t.absent_until is not None:
+                t.absent_until += stalled_s
+        for memory in (self.aborted, self.delivered, self.lost):
+            for key, (until, reason) in memory.items():
+                memory[key] = (until + stalled_s, reason)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `tick` has something to do, for the shell's timer."""

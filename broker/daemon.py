@@ -4,12 +4,20 @@ Every frame is decoded, handed to `Broker.handle` without awaiting, and the retu
 messages are sent without blocking: a peer whose queue is full loses that message (it
 will time out and retry) rather than stall the broker for everyone. One task group
 holds the receive loop, the lease timer and the status snapshot for metrics.
+
+A broker that stops running (a stopped process, a starved host, a call that blocks)
+says so: a watch thread logs where the loop's thread is while it is stuck, and the
+timer, once it runs again, logs how long it was away and moves the core's deadlines on
+by that much, so peers are not evicted for heartbeats that wait in its own queue.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +36,8 @@ from .core import Broker, BrokerConfig, Note, Send
 log = structlog.get_logger("kvbroker.broker")
 
 DRAIN_BATCH = 256
+# The loop away this long is a stall worth a warning; its timer wakes at least every 100 ms.
+STALL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -179,14 +189,62 @@ class BrokerDaemon:
 
     async def _timer(self, chan: ZmqChannel) -> None:
         """Run the core's lease clock; sleep until its next deadline, but at least every 100 ms."""
-        while True:
-            now = self.clock()
-            for effect in self.core.tick(now):
-                self._apply(chan, effect)
-            self.snapshot = self.core.status(now)
-            deadline = self.core.next_deadline()
-            wait = 0.1 if deadline is None else min(0.1, max(0.005, deadline - now))
-            await anyio.sleep(wait)
+        watch = _StallWatch(self.clock, self.endpoint)
+        watch.start()
+        due: float | None = None
+        try:
+            while True:
+                now = self.clock()
+                watch.beat = now
+                if due is not None and now - due > STALL_S:
+                    away = now - due
+                    log.warning(
+                        "broker.stalled", stalled_s=round(away, 3),
+                        reason="the broker did not run for that long (a stopped process, a starved host or a "
+                        "blocking call); its leases and deadlines move on by as much",
+                    )
+                    self.core.resume(away)
+                for effect in self.core.tick(now):
+                    self._apply(chan, effect)
+                self.snapshot = self.core.status(now)
+                deadline = self.core.next_deadline()
+                wait = 0.1 if deadline is None else min(0.1, max(0.005, deadline - now))
+                due = now + wait
+                await anyio.sleep(wait)
+        finally:
+            watch.stop()
+
+
+class _StallWatch(threading.Thread):
+    """Logs where the event loop's thread is when the loop has not ticked for `STALL_S`.
+
+    The timer can only say how long it was away once it runs again; this says where it
+    was stuck, which tells a blocking call (a Python stack) from a process that was not
+    scheduled at all (the loop's own wait for events).
+    """
+
+    def __init__(self, clock: Callable[[], float], endpoint: str | None) -> None:
+        super().__init__(name="kvbroker-stall-watch", daemon=True)
+        self.clock = clock
+        self.endpoint = endpoint
+        self.beat = clock()
+        self.loop_thread = threading.get_ident()
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        reported = None
+        while not self._stopped.wait(STALL_S / 2):
+            beat = self.beat
+            if self.clock() - beat <= STALL_S or beat == reported:
+                continue
+            reported = beat
+            frame = sys._current_frames().get(self.loop_thread)
+            where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(gone)"
+            log.warning("broker.stuck", role="broker", instance=self.endpoint,
+                        since_s=round(self.clock() - beat, 3), where=where)
 
 
 def serve(config: DaemonConfig, backend: str = "asyncio") -> None:

@@ -689,6 +689,34 @@ def test_heartbeat_keeps_the_lease(c: FakeCluster) -> None:
     assert c.status().peers == []
 
 
+def test_a_broker_that_did_not_run_moves_every_deadline_on_by_its_absence(c: FakeCluster) -> None:
+    """The broker process stopped for 20 s (a starved host, a stopped process). What its
+    peers sent meanwhile waits in its socket's queue: its first tick after must not take
+    that for silence, evicting every peer and aborting every transfer."""
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("a", 60)  # preparing: its transfer lease ends at 30
+    p.offer("b", 60)  # waiting for credit until 10
+    d.expect_from("e", "q")  # prefill instance q is not registered: ends at 5
+    p.offer("x", 10)
+    p.abort("x", "its request was cancelled")  # remembered until 30, for late messages
+    d.take()
+    c.now = 4.0
+    c.tick()
+    c.broker.resume(20.0)
+    c.now = 24.5  # every deadline above has passed, and none in the time the broker ran
+    c.tick()
+    assert {x.peer_id for x in c.status().peers} == {"p:0", "d:0"}
+    assert (c.state("a"), c.state("b"), c.state("e")) == (S.PREPARING, S.WAITING_CREDIT, S.EXPECTED)
+    assert p.take() == [] and d.take() == []
+    d.ready("a")  # a message that waited in the queue: the transfer goes on
+    assert p.take_one(Go).transfer_id == "a"
+    assert c.broker.next_deadline() == pytest.approx(CONFIG.peer_lease_s + 20.0)  # p's lease, moved on
+    c.now = 45.0
+    d.expect("x")  # a late claim still gets the ending it would have got before the stall
+    assert "cancelled" in d.take_one(Abort).reason and c.state("x") is None
+    assert c.status().counters["stalls"] == 1
+
+
 # -- lost peers and retries ----------------------------------------------------------
 
 
@@ -1226,6 +1254,14 @@ class BrokerMachine(RuleBasedStateMachine):
             for p in list(self.b.peers.values()):
                 self.send(p.identity, Heartbeat())
         self.c.tick()  # checks that no peer, transfer or credit wait outlived `now`
+        self.c.inboxes.clear()
+
+    @rule(away=st.floats(1.0, 60.0))
+    def stall(self, away: float) -> None:
+        """The broker did not run for a while; its peers' messages waited in its queue."""
+        self.c.now += away
+        self.b.resume(away)
+        self.c.tick()
         self.c.inboxes.clear()
 
     @invariant()

@@ -7,17 +7,33 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import pytest
+import structlog.testing
 import zmq
 
 from protocols.channel import curve_client_keys
 from protocols.codec import HEADER, Codec, encode
 from protocols.errors import BrokerUnavailable
-from protocols.messages import Abort, Done, Expect, Layout, Offer, Prepare, Ready, Register
+from protocols.messages import (
+    Abort,
+    Done,
+    Expect,
+    Go,
+    Heartbeat,
+    Layout,
+    Offer,
+    Prepare,
+    Ready,
+    Register,
+    Registered,
+)
 from tests.support import ROOT, BrokerProcess, env, wait_until
 from workers.client import BrokerClient, ClientConfig, NullHandler
 
@@ -370,3 +386,73 @@ async def test_curve_broker_serves_keyed_clients_only(tmp_path: Path, anyio_back
         assert out.returncode == 0 and json.loads(out.stdout)["peers"][0]["peer_id"] == "p0:0", out.stderr
     finally:
         broker.stop()
+
+
+def test_a_broker_stopped_past_every_lease_keeps_the_peers_that_kept_heartbeating(tmp_path: Path) -> None:
+    """The broker process stops for twice its peer lease (a starved host, a stopped VM)
+    while a prefill and a decode peer go on heartbeating into its queue. On waking it
+    logs how long it was away and evicts neither: the transfer it held goes on."""
+    broker = BrokerProcess(tmp_path, "--peer-lease", "1", "--heartbeat", "0.2")
+    broker.start()
+    ctx = zmq.Context()
+    codec = Codec()
+
+    def until(sock: zmq.Socket, kind: type) -> Any:
+        """The next message of `kind` on `sock`, skipping heartbeat echoes."""
+        def got() -> Any:
+            while sock.poll(0):
+                msg = codec.decode(sock.recv())
+                if isinstance(msg, kind):
+                    return msg
+            return None
+        return wait_until(got, 10, f"a {kind.__name__}")
+
+    try:
+        p, d = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock, reg in (
+            (d, Register(role="decode", instance_id="d0", pool_capacity=1000, compat_hash="h")),
+            (p, Register(role="prefill", instance_id="p0", compat_hash="h")),
+        ):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(broker.endpoint)
+            sock.send(codec.encode(reg))
+            until(sock, Registered)
+        p.send(codec.encode(Offer(transfer_id="t1", nbytes=100, decode="d0")))
+        until(d, Prepare)
+        pace = threading.Event()
+        with broker.paused():
+            away_until = time.monotonic() + 2.0
+            while time.monotonic() < away_until:  # the peers' heartbeats, every 0.1 s while it is away
+                for sock in (p, d):
+                    sock.send(codec.encode(Heartbeat()))
+                pace.wait(0.1)
+        wait_until(lambda: '"broker.stalled"' in broker.log_path.read_text(), 10, "the broker to log its stall")
+        d.send(codec.encode(Ready(transfer_id="t1", nbytes=100)))
+        assert until(p, Go).transfer_id == "t1"
+        status = broker.status()
+        assert sorted(x["peer_id"] for x in status["peers"]) == ["d0:0", "p0:0"]
+        assert status["counters"]["evicted"] == 0 and status["counters"]["stalls"] >= 1
+        stalled = [json.loads(line) for line in broker.log_path.read_text().splitlines() if '"broker.stalled"' in line]
+        assert stalled[0]["stalled_s"] >= 1.5, stalled
+    finally:
+        ctx.destroy(linger=0)
+        assert broker.stop() == 0
+
+
+def test_the_stall_watch_names_where_the_loop_is_stuck() -> None:
+    """A loop thread stuck in a blocking call: the watch logs its stack, once per stall."""
+    from broker.daemon import STALL_S, _StallWatch
+
+    def a_blocking_call(logs: list[dict[str, Any]]) -> None:
+        wait_until(lambda: [e for e in logs if e["event"] == "broker.stuck"], 10 * STALL_S, "the watch to report")
+
+    with structlog.testing.capture_logs() as logs:
+        watch = _StallWatch(time.monotonic, "tcp://127.0.0.1:0")  # watching this thread
+        watch.start()
+        try:
+            a_blocking_call(logs)
+        finally:
+            watch.stop()
+            watch.join(10)
+    [stuck] = [e for e in logs if e["event"] == "broker.stuck"]
+    assert "a_blocking_call" in stuck["where"] and stuck["since_s"] > STALL_S

@@ -91,6 +91,9 @@ class BrokerDaemon:
         self.endpoint: str | None = None
         self.dropped_sends = 0
         self.snapshot: Status = Status()
+        # When the timer is next due to run; whichever task runs first well after it
+        # finds the broker was away (`_resumed`).
+        self._due: float | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled. `task_status.started` reports the bound endpoint (port 0 too)."""
@@ -160,8 +163,22 @@ class BrokerDaemon:
                 log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=counters["bad_frames"])
             self._send(chan, Send(identity, Error(code=exc.code, detail=str(exc)[:2000])))
             return
-        for effect in self.core.handle(self.clock(), identity, msg):
+        now = self.clock()
+        if self._due is not None and now - self._due > STALL_S:
+            self._resumed(now)  # before this message renews its sender's lease
+        for effect in self.core.handle(now, identity, msg):
             self._apply(chan, effect)
+
+    def _resumed(self, now: float) -> None:
+        """The loop ran again `now`, long after the timer was due: the broker was away."""
+        assert self._due is not None
+        away, self._due = now - self._due, now
+        log.warning(
+            "broker.stalled", stalled_s=round(away, 3),
+            reason="the broker did not run for that long (a stopped process, a starved host or a "
+            "blocking call); its leases and deadlines move on by as much",
+        )
+        self.core.resume(away)
 
     def _apply(self, chan: ZmqChannel, effect: Send | Note) -> None:
         if isinstance(effect, Send):
@@ -189,45 +206,37 @@ class BrokerDaemon:
 
     async def _timer(self, chan: ZmqChannel) -> None:
         """Run the core's lease clock; sleep until its next deadline, but at least every 100 ms."""
-        watch = _StallWatch(self.clock, self.endpoint)
+        watch = _StallWatch(self.clock, lambda: self._due, self.endpoint)
         watch.start()
-        due: float | None = None
         try:
             while True:
                 now = self.clock()
-                watch.beat = now
-                if due is not None and now - due > STALL_S:
-                    away = now - due
-                    log.warning(
-                        "broker.stalled", stalled_s=round(away, 3),
-                        reason="the broker did not run for that long (a stopped process, a starved host or a "
-                        "blocking call); its leases and deadlines move on by as much",
-                    )
-                    self.core.resume(away)
+                if self._due is not None and now - self._due > STALL_S:
+                    self._resumed(now)
                 for effect in self.core.tick(now):
                     self._apply(chan, effect)
                 self.snapshot = self.core.status(now)
                 deadline = self.core.next_deadline()
                 wait = 0.1 if deadline is None else min(0.1, max(0.005, deadline - now))
-                due = now + wait
+                self._due = now + wait
                 await anyio.sleep(wait)
         finally:
             watch.stop()
 
 
 class _StallWatch(threading.Thread):
-    """Logs where the event loop's thread is when the loop has not ticked for `STALL_S`.
+    """Logs where the event loop's thread is when the loop is `STALL_S` past `due()`.
 
-    The timer can only say how long it was away once it runs again; this says where it
-    was stuck, which tells a blocking call (a Python stack) from a process that was not
+    The loop can only say how long it was away once it runs again; this says where it
+    was stuck, which tells a blocking call (its stack) from a process that was not
     scheduled at all (the loop's own wait for events).
     """
 
-    def __init__(self, clock: Callable[[], float], endpoint: str | None) -> None:
+    def __init__(self, clock: Callable[[], float], due: Callable[[], float | None], endpoint: str | None) -> None:
         super().__init__(name="kvbroker-stall-watch", daemon=True)
         self.clock = clock
+        self.due = due
         self.endpoint = endpoint
-        self.beat = clock()
         self.loop_thread = threading.get_ident()
         self._stopped = threading.Event()
 
@@ -237,14 +246,14 @@ class _StallWatch(threading.Thread):
     def run(self) -> None:
         reported = None
         while not self._stopped.wait(STALL_S / 2):
-            beat = self.beat
-            if self.clock() - beat <= STALL_S or beat == reported:
+            due = self.due()
+            if due is None or self.clock() - due <= STALL_S or due == reported:
                 continue
-            reported = beat
+            reported = due  # once per stall
             frame = sys._current_frames().get(self.loop_thread)
             where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(gone)"
             log.warning("broker.stuck", role="broker", instance=self.endpoint,
-                        since_s=round(self.clock() - beat, 3), where=where)
+                        since_s=round(self.clock() - due, 3), where=where)
 
 
 def serve(config: DaemonConfig, backend: str = "asyncio") -> None:

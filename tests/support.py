@@ -102,6 +102,14 @@ class BrokerProcess:
         finally:
             os.kill(self.proc.pid, signal.SIGCONT)
 
+    def answers(self) -> bool:
+        """Whether the broker answers a status request within a few seconds."""
+        try:
+            self.status()
+        except AssertionError:
+            return False
+        return True
+
     def status(self) -> dict:
         out = subprocess.run(
             [sys.executable, "-m", "broker.cli", "status", "--broker", self.endpoint, "--json", "--timeout", "5"],

@@ -323,6 +323,8 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     # Resolved by the broker's 3 s peer lease, well before D's own 20 s load deadline; but
     # only a broker that runs can end a lease: if the host stopped it meanwhile (it logs
     # `broker.stalled`), the loads must still end, by D's deadline, and never hang.
+    # Once the broker answers it runs again, and it logs a stall before it answers anything.
+    wait_until(lambda: broker.answers(), 60, "the broker to answer")
     away = sum(e["stalled_s"] for e in log_events(cluster, "broker-1", "broker.stalled") if e["timestamp"] > killed_at)
     bound = 10 if away < 5 else LOAD_TIMEOUT_S + 10
     assert rec_s < bound and fail_s < bound, (

@@ -249,23 +249,26 @@ class Broker:
                 memory.popitem(last=False)
         return out
 
-    def resume(self, stalled_s: float) -> None:
-        """The broker itself did not run for `stalled_s` (a stopped process, a starved host):
-        move every deadline on by that much. The heartbeats, Readys and Dones sent meanwhile
-        wait in the socket's queue; counting the broker's own absence against their senders
-        would evict every peer and abort every transfer on the first tick after it."""
+    def resume(self, now: float) -> None:
+        """The broker itself did not run for a while (a stopped process, a starved host)
+        and runs again `now`. What its peers sent meanwhile waits in its socket's queue,
+        and a live peer heartbeats at least every `heartbeat_s`: so nothing ends before
+        `now + heartbeat_s`. By then the broker has heard every peer still there, and a
+        dead one goes then, not a whole lease later; counting the broker's own absence
+        against its peers would evict every one and abort every transfer at once."""
+        until = now + self.config.heartbeat_s
         self.counters["stalls"] += 1
         for p in self.peers.values():
-            p.lease_until += stalled_s
+            p.lease_until = max(p.lease_until, until)
         for t in self.transfers.values():
-            t.lease_until += stalled_s
+            t.lease_until = max(t.lease_until, until)
             if t.credit_deadline is not None:
-                t.credit_deadline += stalled_s
+                t.credit_deadline = max(t.credit_deadline, until)
             if t.absent_until is not None:
-                t.absent_until += stalled_s
-        for memory in (self.aborted, self.delivered, self.lost):
-            for key, (until, reason) in memory.items():
-                memory[key] = (until + stalled_s, reason)
+                t.absent_until = max(t.absent_until, until)
+        for memory in (self.aborted, self.delivered, self.lost):  # still oldest first
+            for key, (kept, reason) in memory.items():
+                memory[key] = (max(kept, until), reason)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `tick` has something to do, for the shell's timer."""

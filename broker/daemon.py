@@ -6,9 +6,9 @@ will time out and retry) rather than stall the broker for everyone. One task gro
 holds the receive loop, the lease timer and the status snapshot for metrics.
 
 A broker that stops running (a stopped process, a starved host, a call that blocks)
-says so: a watch thread logs where the loop's thread is while it is stuck, and the
-timer, once it runs again, logs how long it was away and moves the core's deadlines on
-by that much, so peers are not evicted for heartbeats that wait in its own queue.
+says so: a watch thread logs where the loop's thread is while it is stuck, and once it
+runs again it logs how long it was away and lets nothing end until its peers have had a
+heartbeat to be heard (`Broker.resume`): their heartbeats wait in its own queue.
 """
 
 from __future__ import annotations
@@ -176,9 +176,9 @@ class BrokerDaemon:
         log.warning(
             "broker.stalled", stalled_s=round(away, 3),
             reason="the broker did not run for that long (a stopped process, a starved host or a "
-            "blocking call); its leases and deadlines move on by as much",
+            "blocking call); nothing ends until its peers have had a heartbeat to be heard",
         )
-        self.core.resume(away)
+        self.core.resume(now)
 
     def _apply(self, chan: ZmqChannel, effect: Send | Note) -> None:
         if isinstance(effect, Send):

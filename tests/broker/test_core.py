@@ -689,10 +689,11 @@ def test_heartbeat_keeps_the_lease(c: FakeCluster) -> None:
     assert c.status().peers == []
 
 
-def test_a_broker_that_did_not_run_moves_every_deadline_on_by_its_absence(c: FakeCluster) -> None:
+def test_a_broker_that_did_not_run_ends_nothing_before_its_peers_had_a_heartbeat_to_be_heard(c: FakeCluster) -> None:
     """The broker process stopped for 20 s (a starved host, a stopped process). What its
     peers sent meanwhile waits in its socket's queue: its first tick after must not take
-    that for silence, evicting every peer and aborting every transfer."""
+    that for silence, evicting every peer and aborting every transfer. A peer that died
+    meanwhile is evicted one heartbeat after, not a whole lease later."""
     p, d = c.prefill(), c.decode(pool=100)
     p.offer("a", 60)  # preparing: its transfer lease ends at 30
     p.offer("b", 60)  # waiting for credit until 10
@@ -702,18 +703,23 @@ def test_a_broker_that_did_not_run_moves_every_deadline_on_by_its_absence(c: Fak
     d.take()
     c.now = 4.0
     c.tick()
-    c.broker.resume(20.0)
-    c.now = 24.5  # every deadline above has passed, and none in the time the broker ran
+    c.now = 34.5  # every deadline above has passed, none of them in time the broker ran
+    c.broker.resume(c.now)
     c.tick()
     assert {x.peer_id for x in c.status().peers} == {"p:0", "d:0"}
     assert (c.state("a"), c.state("b"), c.state("e")) == (S.PREPARING, S.WAITING_CREDIT, S.EXPECTED)
     assert p.take() == [] and d.take() == []
     d.ready("a")  # a message that waited in the queue: the transfer goes on
     assert p.take_one(Go).transfer_id == "a"
-    assert c.broker.next_deadline() == pytest.approx(CONFIG.peer_lease_s + 20.0)  # p's lease, moved on
-    c.now = 45.0
     d.expect("x")  # a late claim still gets the ending it would have got before the stall
     assert "cancelled" in d.take_one(Abort).reason and c.state("x") is None
+    assert c.broker.next_deadline() == pytest.approx(34.5 + CONFIG.heartbeat_s)
+    c.advance(CONFIG.heartbeat_s, keep_alive=[d])  # p died while the broker was away
+    assert [x.peer_id for x in c.status().peers] == ["d:0"]
+    ended = {m.transfer_id: m.reason for m in d.take() if isinstance(m, Abort)}
+    assert "p:0 was lost" in ended["a"] and "p:0 was lost" in ended["b"]
+    assert "lease of 30 s ended" in ended["e"]  # the deadlines that had passed end now too
+    assert c.broker.transfers == {}
     assert c.status().counters["stalls"] == 1
 
 
@@ -1260,7 +1266,7 @@ class BrokerMachine(RuleBasedStateMachine):
     def stall(self, away: float) -> None:
         """The broker did not run for a while; its peers' messages waited in its queue."""
         self.c.now += away
-        self.b.resume(away)
+        self.b.resume(self.c.now)
         self.c.tick()
         self.c.inboxes.clear()
 

@@ -183,6 +183,12 @@ def _remember(memory: OrderedDict[_K, tuple[float, str]], key: _K, until: float,
         memory.popitem(last=False)
 
 
+def _keep_until(memory: OrderedDict[_K, tuple[float, str]], until: float) -> None:
+    """Keep everything in `memory` at least until `until`; it stays oldest first."""
+    for key, (kept, reason) in memory.items():
+        memory[key] = (max(kept, until), reason)
+
+
 class Broker:
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config or BrokerConfig()
@@ -266,9 +272,9 @@ class Broker:
                 t.credit_deadline = max(t.credit_deadline, until)
             if t.absent_until is not None:
                 t.absent_until = max(t.absent_until, until)
-        for memory in (self.aborted, self.delivered, self.lost):  # still oldest first
-            for key, (kept, reason) in memory.items():
-                memory[key] = (max(kept, until), reason)
+        _keep_until(self.aborted, until)
+        _keep_until(self.delivered, until)
+        _keep_until(self.lost, until)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `tick` has something to do, for the shell's timer."""

@@ -158,7 +158,7 @@ def timeline(cluster: dict[str, Any], tids: set[str]) -> str:
 
 
 def log_events(cluster: dict[str, Any], name: str, event: str) -> list[dict[str, Any]]:
-    """The JSON log lines with this event name of one process: an engine, or "broker-1"."""
+    """The JSON log lines with this event name of one process: an engine, or "broker-N" (its Nth start)."""
     out = []
     for line in Path(cluster["root"], f"{name}.log").read_text(errors="replace").splitlines():
         if line.startswith("{") and f'"{event}"' in line:
@@ -290,6 +290,50 @@ def test_a_proxy_that_names_no_consumer_still_gets_each_load_where_its_request_i
     assert not {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.ready")} & set(tids)
 
 
+def test_a_broker_restart_loses_no_request(cluster: dict[str, Any]) -> None:
+    """The broker is killed (SIGKILL) and started again on its address, once between
+    requests and once with requests just sent. Every engine registers again by itself;
+    requests sent after it load their KV as before, and those caught by the restart end
+    with the plain engine's tokens (loaded, or recomputed on d-main's policy) well
+    within the load deadline, never hanging."""
+    broker: BrokerProcess = cluster["broker"]
+    instances = {"p-main", "p-victim", "d-main", "d-fail"}
+
+    def all_registered() -> bool:
+        return instances <= {p["instance_id"] for p in broker.status()["peers"]}
+
+    broker.kill()
+    broker.start()
+    wait_until(all_registered, 30, "every engine to register with the restarted broker")
+    prompts = make_prompts([50, 90, 130], salt=51)
+    ref = cluster["plain"].generate(prompts, MAX_TOKENS)
+    tids = [f"restart-after-{i}" for i in range(len(prompts))]
+    p_id, d_id = submit_pd(cluster, prompts, tids)
+    assert cluster["d-main"].result(d_id)["outputs"] == ref["outputs"]
+    cluster["p-main"].result(p_id)
+    loaded = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.loaded")}
+    assert set(tids) <= loaded, timeline(cluster, set(tids))
+
+    prompts = make_prompts([70, 110, 40, 150], salt=52)
+    ref = cluster["plain"].generate(prompts, MAX_TOKENS)
+    tids = [f"restart-during-{i}" for i in range(len(prompts))]
+    t0 = time.monotonic()
+    p_id, d_id = submit_pd(cluster, prompts, tids)
+    broker.kill()
+    broker.start()
+    d = cluster["d-main"].result(d_id, timeout=LOAD_TIMEOUT_S + 30)
+    took = time.monotonic() - t0
+    cluster["p-main"].result(p_id)
+    assert d["outputs"] == ref["outputs"], timeline(cluster, set(tids))
+    assert took < LOAD_TIMEOUT_S, f"{took:.1f} s; the transfers' timeline:\n" + timeline(cluster, set(tids))
+    ended = {r["transfer_id"] for event in ("transfer.loaded", "transfer.load_failed")
+             for r in log_events(cluster, "d-main", event)}
+    assert set(tids) <= ended, timeline(cluster, set(tids))
+    wait_until(all_registered, 30, "every engine to stay registered")
+    print(f"\n[connector-e2e] (e) broker restarted under {len(tids)} requests: done in {took:.2f} s, "
+          f"{len(set(tids) & {r['transfer_id'] for r in log_events(cluster, 'd-main', 'transfer.loaded')})} loaded")
+
+
 def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any]) -> None:
     """P staged and offered, then died before D's request arrived: no hang, the policy applies."""
     victim: EngineProcess = cluster["p-victim"]
@@ -325,7 +369,8 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     # `broker.stalled`), the loads must still end, by D's deadline, and never hang.
     # Once the broker answers it runs again, and it logs a stall before it answers anything.
     wait_until(lambda: broker.answers(), 60, "the broker to answer")
-    away = sum(e["stalled_s"] for e in log_events(cluster, "broker-1", "broker.stalled") if e["timestamp"] > killed_at)
+    stalls = log_events(cluster, broker.log_path.stem, "broker.stalled")
+    away = sum(e["stalled_s"] for e in stalls if e["timestamp"] > killed_at)
     bound = 10 if away < 5 else LOAD_TIMEOUT_S + 10
     assert rec_s < bound and fail_s < bound, (
         f"recompute after {rec_s:.1f} s, fail after {fail_s:.1f} s (the broker was away {away:.1f} s); "

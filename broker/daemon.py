@@ -92,7 +92,7 @@ class BrokerDaemon:
         self.dropped_sends = 0
         self.snapshot: Status = Status()
         # When the timer is next due to run; whichever task runs first well after it
-        # finds the broker was away (`_resumed`).
+        # finds the broker was away (`_check_stall`).
         self._due: float | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -164,14 +164,15 @@ class BrokerDaemon:
             self._send(chan, Send(identity, Error(code=exc.code, detail=str(exc)[:2000])))
             return
         now = self.clock()
-        if self._due is not None and now - self._due > STALL_S:
-            self._resumed(now)  # before this message renews its sender's lease
+        self._check_stall(now)  # before this message renews its sender's lease
         for effect in self.core.handle(now, identity, msg):
             self._apply(chan, effect)
 
-    def _resumed(self, now: float) -> None:
-        """The loop ran again `now`, long after the timer was due: the broker was away."""
-        assert self._due is not None
+    def _check_stall(self, now: float) -> None:
+        """The loop runs `now`: if that is long after the timer was due, the broker was
+        away, and it says so (and lets the core know) before anything else happens."""
+        if self._due is None or now - self._due <= STALL_S:
+            return
         away, self._due = now - self._due, now
         log.warning(
             "broker.stalled", stalled_s=round(away, 3),
@@ -211,8 +212,7 @@ class BrokerDaemon:
         try:
             while True:
                 now = self.clock()
-                if self._due is not None and now - self._due > STALL_S:
-                    self._resumed(now)
+                self._check_stall(now)
                 for effect in self.core.tick(now):
                     self._apply(chan, effect)
                 self.snapshot = self.core.status(now)

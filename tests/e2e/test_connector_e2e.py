@@ -330,8 +330,8 @@ def test_a_broker_restart_loses_no_request(cluster: dict[str, Any]) -> None:
              for r in log_events(cluster, "d-main", event)}
     assert set(tids) <= ended, timeline(cluster, set(tids))
     wait_until(all_registered, 30, "every engine to stay registered")
-    print(f"\n[connector-e2e] (e) broker restarted under {len(tids)} requests: done in {took:.2f} s, "
-          f"{len(set(tids) & {r['transfer_id'] for r in log_events(cluster, 'd-main', 'transfer.loaded')})} loaded")
+    loaded = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.loaded")} & set(tids)
+    print(f"\n[connector-e2e] (e) broker restarted under {len(tids)} requests: done in {took:.2f} s, {len(loaded)} loaded")
 
 
 def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any]) -> None:
@@ -368,7 +368,7 @@ def test_killed_producer_fails_or_recomputes_within_lease(cluster: dict[str, Any
     # only a broker that runs can end a lease: if the host stopped it meanwhile (it logs
     # `broker.stalled`), the loads must still end, by D's deadline, and never hang.
     # Once the broker answers it runs again, and it logs a stall before it answers anything.
-    wait_until(lambda: broker.answers(), 60, "the broker to answer")
+    wait_until(broker.answers, 60, "the broker to answer")
     stalls = log_events(cluster, broker.log_path.stem, "broker.stalled")
     away = sum(e["stalled_s"] for e in stalls if e["timestamp"] > killed_at)
     bound = 10 if away < 5 else LOAD_TIMEOUT_S + 10

@@ -367,9 +367,8 @@ class Broker:
                 self._decode_lost(now, t, peer, why, out)
         peer.transfers.clear()
         if peer.role == "prefill":  # the Expects naming it: one lease for it to be back (`_absent`)
-            for t in self.transfers.values():
-                if t.state is S.EXPECTED and f"{t.expected_from}:{t.rank}" == peer.peer_id:
-                    self._await_named_prefill(now, t)
+            for t in self._expects_naming(peer.peer_id):
+                self._await_named_prefill(now, t)
 
     def _orphan_expects(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         """A lost prefill peer will offer nothing more: end the Expects that named it, and
@@ -383,9 +382,13 @@ class Broker:
             return
         reason = f"prefill peer {peer.peer_id} was lost ({why}) before it offered"
         _remember(self.lost, peer.peer_id, now + self.config.transfer_lease_s, reason)
-        for t in [t for t in self.transfers.values() if t.state is S.EXPECTED and t.expected_from]:
-            if f"{t.expected_from}:{t.rank}" == peer.peer_id:
-                self._abort(now, t, reason, out)
+        for t in self._expects_naming(peer.peer_id):
+            self._abort(now, t, reason, out)
+
+    def _expects_naming(self, peer_id: str) -> list[Transfer]:
+        """The transfers only expected so far whose Expect names prefill peer `peer_id`."""
+        return [t for t in self.transfers.values()
+                if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" == peer_id]
 
     def _absent(self, now: float, t: Transfer, out: list[Effect]) -> None:
         """The instance a transfer names (an Expect's prefill instance, an unrouted Offer's

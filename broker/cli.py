@@ -1,4 +1,4 @@
-"""`kvbroker serve | status | trace`: the operator's commands."""
+"""`kvbroker serve | gateway | status | trace`: the operator's commands."""
 
 from __future__ import annotations
 
@@ -123,6 +123,52 @@ def status(
         click.echo(msgspec.json.encode(snap).decode())
     else:
         click.echo(render_status(snap))
+
+
+@main.command()
+@click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address, asked for the registered instances.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to serve HTTP on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to serve HTTP on (0: any free port).")
+@click.option("--prefill", "prefills", multiple=True, metavar="ID=http://HOST:PORT",
+              help="A prefill vLLM server and the instance_id its connector registers (repeat for several).")
+@click.option("--decode", "decodes", multiple=True, metavar="ID=http://HOST:PORT",
+              help="A decode vLLM server and the instance_id its connector registers (repeat for several).")
+@click.option("--request-timeout", "request_timeout_s", type=float, default=600.0, show_default=True,
+              help="Longest a client's request may take, generation included.")
+@click.option("--decode-attempts", type=int, default=2, show_default=True,
+              help="Decode instances tried for one request, with the same transfer_id.")
+@click.option("--max-body-bytes", type=int, default=32 << 20, show_default=True)
+@click.option("--backend", type=click.Choice(["asyncio", "trio"]), default="asyncio", show_default=True)
+@click.option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY, else json.")
+@click.option("--log-level", default="info", show_default=True)
+@click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
+@click.option(
+    "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="This gateway's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
+)
+@click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound port here once serving.")
+def gateway(**opts: Any) -> None:
+    """Serve an OpenAI-compatible API that sends each request to a prefill and a decode instance."""
+    from .gateway import GatewayConfig
+    from .gateway import serve as run
+    from .routes import Upstream
+
+    configure_logging(opts["log_format"] or ("console" if sys.stderr.isatty() else "json"), opts["log_level"])
+    try:
+        ups = [Upstream.parse("prefill", s) for s in opts["prefills"]] + [Upstream.parse("decode", s) for s in opts["decodes"]]
+        config = GatewayConfig(
+            upstreams=ups, broker=opts["broker"], host=opts["host"], port=opts["port"],
+            request_timeout_s=opts["request_timeout_s"], decode_attempts=opts["decode_attempts"],
+            max_body_bytes=opts["max_body_bytes"], curve_server_key=opts["curve_server_key"],
+            curve_client_secret=Path(opts["curve_client_secret_file"]).read_bytes() if opts["curve_client_secret_file"] else None,
+            port_file=opts["port_file"],
+        )
+        from .routes import Router
+
+        Router(ups)  # checks the instances given before anything is bound
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    run(config, backend=opts["backend"])
 
 
 @main.command()

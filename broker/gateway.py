@@ -1,0 +1,512 @@
+"""`kvbroker gateway`: one OpenAI-compatible HTTP address in front of the vLLM servers.
+
+For each completion request the gateway does what README's "What the proxy sends"
+asks of a proxy, so clients need not know about prefill and decode:
+
+1. `Router.route` picks a prefill (P) and a decode (D) instance and makes a transfer_id.
+2. The request goes to P with `max_tokens` 1, and at the same time to D, each with
+   `kv_transfer_params` naming the transfer and the other instance.
+3. D's answer (streamed, if the client asked for a stream) is the client's answer.
+
+When things go wrong:
+- D cannot be reached, or answers 5xx, before any byte went to the client: the same
+  request goes to another decode instance with the same transfer_id, so the broker
+  hands it P's staged KV without a second prefill (README: a proxy that retries).
+- P cannot be reached: D's request is cancelled and the whole request goes to another
+  pair, under a new transfer_id.
+- P refuses the request (4xx), or fails after taking it: D's request is cancelled unless
+  D has started answering, and the client gets P's answer or a 502 that says which
+  instance failed. Otherwise D would wait out its load timeout for KV that never comes.
+- A D answer of 4xx is the client's: it is passed on as it is, and P's request is
+  cancelled.
+
+HTTP is spoken through h11 (bytes in, events out) over anyio streams, one upstream
+connection per upstream request. The broker's status (registered instances, free pool
+bytes) is asked for every `poll_s` and feeds the router.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import h11
+import msgspec
+import structlog
+from anyio.abc import ByteStream, SocketStream, TaskStatus
+
+from .routes import Route, Router, Upstream
+from .status import fetch_status
+
+log = structlog.get_logger("kvbroker.gateway")
+
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+READ_CHUNK = 64 << 10
+
+
+@dataclass
+class GatewayConfig:
+    upstreams: list[Upstream]
+    broker: str = "tcp://127.0.0.1:7100"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # A client's whole request, P's and D's included; a generation can take minutes.
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    # Longest wait for a client's request head and body once its connection is open.
+    read_timeout_s: float = 30.0
+    max_body_bytes: int = 32 << 20
+    decode_attempts: int = 2  # decode instances tried for one transfer
+    prefill_attempts: int = 2  # (P, D) pairs tried when P cannot be reached
+    poll_s: float = 1.0
+    curve_server_key: str | None = None
+    curve_client_secret: bytes | None = None
+    port_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "connect_timeout_s", "read_timeout_s", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}.")
+        if self.decode_attempts < 1 or self.prefill_attempts < 1:
+            raise ValueError("decode and prefill attempts must be at least 1.")
+
+
+class HttpError(Exception):
+    """An answer the gateway gives itself: status and one sentence for the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class UpstreamFailed(Exception):
+    """An upstream could not be reached or broke off; `reached` says whether it got the request."""
+
+    def __init__(self, upstream: Upstream, reason: str, *, reached: bool) -> None:
+        super().__init__(f"{upstream.role} instance {upstream.instance_id} at {upstream.url}: {reason}")
+        self.upstream = upstream
+        self.reached = reached
+
+
+def error_body(status: int, message: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "code": status}})
+
+
+# --- HTTP/1.1 over one stream -----------------------------------------------------------
+
+
+class HttpConn:
+    """h11 over an anyio byte stream: `next_event` reads as needed, `send` writes."""
+
+    def __init__(self, stream: ByteStream, role: type[h11.CLIENT] | type[h11.SERVER]) -> None:
+        self.stream = stream
+        self.h = h11.Connection(role)
+
+    async def next_event(self) -> Any:
+        while True:
+            event = self.h.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                data = await self.stream.receive(READ_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                data = b""
+            self.h.receive_data(data)
+
+    async def send(self, *events: Any) -> None:
+        for event in events:
+            data = self.h.send(event)
+            if data:
+                await self.stream.send(data)
+
+    async def read_body(self, limit: int) -> bytes:
+        parts, size = [], 0
+        while True:
+            event = await self.next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limit:
+                    raise HttpError(413, f"the request body is over {limit} bytes; send a smaller one or raise --max-body-bytes.")
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(parts)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise HttpError(400, "the connection closed before the request body ended.")
+
+
+@dataclass
+class UpstreamReply:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    conn: HttpConn
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            event = await self.conn.next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            else:
+                raise h11.RemoteProtocolError(f"the response ended early ({type(event).__name__}).")
+
+    async def body(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+
+@asynccontextmanager
+async def upstream_request(
+    up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]], connect_timeout_s: float
+) -> AsyncIterator[UpstreamReply]:
+    """Send one request on a new connection and yield the response head; the body is read
+    through the reply. Raises `UpstreamFailed`."""
+    try:
+        with anyio.fail_after(connect_timeout_s):
+            stream: SocketStream = await anyio.connect_tcp(up.host, up.port)
+    except (OSError, TimeoutError) as exc:
+        raise UpstreamFailed(up, f"cannot connect ({exc or 'timed out'})", reached=False) from None
+    async with stream:
+        conn = HttpConn(stream, h11.CLIENT)
+        head = [("Host", f"{up.host}:{up.port}"), ("Content-Length", str(len(body))), ("Connection", "close"), *headers]
+        try:
+            await conn.send(h11.Request(method=method, target=target, headers=head), h11.Data(data=body), h11.EndOfMessage())
+            event = await conn.next_event()
+            while isinstance(event, h11.InformationalResponse):
+                event = await conn.next_event()
+        except (anyio.BrokenResourceError, anyio.EndOfStream, OSError, h11.RemoteProtocolError) as exc:
+            raise UpstreamFailed(up, f"broke off before answering ({exc or type(exc).__name__})", reached=True) from None
+        if not isinstance(event, h11.Response):
+            raise UpstreamFailed(up, "closed the connection before answering", reached=True)
+        try:
+            yield UpstreamReply(status=event.status_code, headers=list(event.headers), conn=conn)
+        except (anyio.BrokenResourceError, anyio.EndOfStream, h11.RemoteProtocolError) as exc:
+            raise UpstreamFailed(up, f"broke off mid-answer ({exc or type(exc).__name__})", reached=True) from None
+
+
+# --- what each side is sent ---------------------------------------------------------------
+
+
+def prefill_body(request: dict[str, Any], route: Route) -> dict[str, Any]:
+    """P computes the prompt and one token: its KV is what the request is for."""
+    body = dict(request)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        body.pop(key, None)
+    body["kv_transfer_params"] = {"transfer_id": route.transfer_id, "decode_instance_id": route.decode.instance_id}
+    return body
+
+
+def decode_body(request: dict[str, Any], route: Route) -> dict[str, Any]:
+    body = dict(request)
+    body["kv_transfer_params"] = {"transfer_id": route.transfer_id, "prefill_instance_id": route.prefill.instance_id}
+    return body
+
+
+def parse_request(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"the request body is not JSON ({exc}).") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object.")
+    if "kv_transfer_params" in body:
+        raise HttpError(400, "the gateway sets kv_transfer_params itself; send the request without it.")
+    return body
+
+
+# --- the gateway ------------------------------------------------------------------------------
+
+
+Respond = Callable[[int, list[tuple[str, str]], bytes], Any]
+
+
+@dataclass
+class _Exchange:
+    """One client request in flight: what the client has been sent so far."""
+
+    conn: HttpConn
+    committed: bool = False  # a response head went to the client: no retry from here
+    outcome: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.router = Router(config.upstreams, stale_s=max(5.0, 5 * config.poll_s))
+        self.port: int | None = None
+        self._broker_ok: bool | None = None
+
+    async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener, anyio.create_task_group() as tg:
+            tg.start_soon(self._watch_broker)
+            if cfg.port_file:
+                tmp = anyio.Path(f"{cfg.port_file}.tmp")
+                await tmp.write_text(f"{self.port}\n")
+                await tmp.replace(cfg.port_file)
+            log.info("gateway.serving", host=cfg.host, port=self.port, broker=cfg.broker,
+                     upstreams=[f"{u.role}:{u.instance_id}={u.url}" for u in cfg.upstreams])
+            task_status.started(self.port)
+            await listener.serve(self._serve_client, task_group=tg)
+
+    async def _watch_broker(self) -> None:
+        cfg = self.config
+        while True:
+            try:
+                status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key, cfg.curve_client_secret)
+            except (TimeoutError, OSError) as exc:
+                if self._broker_ok is not False:
+                    log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
+                self._broker_ok = False
+            else:
+                self.router.observe(status, self.clock())
+                if self._broker_ok is not True:
+                    log.info("gateway.broker_seen", broker=cfg.broker, peers=len(status.peers))
+                self._broker_ok = True
+            await anyio.sleep(cfg.poll_s)
+
+    # --- one client connection ---
+
+    async def _serve_client(self, stream: SocketStream) -> None:
+        conn = HttpConn(stream, h11.SERVER)
+        async with stream:
+            while True:
+                try:
+                    with anyio.fail_after(self.config.read_timeout_s):
+                        event = await conn.next_event()
+                        if not isinstance(event, h11.Request):
+                            return  # closed, or an idle keep-alive connection ended
+                        raw = await conn.read_body(self.config.max_body_bytes)
+                except TimeoutError:
+                    return
+                except h11.RemoteProtocolError as exc:
+                    await self._send_quietly(conn, exc.error_status_hint, f"malformed HTTP request ({exc}).")
+                    return
+                except HttpError as exc:
+                    await self._send_quietly(conn, exc.status, exc.message)
+                    return
+                ex = _Exchange(conn)
+                try:
+                    await self._handle(ex, event, raw)
+                except HttpError as exc:
+                    if ex.committed:
+                        return
+                    await self._send_quietly(conn, exc.status, exc.message)
+                except TimeoutError:
+                    if ex.committed:
+                        return
+                    await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+                    return  # the client went away mid-answer
+                except Exception as exc:  # a bug must cost one request, never the gateway
+                    log.exception("gateway.request_crashed", error=repr(exc))
+                    if not ex.committed:
+                        await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                    return
+                if conn.h.our_state is h11.MUST_CLOSE or conn.h.their_state is not h11.DONE:
+                    return
+                try:
+                    conn.h.start_next_cycle()
+                except h11.LocalProtocolError:
+                    return
+
+    async def _send_quietly(self, conn: HttpConn, status: int, message: str) -> None:
+        if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        body = error_body(status, message)
+        try:
+            await conn.send(
+                h11.Response(status_code=status, headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body)))]),
+                h11.Data(data=body), h11.EndOfMessage(),
+            )
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+            pass
+
+    async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        ex.committed = True
+        await ex.conn.send(h11.Response(status_code=status, headers=[*headers, ("Content-Length", str(len(body)))]),
+                           h11.Data(data=body), h11.EndOfMessage())
+
+    async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
+        method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
+        if target == "/health" and method == "GET":
+            why = self.router.unavailable(self.clock())
+            if why:
+                raise HttpError(503, why)
+            return await self._reply(ex, 200, [("Content-Type", "application/json")], b'{"status":"ok"}')
+        if target == "/v1/models" and method == "GET":
+            return await self._forward_models(ex)
+        if target not in ROUTED:
+            raise HttpError(404, f"{method} {target} is not served here; the gateway serves POST {' and '.join(ROUTED)}.")
+        if method != "POST":
+            raise HttpError(405, f"{target} takes POST, not {method}.")
+        passed = [(k.decode(), v.decode("latin-1")) for k, v in request.headers if k.lower() in (b"authorization",)]
+        with anyio.fail_after(self.config.request_timeout_s):
+            await self._routed(ex, target, parse_request(raw), passed)
+
+    async def _forward_models(self, ex: _Exchange) -> None:
+        up = self.router.pick("decode", self.clock())
+        if up is None:
+            raise HttpError(503, self.router.unavailable(self.clock()) or "no decode instance to ask.")
+        try:
+            with anyio.fail_after(self.config.request_timeout_s):
+                async with upstream_request(up, "GET", "/v1/models", b"", [], self.config.connect_timeout_s) as reply:
+                    body = await reply.body()
+        except UpstreamFailed as exc:
+            raise HttpError(502, str(exc)) from None
+        ctype = (reply.header(b"content-type") or b"application/json").decode("latin-1")
+        await self._reply(ex, reply.status, [("Content-Type", ctype)], body)
+
+    # --- a routed request ---
+
+    async def _routed(self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+        tried_p: list[str] = []
+        for _ in range(self.config.prefill_attempts):
+            route = self.router.route(self.clock(), exclude=tried_p)
+            if route is None:
+                raise HttpError(503, self.router.unavailable(self.clock()) or "no prefill and decode pair is available.")
+            with structlog.contextvars.bound_contextvars(transfer_id=route.transfer_id, role="gateway"):
+                log.info("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
+                         path=target, stream=bool(request.get("stream")))
+                p_failed = await self._one_route(ex, target, request, headers, route)
+            if p_failed is None:
+                return
+            tried_p.append(route.prefill.instance_id)
+        raise HttpError(502, f"no prefill instance could be reached (tried {', '.join(tried_p)}).")
+
+    async def _one_route(
+        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route
+    ) -> UpstreamFailed | None:
+        """Run P's and D's requests together. Returns P's failure when P was never reached
+        and nothing went to the client (the caller tries another pair); otherwise the
+        client has its answer, or an `HttpError` says what to send."""
+        hdrs = [("Content-Type", "application/json"), *headers]
+        p_raw = msgspec.json.encode(prefill_body(request, route))
+        d_raw = msgspec.json.encode(decode_body(request, route))
+        p_result: dict[str, Any] = {}
+        d_scope = anyio.CancelScope()
+        p_scope = anyio.CancelScope()
+
+        async def prefill() -> None:
+            up = route.prefill
+            self.router.started(up)
+            failed = True
+            try:
+                with p_scope:
+                    async with upstream_request(up, "POST", target, p_raw, hdrs, self.config.connect_timeout_s) as reply:
+                        body = await reply.body()
+                    failed = reply.status >= 500
+                    p_result["reply"] = (reply.status, reply.header(b"content-type"), body)
+                    log.info("gateway.prefilled", phase="prefill", status=reply.status)
+                    if reply.status >= 300 and not ex.committed:
+                        d_scope.cancel()  # D would wait its load timeout for KV that is not coming
+            except UpstreamFailed as exc:
+                p_result["failed"] = exc
+                log.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
+                if not ex.committed:
+                    d_scope.cancel()
+            finally:
+                self.router.finished(up, self.clock(), failed=failed and not p_scope.cancel_called)
+
+        d_result: list[int | HttpError] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill)
+            with d_scope:
+                d_result.append(await self._decode(ex, target, d_raw, hdrs, route))
+                loaded = isinstance(d_result[0], int) and d_result[0] < 300
+                if not loaded and "reply" not in p_result:
+                    p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
+
+        if d_result and isinstance(d_result[0], HttpError):
+            raise d_result[0]
+        if ex.committed:
+            return None
+        failed = p_result.get("failed")
+        if isinstance(failed, UpstreamFailed):
+            if not failed.reached:
+                return failed
+            raise HttpError(502, f"{failed}; the request was not answered.")
+        status, ctype, body = p_result["reply"]
+        # P answered first with an error, and D's request was cancelled for it: pass P's on.
+        await self._reply(ex, status, [("Content-Type", (ctype or b"application/json").decode("latin-1"))], body)
+        return None
+
+    async def _decode(
+        self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], route: Route
+    ) -> int | HttpError:
+        """D's request, tried on another decode instance while nothing has gone to the
+        client; D's body names only the transfer and P, so it goes unchanged and the broker
+        hands P's staged KV to the new claim. Returns the status sent to the client, or
+        what to send when no instance answered."""
+        tried: list[str] = []
+        up: Upstream | None = route.decode
+        last = ""
+        while up is not None and len(tried) < self.config.decode_attempts:
+            tried.append(up.instance_id)
+            self.router.started(up)
+            failed = True
+            try:
+                async with upstream_request(up, "POST", target, raw, hdrs, self.config.connect_timeout_s) as reply:
+                    if reply.status >= 500:
+                        last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
+                    else:
+                        failed = False
+                        await self._relay(ex, reply)
+                        log.info("gateway.decoded", phase="decode", decode=up.instance_id, status=reply.status,
+                                 attempt=len(tried))
+                        return reply.status
+            except UpstreamFailed as exc:
+                if ex.committed:
+                    log.warning("gateway.decode_broke", phase="decode", error=str(exc))
+                    return HttpError(502, str(exc))  # the stream ends early; the client sees it
+                last = str(exc)
+            finally:
+                self.router.finished(up, self.clock(), failed=failed)
+            log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
+            up = self.router.pick("decode", self.clock(), exclude=tried)
+        return HttpError(502, f"no decode instance answered ({last}).")
+
+    async def _relay(self, ex: _Exchange, reply: UpstreamReply) -> None:
+        ctype = (reply.header(b"content-type") or b"application/json").decode("latin-1")
+        if reply.header(b"content-length") is not None or not ctype.startswith("text/event-stream"):
+            await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
+            return
+        # A stream: pass each chunk on as it comes, chunked (h11 frames it).
+        ex.committed = True
+        await ex.conn.send(h11.Response(status_code=reply.status, headers=[("Content-Type", ctype), ("Cache-Control", "no-cache")]))
+        async for chunk in reply.chunks():
+            await ex.conn.send(h11.Data(data=chunk))
+        await ex.conn.send(h11.EndOfMessage())
+
+
+def serve(config: GatewayConfig, backend: str = "asyncio") -> None:
+    """Run the gateway in the foreground until SIGINT or SIGTERM."""
+    import signal
+
+    async def main() -> None:
+        gateway = Gateway(config)
+        async with anyio.create_task_group() as tg:
+            await tg.start(gateway.run)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("gateway.stopping", signal=signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    break
+
+    anyio.run(main, backend=backend)

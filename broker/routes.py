@@ -1,0 +1,195 @@
+"""Which prefill and decode instance serve a request: the gateway's decisions, sans IO.
+
+The gateway (`broker.gateway`) asks a `Router` for a `Route` per client request, tells it
+when each upstream request starts and ends, and feeds it the broker's `Status` and the
+clock. Nothing here touches a socket, so the choices are plain to test.
+
+What a route prefers, in order:
+1. Instances the broker has registered under the role they serve. An instance the
+   broker does not know would get a request whose KV can never move. Without a recent
+   status (the broker is restarting), every configured instance counts as registered:
+   the connectors' own deadlines and failure policy then decide each request.
+2. Instances that have not just failed a request of the gateway's (`down_s`).
+3. For decode, one with room in its receive pool: a decode instance whose pools are full
+   would make the transfer wait for credit.
+4. The fewest requests of the gateway's in flight on it, then the most free pool bytes,
+   then whichever was picked longest ago (so equal instances take turns).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from protocols.messages import Status
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One vLLM OpenAI server behind the gateway, named as its connector registers."""
+
+    instance_id: str
+    role: Role
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, role: Role, spec: str) -> Upstream:
+        """`INSTANCE_ID=http://HOST:PORT`, as given on the command line."""
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url:
+            raise ValueError(f"--{role} {spec!r} must look like INSTANCE_ID=http://HOST:PORT (the connector's instance_id).")
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+            raise ValueError(f"--{role} {spec!r}: the URL must be http://HOST:PORT with no path (https is not spoken).")
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise ValueError(f"--{role} {spec!r}: the port must be a number from 1 to 65535.") from None
+        return cls(instance_id=name, role=role, host=parts.hostname, port=port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Route:
+    transfer_id: str
+    prefill: Upstream
+    decode: Upstream
+
+
+@dataclass
+class _Load:
+    in_flight: int = 0
+    down_until: float = float("-inf")
+    last_picked: int = -1  # the pick counter when it was last chosen
+
+
+@dataclass
+class BrokerView:
+    """What the last status said, as the router uses it."""
+
+    at: float
+    registered: dict[Role, set[str]] = field(default_factory=dict)
+    free_bytes: dict[str, int] = field(default_factory=dict)  # decode instance -> free bytes over its pools
+
+    @classmethod
+    def from_status(cls, status: Status, now: float) -> BrokerView:
+        view = cls(at=now, registered={"prefill": set(), "decode": set()})
+        instance_of = {}
+        for peer in status.peers:
+            if peer.role in ("prefill", "decode"):
+                view.registered[peer.role].add(peer.instance_id)  # type: ignore[index]
+            instance_of[peer.peer_id] = peer.instance_id
+        for pool in status.pools:
+            inst = instance_of.get(pool.peer_id)
+            if inst is not None:
+                view.free_bytes[inst] = view.free_bytes.get(inst, 0) + pool.free
+        return view
+
+
+class Router:
+    """Picks a (prefill, decode) pair per request and keeps what it needs for the next pick.
+
+    `stale_s`: a status older than this no longer filters instances. `down_s`: how long an
+    instance that failed a request (refused the connection, answered 5xx) is passed over
+    while others remain.
+    """
+
+    def __init__(
+        self, upstreams: Sequence[Upstream], *, stale_s: float = 5.0, down_s: float = 5.0
+    ) -> None:
+        names = [u.instance_id for u in upstreams]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"instance id {dup[0]!r} is given twice; each vLLM server registers under its own instance_id.")
+        for role in ("prefill", "decode"):
+            if not any(u.role == role for u in upstreams):
+                raise ValueError(f"no {role} instance given; name at least one with --{role} INSTANCE_ID=http://HOST:PORT.")
+        self.upstreams = list(upstreams)
+        self.stale_s = stale_s
+        self.down_s = down_s
+        self.view: BrokerView | None = None
+        self._load = {u.instance_id: _Load() for u in upstreams}
+        self._picks = 0
+
+    # --- what the router is told ---------------------------------------------------
+
+    def observe(self, status: Status, now: float) -> None:
+        self.view = BrokerView.from_status(status, now)
+
+    def started(self, upstream: Upstream) -> None:
+        self._load[upstream.instance_id].in_flight += 1
+
+    def finished(self, upstream: Upstream, now: float, *, failed: bool = False) -> None:
+        load = self._load[upstream.instance_id]
+        load.in_flight = max(0, load.in_flight - 1)
+        if failed:
+            load.down_until = now + self.down_s
+
+    # --- what it answers ---------------------------------------------------------------
+
+    def in_flight(self, upstream: Upstream) -> int:
+        return self._load[upstream.instance_id].in_flight
+
+    def fresh_view(self, now: float) -> BrokerView | None:
+        v = self.view
+        return v if v is not None and now - v.at <= self.stale_s else None
+
+    def candidates(self, role: Role, now: float, exclude: Iterable[str] = ()) -> list[Upstream]:
+        """Instances of `role` a request may go to now, best first; empty if none."""
+        skip = set(exclude)
+        pool = [u for u in self.upstreams if u.role == role and u.instance_id not in skip]
+        view = self.fresh_view(now)
+        if view is not None:
+            pool = [u for u in pool if u.instance_id in view.registered.get(role, set())]
+        up = [u for u in pool if self._load[u.instance_id].down_until <= now]
+        pool = up or pool  # every one failed lately: try them anyway rather than refuse
+        free = view.free_bytes if view is not None else {}
+
+        def key(u: Upstream) -> tuple[int, int, int, int]:
+            load = self._load[u.instance_id]
+            full = int(role == "decode" and u.instance_id in free and free[u.instance_id] <= 0)
+            return (full, load.in_flight, -free.get(u.instance_id, 0), load.last_picked)
+
+        return sorted(pool, key=key)
+
+    def pick(self, role: Role, now: float, exclude: Iterable[str] = ()) -> Upstream | None:
+        ranked = self.candidates(role, now, exclude)
+        if not ranked:
+            return None
+        self._picks += 1
+        self._load[ranked[0].instance_id].last_picked = self._picks
+        return ranked[0]
+
+    def route(self, now: float, exclude: Iterable[str] = ()) -> Route | None:
+        """A new transfer's route, or None when either role has no instance to take it."""
+        skip = list(exclude)
+        if not self.candidates("prefill", now, skip) or not self.candidates("decode", now, skip):
+            return None
+        p = self.pick("prefill", now, skip)
+        d = self.pick("decode", now, skip)
+        assert p is not None and d is not None
+        return Route(transfer_id=new_transfer_id(), prefill=p, decode=d)
+
+    def unavailable(self, now: float) -> str | None:
+        """Why no route can be made now, in one sentence, or None if one can."""
+        for role in ("prefill", "decode"):
+            if not self.candidates(role, now):  # type: ignore[arg-type]
+                given = ", ".join(u.instance_id for u in self.upstreams if u.role == role)
+                return (
+                    f"no {role} instance is registered at the broker (given: {given}); "
+                    f"start one whose kv_connector_extra_config names this broker and one of these instance_ids."
+                )
+        return None
+
+
+def new_transfer_id() -> str:
+    return f"gw-{uuid.uuid4().hex}"

@@ -1,0 +1,343 @@
+"""`broker.gateway` on real sockets: a real `kvbroker serve` process, peers registered with
+it by real broker clients, and HTTP upstreams on loopback that answer as the test says.
+
+The upstreams stand in for vLLM servers only where a fault must be timed (an instance
+that answers 503, breaks off, refuses the prompt); tests/e2e/test_openai_servers.py runs
+the gateway in front of real vLLM servers.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h11
+import httpx
+import msgspec
+import pytest
+from anyio.abc import SocketStream
+
+from broker.gateway import Gateway, GatewayConfig
+from broker.routes import Upstream
+from protocols.messages import Register
+from tests.support import BrokerProcess
+from workers.client import BrokerClient, ClientConfig, NullHandler
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+
+@dataclass
+class Seen:
+    body: dict[str, Any]
+    gone: anyio.Event = field(default_factory=anyio.Event)  # the gateway closed the connection
+
+
+# behaviour(seen) -> (status, chunks); chunks may be an async iterator for a stream; None: close at once.
+Behaviour = Callable[[Seen], Awaitable[tuple[int, Any] | None]]
+
+
+class FakeServer:
+    """An HTTP server on 127.0.0.1 that records each request and answers per `behaviour`."""
+
+    def __init__(self, behaviour: Behaviour) -> None:
+        self.behaviour = behaviour
+        self.seen: list[Seen] = []
+        self.arrived = anyio.Event()
+        self.port = 0
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener, anyio.create_task_group() as tg:
+            task_status.started()
+            await listener.serve(self._one, task_group=tg)
+
+    async def _one(self, stream: SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            body = b""
+            while True:
+                ev = conn.next_event()
+                if ev is h11.NEED_DATA:
+                    try:
+                        conn.receive_data(await stream.receive())
+                    except anyio.EndOfStream:
+                        return  # the gateway gave up on this request before sending all of it
+                elif isinstance(ev, h11.Data):
+                    body += ev.data
+                elif isinstance(ev, h11.EndOfMessage):
+                    break
+            seen = Seen(msgspec.json.decode(body) if body else {})
+            self.seen.append(seen)
+            self.arrived.set()
+            async with anyio.create_task_group() as tg:
+
+                async def watch() -> None:  # EOF from the gateway: it cancelled this request
+                    try:
+                        await stream.receive()
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        pass
+                    seen.gone.set()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                answer = await self.behaviour(seen)
+                if answer is None:
+                    tg.cancel_scope.cancel()
+                    return
+                status, chunks = answer
+                if isinstance(chunks, bytes):
+                    head = [("Content-Type", "application/json"), ("Content-Length", str(len(chunks)))]
+                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
+                    await stream.send(conn.send(h11.Data(data=chunks)))
+                else:
+                    head = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
+                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
+                    async for c in chunks:
+                        await stream.send(conn.send(h11.Data(data=c)))
+                await stream.send(conn.send(h11.EndOfMessage()))
+                tg.cancel_scope.cancel()
+
+
+def answer(status: int, obj: Any) -> Behaviour:
+    async def behave(seen: Seen) -> tuple[int, bytes]:
+        return status, msgspec.json.encode(obj)
+
+    return behave
+
+
+def completion(seen: Seen) -> dict[str, Any]:
+    """What a vLLM server answers, tagged with who answered and what it was told."""
+    return {"object": "text_completion", "max_tokens": seen.body.get("max_tokens"),
+            "kv_transfer_params": seen.body.get("kv_transfer_params")}
+
+
+async def echo(seen: Seen) -> tuple[int, bytes]:
+    return 200, msgspec.json.encode(completion(seen))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens here once the socket closes
+
+
+@dataclass
+class Cluster:
+    gateway: Gateway
+    servers: dict[str, FakeServer]
+    http: httpx.AsyncClient
+
+    async def post(self, body: Any, path: str = "/v1/completions", **kw: Any) -> httpx.Response:
+        with anyio.fail_after(20):
+            return await self.http.post(path, json=body, **kw)
+
+
+@pytest.fixture
+def broker(tmp_path: Path):
+    b = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "3")
+    b.start()
+    yield b
+    assert b.stop() == 0, b.log_path.read_text()
+
+
+@asynccontextmanager
+async def cluster(
+    broker: BrokerProcess, behaviours: dict[str, Behaviour], *, registered: tuple[str, ...] | None = None,
+    dead: tuple[str, ...] = (), request_timeout_s: float = 20.0,
+) -> AsyncIterator[Cluster]:
+    """Upstreams named p*/d* (prefill/decode), each registered at the broker under its name
+    (or only those in `registered`); names in `dead` get a port nobody listens on."""
+    servers = {name: FakeServer(b) for name, b in behaviours.items()}
+    cfg = ClientConfig(broker=broker.endpoint, register_timeout_s=10)
+    async with anyio.create_task_group() as tg:
+        for s in servers.values():
+            await tg.start(s.run)
+        for name in registered if registered is not None else tuple(behaviours) + dead:
+            role = "prefill" if name.startswith("p") else "decode"
+            reg = Register(role=role, instance_id=name, compat_hash="h", pool_capacity=0 if role == "prefill" else 1 << 20)
+            await tg.start(BrokerClient(cfg, reg, NullHandler()).run)
+        ports = {n: s.port for n, s in servers.items()} | {n: closed_port() for n in dead}
+        ups = [Upstream(instance_id=n, role="prefill" if n.startswith("p") else "decode", host="127.0.0.1", port=port)
+               for n, port in ports.items()]
+        gw = Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1,
+                                   request_timeout_s=request_timeout_s, connect_timeout_s=2))
+        port = await tg.start(gw.run)
+        with anyio.fail_after(10):  # the first status reached the router
+            while gw.router.view is None:
+                await anyio.sleep(0.02)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            yield Cluster(gw, servers, http)
+        tg.cancel_scope.cancel()
+
+
+async def never(seen: Seen) -> None:
+    await anyio.sleep_forever()
+
+
+async def test_a_request_goes_to_prefill_for_one_token_and_to_decode_for_the_answer(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}) as c:
+        r = await c.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9, "stream": False, "min_tokens": 2})
+        assert r.status_code == 200, r.text
+        (p,), (d,) = c.servers["p0"].seen, c.servers["d0"].seen
+        tid = p.body["kv_transfer_params"]["transfer_id"]
+        assert p.body["max_tokens"] == 1 and p.body["stream"] is False and "min_tokens" not in p.body
+        assert p.body["kv_transfer_params"] == {"transfer_id": tid, "decode_instance_id": "d0"}
+        assert d.body["kv_transfer_params"] == {"transfer_id": tid, "prefill_instance_id": "p0"}
+        assert d.body["max_tokens"] == 9 and d.body["min_tokens"] == 2 and d.body["prompt"] == [1, 2, 3]
+        # The client's answer is D's.
+        assert r.json() == completion(d)
+        # A second request is a new transfer.
+        r2 = await c.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9})
+        assert r2.status_code == 200
+        assert c.servers["d0"].seen[1].body["kv_transfer_params"]["transfer_id"] not in ("", tid)
+
+
+async def test_a_streamed_answer_reaches_the_client_as_decode_sends_it(broker: BrokerProcess) -> None:
+    first_read = anyio.Event()
+
+    async def stream(seen: Seen) -> tuple[int, Any]:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"data: one\n\n"
+            with anyio.fail_after(10):
+                await first_read.wait()  # the client has the first chunk while D still holds the rest
+            yield b"data: two\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return 200, chunks()
+
+    async with cluster(broker, {"p0": echo, "d0": stream}) as c:
+        got = []
+        with anyio.fail_after(20):
+            async with c.http.stream("POST", "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                async for chunk in r.aiter_raw():
+                    got.append(chunk)
+                    first_read.set()
+        assert b"".join(got) == b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
+        assert c.servers["p0"].seen[0].body["stream"] is False
+
+
+async def test_a_decode_instance_that_fails_is_replaced_with_the_same_transfer(broker: BrokerProcess) -> None:
+    async def broken(seen: Seen) -> None:
+        return None  # closes the connection without answering, as a dying server would
+
+    async with cluster(broker, {"p0": echo, "d0": broken, "d1": echo}) as c:
+        # d0 and d1 are alike to the router; make d0 the first pick.
+        c.gateway.router.pick("decode", c.gateway.clock(), exclude=["d0"])
+        r = await c.post({"prompt": [5, 6], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        (p,), (d0,), (d1,) = c.servers["p0"].seen, c.servers["d0"].seen, c.servers["d1"].seen
+        tid = p.body["kv_transfer_params"]["transfer_id"]
+        assert d0.body["kv_transfer_params"]["transfer_id"] == tid == d1.body["kv_transfer_params"]["transfer_id"]
+        assert r.json() == completion(d1)
+        # d0 failed: the next request goes to d1 while d0 is down.
+        await c.post({"prompt": [5, 6], "max_tokens": 4})
+        assert len(c.servers["d0"].seen) == 1 and len(c.servers["d1"].seen) == 2
+
+
+async def test_a_decode_5xx_is_retried_and_a_decode_4xx_is_the_clients(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": answer(503, {"error": "overloaded"}), "d1": answer(400, {"error": "bad"})}) as c:
+        c.gateway.router.pick("decode", c.gateway.clock(), exclude=["d0"])
+        r = await c.post({"prompt": [1], "max_tokens": 4})
+        # d0's 503 was retried on d1, whose 400 is the client's to see.
+        assert r.status_code == 400 and r.json() == {"error": "bad"}
+        assert len(c.servers["d0"].seen) == 1 and len(c.servers["d1"].seen) == 1
+
+
+async def test_an_unreachable_prefill_instance_sends_the_request_to_another_pair(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p1": echo, "d0": never, "d1": echo}, dead=("p0",)) as c:
+        router = c.gateway.router
+        router.pick("prefill", c.gateway.clock(), exclude=["p0"])  # p0 first
+        router.pick("decode", c.gateway.clock(), exclude=["d0"])  # d0 first
+        r = await c.post({"prompt": [1], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        (p1,), (d1,) = c.servers["p1"].seen, c.servers["d1"].seen
+        # A new pair, under a new transfer_id.
+        assert p1.body["kv_transfer_params"]["transfer_id"] == d1.body["kv_transfer_params"]["transfer_id"]
+        assert d1.body["kv_transfer_params"]["prefill_instance_id"] == "p1"
+        assert r.json() == completion(d1)
+        # D's request for the dead P's transfer was cancelled, whether or not it had arrived.
+        for d0 in c.servers["d0"].seen:
+            assert d0.body["kv_transfer_params"]["transfer_id"] != d1.body["kv_transfer_params"]["transfer_id"]
+            with anyio.fail_after(10):
+                await d0.gone.wait()
+
+
+async def test_a_prompt_prefill_refuses_ends_the_decode_request_with_prefills_answer(broker: BrokerProcess) -> None:
+    refusal = {"error": {"message": "prompt too long", "code": 400}}
+    async with cluster(broker, {"p0": answer(400, refusal), "d0": never}) as c:
+        r = await c.post({"prompt": [1], "max_tokens": 4})
+        # At once, not after D's wait: D's request was cancelled (if it had arrived at all).
+        assert r.status_code == 400 and r.json() == refusal
+        for d0 in c.servers["d0"].seen:
+            with anyio.fail_after(10):
+                await d0.gone.wait()
+
+
+async def test_only_instances_registered_at_the_broker_get_requests(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo, "d1": echo}, registered=("p0", "d1")) as c:
+        for _ in range(3):
+            assert (await c.post({"prompt": [1]})).status_code == 200
+        assert len(c.servers["d0"].seen) == 0 and len(c.servers["d1"].seen) == 3
+        assert (await c.http.get("/health")).status_code == 200
+
+
+async def test_with_no_decode_instance_registered_the_gateway_says_so(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
+        for r in (await c.post({"prompt": [1]}), await c.http.get("/health")):
+            assert r.status_code == 503
+            assert "no decode instance is registered at the broker (given: d0)" in r.json()["error"]["message"]
+        assert c.servers["p0"].seen == [] and c.servers["d0"].seen == []
+
+
+async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}) as c:
+        cases = [
+            (await c.http.post("/v1/completions", content=b"{not json"), 400, "not JSON"),
+            (await c.http.post("/v1/completions", content=b"[1, 2]"), 400, "JSON object"),
+            (await c.post({"prompt": [1], "kv_transfer_params": {"transfer_id": "x"}}), 400, "sets kv_transfer_params"),
+            (await c.http.get("/v1/completions"), 405, "takes POST"),
+            (await c.post({}, path="/v1/embeddings"), 404, "not served here"),
+        ]
+        for r, status, words in cases:
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        assert c.servers["p0"].seen == [] and c.servers["d0"].seen == []
+        c.gateway.config.max_body_bytes = 1000
+        r = await c.http.post("/v1/completions", content=b"x" * 5000)
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+        assert (await c.post({"prompt": [1]})).status_code == 200  # still serving
+
+
+async def test_a_request_past_its_deadline_gets_504_and_its_upstream_requests_end(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": never, "d0": never}, request_timeout_s=2) as c:
+        got: list[httpx.Response] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: _append(got, c.post({"prompt": [1]})))
+            with anyio.fail_after(10):
+                await c.servers["p0"].arrived.wait()
+                await c.servers["d0"].arrived.wait()
+        assert got[0].status_code == 504 and "--request-timeout" in got[0].json()["error"]["message"]
+        with anyio.fail_after(10):
+            await c.servers["p0"].seen[0].gone.wait()
+            await c.servers["d0"].seen[0].gone.wait()
+
+
+async def _append(into: list[Any], value: Awaitable[Any]) -> None:
+    into.append(await value)
+
+
+async def test_a_silent_broker_leaves_every_configured_instance_in_use(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
+        assert (await c.post({"prompt": [1]})).status_code == 503
+        broker.stop()
+        with anyio.fail_after(20):  # the last status goes stale
+            while c.gateway.router.fresh_view(c.gateway.clock()) is not None:
+                await anyio.sleep(0.05)
+        # Without the broker's view the connectors' own deadlines decide; the gateway routes.
+        assert (await c.post({"prompt": [1]})).status_code == 200

@@ -28,6 +28,7 @@ bytes) is asked for every `poll_s` and feeds the router.
 from __future__ import annotations
 
 import time
+from http import HTTPStatus
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -91,6 +92,14 @@ class UpstreamFailed(Exception):
         super().__init__(f"{upstream.role} instance {upstream.instance_id} at {upstream.url}: {reason}")
         self.upstream = upstream
         self.reached = reached
+
+
+def _response(status: int, headers: list[tuple[str, str]]) -> h11.Response:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    return h11.Response(status_code=status, headers=headers, reason=reason)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -332,7 +341,7 @@ class Gateway:
         body = error_body(status, message)
         try:
             await conn.send(
-                h11.Response(status_code=status, headers=[("Content-Type", "application/json"), ("Content-Length", str(len(body)))]),
+                _response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]),
                 h11.Data(data=body), h11.EndOfMessage(),
             )
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
@@ -340,7 +349,7 @@ class Gateway:
 
     async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         ex.committed = True
-        await ex.conn.send(h11.Response(status_code=status, headers=[*headers, ("Content-Length", str(len(body)))]),
+        await ex.conn.send(_response(status, [*headers, ("Content-Length", str(len(body)))]),
                            h11.Data(data=body), h11.EndOfMessage())
 
     async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
@@ -489,7 +498,7 @@ class Gateway:
             return
         # A stream: pass each chunk on as it comes, chunked (h11 frames it).
         ex.committed = True
-        await ex.conn.send(h11.Response(status_code=reply.status, headers=[("Content-Type", ctype), ("Cache-Control", "no-cache")]))
+        await ex.conn.send(_response(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")]))
         async for chunk in reply.chunks():
             await ex.conn.send(h11.Data(data=chunk))
         await ex.conn.send(h11.EndOfMessage())

@@ -28,7 +28,8 @@ __all__ = ["FieldStats", "StepStats", "field_stats", "phase_steps", "read_events
 def read_events(paths: Iterable[str], keep: Callable[[str], bool] = lambda line: True) -> Iterator[dict[str, Any]]:
     """The JSON log lines of `paths` ("-": standard input) that name a transfer, each
     with its file's name as ``source`` unless it says where it came from. `keep` skips
-    lines cheaply before they are parsed. Lines that are not JSON are skipped: console
+    lines cheaply before they are parsed. A line may carry a tag before its JSON, as vLLM's
+    server puts on its engine core's lines. Lines that are not JSON are skipped: console
     logs and tracebacks may be mixed in."""
     for path in paths:
         stream = sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
@@ -37,7 +38,8 @@ def read_events(paths: Iterable[str], keep: Callable[[str], bool] = lambda line:
                 if '"transfer_id"' not in line or not keep(line):
                     continue
                 try:
-                    event = json.loads(line)
+                    # vLLM's server tags what its engine core process writes: "(EngineCore pid=7) {...}".
+                    event = json.loads(line[line.find("{"):])
                 except ValueError:
                     continue
                 if isinstance(event, dict) and event.get("transfer_id"):

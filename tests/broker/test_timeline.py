@@ -24,7 +24,8 @@ def test_each_step_is_timed_over_every_transfer_in_the_order_steps_come(tmp_path
         + [_line(f"t{k}", "transfer.loaded", 10 + k) for k in range(10)]
         + ["Traceback (most recent call last):", "not json {\"transfer_id\": 1"]
     ))
-    p.write_text("\n".join(_line(f"t{k}", "transfer.offered", 1) for k in range(10)))
+    # A vLLM server's log: its engine core's lines come with a process tag in front.
+    p.write_text("\n".join(f"(EngineCore_DP0 pid=4242) {_line(f't{k}', 'transfer.offered', 1)}" for k in range(10)))
     events = list(read_events([str(p), str(d)]))
     assert len(events) == 40 and {e["source"] for e in events} == {"p.log", "d.log"}
     steps, whole = phase_steps(events)

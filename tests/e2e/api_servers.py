@@ -1,0 +1,378 @@
+"""Real vLLM OpenAI API servers on the CPU, for end-to-end tests.
+
+Each server is `python -m vllm.entrypoints.openai.api_server` in a child process,
+bound to 127.0.0.1 on a free port, serving the tiny test model as "tiny", with an
+optional kv-transfer-config for KVBrokerConnector:
+
+    ktc = kv_transfer_config(broker_endpoint, "kv_consumer", "decode-0")
+    with api_server(model_dir, tmp_path, "decode-0", ktc) as d:
+        body = completion(d, prompt_ids, max_tokens=16, kv_transfer_params={...})
+        body["choices"][0]["token_ids"]
+
+    # Several at once: each takes about a minute to become healthy, so they start together.
+    with api_servers(model_dir, tmp_path, {"plain": None, "prefill-0": p_ktc}) as servers:
+        servers["plain"].base_url
+
+A server's stdout and stderr go to `<log_dir>/<name>.log` (the connector's JSON
+lines included: vLLM's engine core inherits them). A server is stopped by its PID:
+SIGTERM, then SIGKILL after a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from engine_runner import BASE_ENV
+
+SERVED_MODEL = "tiny"
+HEALTH_TIMEOUT_S = 240.0
+STOP_TIMEOUT_S = 30.0
+PORT_RETRIES = 2
+ROOT = Path(__file__).resolve().parents[2]
+
+# As engine_runner's engines (block size a multiple of 32 on the CPU backend). The KV
+# cache is VLLM_CPU_KVCACHE_SPACE (1 GiB, BASE_ENV): three or four servers fit in memory.
+SERVER_ARGS = (
+    "--skip-tokenizer-init",
+    "--enforce-eager",
+    "--max-model-len", "256",
+    "--dtype", "bfloat16",
+    "--block-size", "32",
+    "--gpu-memory-utilization", "0.3",
+    "--seed", "0",
+    # usage.prompt_tokens_details.cached_tokens: how much of a prompt D did not compute.
+    "--enable-prompt-tokens-details",
+)
+
+
+class ServerError(RuntimeError):
+    """A server exited or did not become healthy in time."""
+
+
+def kv_transfer_config(
+    broker: str,
+    role: str,
+    instance_id: str,
+    *,
+    policy: str | None = "recompute",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A kv-transfer-config for KVBrokerConnector. `policy` is the consumer's
+    kv_load_failure_policy (left out for a producer and when None); `extra` adds to
+    or overrides kv_connector_extra_config."""
+    config: dict[str, Any] = {
+        "kv_connector": "KVBrokerConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "broker": broker,
+            "instance_id": instance_id,
+            "pool_bytes": 64 << 20,
+            "staging_bytes": 64 << 20,
+            "tcp_host": "127.0.0.1",
+            # Several servers importing vLLM at once on two cores: registration can be slow.
+            "register_timeout_s": 60,
+            **extra,
+        },
+    }
+    if policy is not None and role == "kv_consumer":
+        config["kv_load_failure_policy"] = policy
+    return config
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    """A started, healthy server."""
+
+    name: str
+    port: int
+    pid: int
+    log_path: Path
+    role: str | None  # "kv_producer", "kv_consumer", or None without a connector
+    instance_id: str | None
+    startup_s: float
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One api_server child process: `start` launches it, `wait_healthy` waits for
+    GET /health, `stop` ends it."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        log_dir: str | os.PathLike[str],
+        name: str,
+        kv_transfer_config: dict[str, Any] | None = None,
+        *,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.kv_transfer_config = kv_transfer_config
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.server: ApiServer | None = None
+        self.port_retries = 0
+        self._log_offset = 0
+
+    @property
+    def role(self) -> str | None:
+        return (self.kv_transfer_config or {}).get("kv_role")
+
+    @property
+    def instance_id(self) -> str | None:
+        return ((self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}).get("instance_id")
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", SERVED_MODEL,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            *SERVER_ARGS,
+        ]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + self.extra_args
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env.update(BASE_ENV)
+        # The server's engine core runs in its own process, as in production.
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # By default vLLM's CPU backend pins every server's worker process, all its threads
+        # (the connector's included), to core 0. Several servers on one small host then
+        # share one core, and a prefill worker went without CPU for over 5 s while a decode
+        # server waited for its KV: the broker evicted it and every transfer failed.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env.update(self.env)
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.started_at = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=str(ROOT),
+                # Its own process group, led by its PID: the engine core it forks is
+                # found there if the server is killed before it could end it.
+                start_new_session=True,
+            )
+
+    def healthy(self) -> bool:
+        """Whether GET /health answers 200; raises ServerError if the process exited."""
+        assert self.proc is not None, "not started"
+        rc = self.proc.poll()
+        if rc is not None:
+            if self._port_taken() and self.port_retries < PORT_RETRIES:
+                # The free port was taken before vLLM bound it (another server's
+                # internal sockets, started at the same time): start again on another.
+                self.port_retries += 1
+                self.start()
+                return False
+            raise ServerError(f"{self.name}: exited with {rc} before it was healthy{self.log_tail()}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def ready(self) -> ApiServer:
+        assert self.proc is not None
+        self.server = ApiServer(
+            name=self.name,
+            port=self.port,
+            pid=self.proc.pid,
+            log_path=self.log_path,
+            role=self.role,
+            instance_id=self.instance_id,
+            startup_s=round(time.monotonic() - self.started_at, 1),
+        )
+        return self.server
+
+    def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> ApiServer:
+        wait_all_healthy([self], timeout)
+        assert self.server is not None
+        return self.server
+
+    def terminate(self) -> None:
+        """SIGTERM to the server's PID (vLLM then shuts its engine core down)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+
+    def wait_stopped(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """Wait up to `timeout` s for the server to exit, then SIGKILL it; returns its
+        exit status. What is left of its process group after that (an engine core of
+        about 3 GB whose server was killed) gets the same deadline, then SIGKILL."""
+        if self.proc is None:
+            return None
+        pid, deadline = self.proc.pid, time.monotonic() + timeout
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.proc.wait()
+        pause = threading.Event()
+        while _group_alive(pid) and time.monotonic() < deadline:
+            pause.wait(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        return self.proc.returncode
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then `wait_stopped`."""
+        self.terminate()
+        return self.wait_stopped(timeout)
+
+    def _port_taken(self) -> bool:
+        if not self.log_path.exists():
+            return False
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return b"address already in use" in f.read().lower()
+
+    def log_tail(self, n: int = 6000) -> str:
+        if not self.log_path.exists():
+            return ""
+        data = self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return f"\n--- {self.name} log tail ({self.log_path}) ---\n{data}"
+
+
+def wait_all_healthy(procs: Sequence[ServerProcess], timeout: float = HEALTH_TIMEOUT_S) -> dict[str, ApiServer]:
+    """Poll every server's /health until all answer 200; fail at the first one that exits
+    or when `timeout` s have passed."""
+    deadline = time.monotonic() + timeout
+    pending = [p for p in procs if p.server is None]
+    pause = threading.Event()
+    while True:
+        for p in list(pending):
+            if p.healthy():
+                p.ready()
+                pending.remove(p)
+        if not pending:
+            break
+        if time.monotonic() > deadline:
+            tails = "".join(p.log_tail(3000) for p in pending)
+            raise ServerError(f"not healthy after {timeout} s: {[p.name for p in pending]}{tails}")
+        pause.wait(0.5)
+    return {p.name: p.server for p in procs if p.server is not None}
+
+
+@contextlib.contextmanager
+def api_servers(
+    model_dir: str | os.PathLike[str],
+    log_dir: str | os.PathLike[str],
+    specs: Mapping[str, dict[str, Any] | None],
+    *,
+    timeout: float = HEALTH_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[dict[str, ApiServer]]:
+    """Start one server per `specs` entry (name -> kv-transfer-config or None) all at
+    once, wait until every one is healthy, yield them by name, and stop them all."""
+    procs = [
+        ServerProcess(model_dir, log_dir, name, ktc, extra_args=extra_args, env=env)
+        for name, ktc in specs.items()
+    ]
+    try:
+        for p in procs:
+            p.start()
+        yield wait_all_healthy(procs, timeout)
+    finally:
+        # All at once: each takes a few seconds to shut down.
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait_stopped()
+
+
+@contextlib.contextmanager
+def api_server(
+    model_dir: str | os.PathLike[str],
+    log_dir: str | os.PathLike[str],
+    name: str,
+    kv_transfer_config: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Iterator[ApiServer]:
+    """One server; see `api_servers`."""
+    with api_servers(model_dir, log_dir, {name: kv_transfer_config}, **kwargs) as servers:
+        yield servers[name]
+
+
+def post_json(server: ApiServer, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """POST `body` to the server; the parsed answer, or an AssertionError with the
+    status and body when it is not 200."""
+    r = httpx.post(server.base_url + path, json=body, timeout=timeout)
+    assert r.status_code == 200, f"{server.name} {path}: HTTP {r.status_code}: {r.text}"
+    return r.json()
+
+
+def completion(
+    server: ApiServer,
+    prompt: list[int],
+    max_tokens: int,
+    kv_transfer_params: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    **fields: Any,
+) -> dict[str, Any]:
+    """POST /v1/completions for one prompt of token ids, greedy, ignoring EOS, with the
+    generated token ids in choices[0]["token_ids"]; `fields` add to or override the body."""
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return post_json(server, "/v1/completions", body, timeout=timeout)

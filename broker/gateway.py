@@ -191,7 +191,9 @@ async def upstream_request(
             event = await conn.next_event()
             while isinstance(event, h11.InformationalResponse):
                 event = await conn.next_event()
-        except (anyio.BrokenResourceError, anyio.EndOfStream, OSError, h11.RemoteProtocolError) as exc:
+        except h11.RemoteProtocolError:  # h11's words for a close before any answer
+            raise UpstreamFailed(up, "closed the connection before answering", reached=True) from None
+        except (anyio.BrokenResourceError, anyio.EndOfStream, OSError) as exc:
             raise UpstreamFailed(up, f"broke off before answering ({exc or type(exc).__name__})", reached=True) from None
         if not isinstance(event, h11.Response):
             raise UpstreamFailed(up, "closed the connection before answering", reached=True)

@@ -19,6 +19,8 @@ usage.prompt_tokens_details.cached_tokens, and a corrupted transfer changing D's
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +105,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "decode-0": kv_transfer_config(
             endpoint, "kv_consumer", "decode-0", fault_injection="flip_sign_bits", fault_injection_prefix="corrupt-"
         ),
+        # Behind the gateway only, and killed by the last test.
+        "decode-1": kv_transfer_config(endpoint, "kv_consumer", "decode-1"),
     }
     t0 = time.monotonic()
     try:
@@ -197,6 +201,7 @@ def gateway(cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
         sys.executable, "-m", "broker.cli", "gateway", "--broker", cluster["broker"].endpoint,
         "--port", "0", "--port-file", str(port_file), "--log-format", "json",
         "--prefill", f"prefill-0={p.base_url}", "--decode", f"decode-0={d.base_url}",
+        "--decode", f"decode-1={cluster['decode-1'].base_url}",
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
@@ -215,6 +220,9 @@ def gateway(cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
     finally:
         proc.terminate()
         assert proc.wait(timeout=15) == 0, log_path.read_text()
+
+
+DECODES = ("decode-0", "decode-1")
 
 
 def gateway_transfers(log: Path) -> dict[str, dict[str, Any]]:
@@ -250,12 +258,14 @@ def test_a_client_of_the_gateway_gets_the_decode_servers_answer_from_the_prefill
     assert [token_ids(b) for b in via] == [token_ids(b) for b in plain], timeline(cluster, tids)
     # D computed none of them: every prompt's KV came from P, under the gateway's transfer ids.
     assert sorted(cached_tokens(b) for b in via) == sorted(lengths), timeline(cluster, tids)
-    loaded = {r["transfer_id"] for r in log_events(cluster["decode-0"], "transfer.loaded")}
+    loaded = {r["transfer_id"] for d in DECODES for r in log_events(cluster[d], "transfer.loaded")}
     assert set(tids) <= loaded, timeline(cluster, tids)
+    # The requests went to both decode instances (equals take turns).
+    assert {gateway_transfers(gateway["log"])[t]["decode"] for t in tids} == set(DECODES)
     # One transfer's trace joins the gateway's hops with the broker's and the servers'.
     out = subprocess.run(
         [sys.executable, "-m", "broker.cli", "trace", tids[0], str(gateway["log"]), str(cluster["broker"].log_path),
-         str(cluster["prefill-0"].log_path), str(cluster["decode-0"].log_path)],
+         *(str(cluster[n].log_path) for n in ("prefill-0", *DECODES))],
         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60,
     )
     for step in ("gateway.routed", "transfer.offered", "transfer.loaded", "gateway.decoded"):
@@ -281,3 +291,34 @@ def test_a_streamed_answer_through_the_gateway_matches_the_plain_servers(
             usage = event.get("usage") or usage
     assert tokens == token_ids(completion(cluster["plain"], prompt, MAX_TOKENS))
     assert usage["prompt_tokens_details"]["cached_tokens"] == len(prompt)  # loaded, not computed
+
+
+def test_a_decode_server_killed_behind_the_gateway_loses_no_request_and_costs_no_second_prefill(
+    cluster: dict[str, Any], gateway: dict[str, Any]
+) -> None:
+    """decode-1 dies (SIGKILL to the process group this test started) while the broker
+    still holds its registration: the gateway's request to it is refused, goes to decode-0
+    under the same transfer_id, and decode-0 loads the KV P staged once."""
+    os.killpg(cluster["decode-1"].pid, signal.SIGKILL)
+    prompts = make_prompts([110, 90], salt=97)
+    before = set(gateway_transfers(gateway["log"]))
+
+    def ask(prompt: list[int]) -> dict[str, Any]:
+        r = httpx.post(f"{gateway['url']}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two at once: the router gives one to each decode instance
+        via = list(pool.map(ask, prompts))
+    done = gateway_transfers(gateway["log"])
+    tids = [t for t in done if t not in before]
+    assert len(tids) == 2 and {done[t]["decode"] for t in tids} == {"decode-0"}
+    retried = [t for t in tids if done[t]["attempt"] == 2]
+    assert len(retried) == 1, timeline(cluster, tids)
+    assert [token_ids(b) for b in via] == [token_ids(completion(cluster["plain"], q, MAX_TOKENS)) for q in prompts]
+    assert [cached_tokens(b) for b in via] == [len(q) for q in prompts], timeline(cluster, tids)
+    # P offered each prompt's KV once: the retry cost no second prefill.
+    offered = [r["transfer_id"] for r in log_events(cluster["prefill-0"], "transfer.offered")]
+    assert [offered.count(t) for t in tids] == [1, 1], timeline(cluster, tids)

@@ -28,10 +28,10 @@ bytes) is asked for every `poll_s` and feeds the router.
 from __future__ import annotations
 
 import time
-from http import HTTPStatus
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -113,7 +113,7 @@ def error_body(status: int, message: str) -> bytes:
 class HttpConn:
     """h11 over an anyio byte stream: `next_event` reads as needed, `send` writes."""
 
-    def __init__(self, stream: ByteStream, role: type[h11.CLIENT] | type[h11.SERVER]) -> None:
+    def __init__(self, stream: ByteStream, role: type[h11.CLIENT | h11.SERVER]) -> None:
         self.stream = stream
         self.h = h11.Connection(role)
 
@@ -240,17 +240,12 @@ def parse_request(raw: bytes) -> dict[str, Any]:
 # --- the gateway ------------------------------------------------------------------------------
 
 
-Respond = Callable[[int, list[tuple[str, str]], bytes], Any]
-
-
 @dataclass
 class _Exchange:
     """One client request in flight: what the client has been sent so far."""
 
     conn: HttpConn
     committed: bool = False  # a response head went to the client: no retry from here
-    outcome: str = ""
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 class Gateway:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,17 +256,23 @@ class _StallWatch(threading.Thread):
                         since_s=round(self.clock() - due, 3), where=where)
 
 
-def serve(config: DaemonConfig, backend: str = "asyncio") -> None:
-    """Run the daemon in the foreground until SIGINT or SIGTERM."""
+def run_until_signalled(make: Callable[[], Callable[..., Coroutine[Any, Any, Any]]], event: str, backend: str = "asyncio") -> None:
+    """Start the task `make()` returns (one that reports `task_status.started`; made in the
+    event loop, since its objects may need one) and cancel it on SIGINT or SIGTERM, logging
+    `event` with the signal's name."""
 
     async def main() -> None:
-        daemon = BrokerDaemon(config)
         async with anyio.create_task_group() as tg:
-            await tg.start(daemon.run)
+            await tg.start(make())
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    log.info("broker.stopping", signal=signal.Signals(signum).name)
+                    log.info(event, signal=signal.Signals(signum).name)
                     tg.cancel_scope.cancel()
                     break
 
     anyio.run(main, backend=backend)
+
+
+def serve(config: DaemonConfig, backend: str = "asyncio") -> None:
+    """Run the daemon in the foreground until SIGINT or SIGTERM."""
+    run_until_signalled(lambda: BrokerDaemon(config).run, "broker.stopping", backend)

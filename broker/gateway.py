@@ -503,16 +503,6 @@ class Gateway:
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM."""
-    import signal
+    from .daemon import run_until_signalled
 
-    async def main() -> None:
-        gateway = Gateway(config)
-        async with anyio.create_task_group() as tg:
-            await tg.start(gateway.run)
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    log.info("gateway.stopping", signal=signal.Signals(signum).name)
-                    tg.cancel_scope.cancel()
-                    break
-
-    anyio.run(main, backend=backend)
+    run_until_signalled(lambda: Gateway(config).run, "gateway.stopping", backend)

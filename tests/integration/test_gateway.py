@@ -311,6 +311,15 @@ async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: 
         c.gateway.config.max_body_bytes = 1000
         r = await c.http.post("/v1/completions", content=b"x" * 5000)
         assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"]
+        # Not HTTP at all: a 400 on that connection, and the gateway serves on.
+        port = c.gateway.port
+        assert port is not None
+        for junk in (b"\x00\xff GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n"):
+            async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+                await raw.send(junk)
+                with anyio.fail_after(10):
+                    head = await raw.receive()
+            assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), head[:80]
         assert (await c.post({"prompt": [1]})).status_code == 200  # still serving
 
 

@@ -309,7 +309,9 @@ class Gateway:
                     return
                 ex = _Exchange(conn)
                 try:
-                    await self._handle(ex, event, raw)
+                    if not await self._while_connected(ex, event, raw):
+                        log.info("gateway.client_gone", phase="client")
+                        return
                 except HttpError as exc:
                     if ex.committed:
                         return
@@ -331,6 +333,38 @@ class Gateway:
                     conn.h.start_next_cycle()
                 except h11.LocalProtocolError:
                     return
+
+    async def _while_connected(self, ex: _Exchange, request: h11.Request, raw: bytes) -> bool:
+        """Handle one request, cancelled if the client hangs up meanwhile: its upstream
+        requests then end too, so vLLM frees what they hold. False if the client left."""
+        gone = False
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal gone
+                while True:
+                    try:
+                        data = await ex.conn.stream.receive(READ_CHUNK)
+                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        data = b""
+                    if not data:
+                        if ex.conn.h.our_state is h11.DONE:
+                            return  # it had its whole answer; P's request may still end on its own
+                        gone = True
+                        tg.cancel_scope.cancel()
+                        return
+                    ex.conn.h.receive_data(data)  # a pipelined next request: h11 keeps it for the next cycle
+
+            tg.start_soon(watch)
+            try:
+                await self._handle(ex, request, raw)
+            except Exception as exc:  # noqa: BLE001 (raised after the group, not wrapped in one)
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None and not gone:
+            raise failure
+        return not gone
 
     async def _send_quietly(self, conn: HttpConn, status: int, message: str) -> None:
         if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):

@@ -350,3 +350,22 @@ async def test_a_silent_broker_leaves_every_configured_instance_in_use(broker: B
                 await anyio.sleep(0.05)
         # Without the broker's view the connectors' own deadlines decide; the gateway routes.
         assert (await c.post({"prompt": [1]})).status_code == 200
+
+
+async def test_a_client_that_hangs_up_ends_both_upstream_requests(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": never, "d0": never}) as c:
+        port = c.gateway.port
+        assert port is not None
+        body = msgspec.json.encode({"prompt": [1], "max_tokens": 4})
+        async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+            await raw.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            with anyio.fail_after(10):
+                await c.servers["p0"].arrived.wait()
+                await c.servers["d0"].arrived.wait()
+        # Well inside the 20 s request deadline: the gateway saw the client leave.
+        with anyio.fail_after(10):
+            await c.servers["p0"].seen[0].gone.wait()
+            await c.servers["d0"].seen[0].gone.wait()
+        assert c.gateway.router.in_flight(c.gateway.router.upstreams[0]) == 0
+        assert (await c.post({"prompt": [1]}, path="/v1/embeddings")).status_code == 404  # still serving

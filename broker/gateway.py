@@ -28,6 +28,7 @@ bytes) is asked for every `poll_s` and feeds the router.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -255,6 +256,9 @@ class Gateway:
         self.router = Router(config.upstreams, stale_s=max(5.0, 5 * config.poll_s))
         self.port: int | None = None
         self._broker_ok: bool | None = None
+        # Answers by status code, and events: decode_retries, prefill_retries, clients_gone.
+        self.answers: Counter[int] = Counter()
+        self.events: Counter[str] = Counter()
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -311,6 +315,7 @@ class Gateway:
                 try:
                     if not await self._while_connected(ex, event, raw):
                         log.info("gateway.client_gone", phase="client")
+                        self.events["clients_gone"] += 1
                         return
                 except HttpError as exc:
                     if ex.committed:
@@ -370,6 +375,7 @@ class Gateway:
         if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         body = error_body(status, message)
+        self.answers[status] += 1
         try:
             await conn.send(
                 _response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]),
@@ -380,6 +386,7 @@ class Gateway:
 
     async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         ex.committed = True
+        self.answers[status] += 1
         await ex.conn.send(_response(status, [*headers, ("Content-Length", str(len(body)))]),
                            h11.Data(data=body), h11.EndOfMessage())
 
@@ -390,6 +397,11 @@ class Gateway:
             if why:
                 raise HttpError(503, why)
             return await self._reply(ex, 200, [("Content-Type", "application/json")], b'{"status":"ok"}')
+        if target == "/metrics" and method == "GET":
+            from .metrics import gateway_metrics
+
+            body, ctype = gateway_metrics(self)
+            return await self._reply(ex, 200, [("Content-Type", ctype)], body)
         if target == "/v1/models" and method == "GET":
             return await self._forward_models(ex)
         if target not in ROUTED:
@@ -428,6 +440,7 @@ class Gateway:
             if p_failed is None:
                 return
             tried_p.append(route.prefill.instance_id)
+            self.events["prefill_retries"] += 1
         raise HttpError(502, f"no prefill instance could be reached (tried {', '.join(tried_p)}).")
 
     async def _one_route(
@@ -519,6 +532,7 @@ class Gateway:
             finally:
                 self.router.finished(up, self.clock(), failed=failed)
             log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
+            self.events["decode_retries"] += 1
             up = self.router.pick("decode", self.clock(), exclude=tried)
         return HttpError(502, f"no decode instance answered ({last}).")
 
@@ -529,6 +543,7 @@ class Gateway:
             return
         # A stream: pass each chunk on as it comes, chunked (h11 frames it).
         ex.committed = True
+        self.answers[reply.status] += 1
         await ex.conn.send(_response(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")]))
         async for chunk in reply.chunks():
             await ex.conn.send(h11.Data(data=chunk))

@@ -239,6 +239,13 @@ async def test_a_decode_instance_that_fails_is_replaced_with_the_same_transfer(b
         # d0 failed: the next request goes to d1 while d0 is down.
         await c.post({"prompt": [5, 6], "max_tokens": 4})
         assert len(c.servers["d0"].seen) == 1 and len(c.servers["d1"].seen) == 2
+        # /metrics says so.
+        text = (await c.http.get("/metrics")).text
+        for sample in ('kvbroker_gateway_answers_total{status="200"} 2.0', "kvbroker_gateway_decode_retries_total 1.0",
+                       'kvbroker_gateway_instance_usable{instance="d0",role="decode"} 0.0',
+                       'kvbroker_gateway_instance_usable{instance="d1",role="decode"} 1.0',
+                       'kvbroker_gateway_in_flight{instance="d1",role="decode"} 0.0'):
+            assert sample in text, text
 
 
 async def test_a_decode_5xx_is_retried_and_a_decode_4xx_is_the_clients(broker: BrokerProcess) -> None:

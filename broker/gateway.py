@@ -111,6 +111,8 @@ def parse_request(raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise HttpError(400, f"the request body is not JSON ({exc}).") from None
+    except RecursionError:
+        raise HttpError(400, "the request body's JSON is nested too deeply.") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object.")
     if "kv_transfer_params" in body:

@@ -152,3 +152,4 @@ def test_a_route_is_always_an_allowed_pair(steps: list[tuple]) -> None:
                 if healthy:
                     assert chosen.instance_id in healthy
     assert all(r.in_flight(up(n)) >= 0 for n in NAMES)
+

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 @dataclass
 class Seen:
     body: dict[str, Any]
+    path: str = ""
     gone: anyio.Event = field(default_factory=anyio.Event)  # the gateway closed the connection
 
 
@@ -60,9 +61,11 @@ class FakeServer:
     async def _one(self, stream: SocketStream) -> None:
         conn = h11.Connection(h11.SERVER)
         async with stream:
-            body = b""
+            body, path = b"", ""
             while True:
                 ev = conn.next_event()
+                if isinstance(ev, h11.Request):
+                    path = ev.target.decode()
                 if ev is h11.NEED_DATA:
                     try:
                         conn.receive_data(await stream.receive())
@@ -72,7 +75,7 @@ class FakeServer:
                     body += ev.data
                 elif isinstance(ev, h11.EndOfMessage):
                     break
-            seen = Seen(msgspec.json.decode(body) if body else {})
+            seen = Seen(msgspec.json.decode(body) if body else {}, path)
             self.seen.append(seen)
             self.arrived.set()
             async with anyio.create_task_group() as tg:
@@ -196,6 +199,15 @@ async def test_a_request_goes_to_prefill_for_one_token_and_to_decode_for_the_ans
         r2 = await c.post({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9})
         assert r2.status_code == 200
         assert c.servers["d0"].seen[1].body["kv_transfer_params"]["transfer_id"] not in ("", tid)
+        # A chat request the same way, on its own path; P gets one token by either name.
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+        r3 = await c.post(chat, path="/v1/chat/completions")
+        assert r3.status_code == 200, r3.text
+        p3, d3 = c.servers["p0"].seen[2], c.servers["d0"].seen[2]
+        assert p3.path == d3.path == "/v1/chat/completions" and p.path == d.path == "/v1/completions"
+        assert p3.body["max_tokens"] == 1 and p3.body["max_completion_tokens"] == 1
+        assert d3.body["messages"] == chat["messages"] and d3.body["max_completion_tokens"] == 9
+        assert p3.body["kv_transfer_params"]["transfer_id"] == d3.body["kv_transfer_params"]["transfer_id"]
 
 
 async def test_a_streamed_answer_reaches_the_client_as_decode_sends_it(broker: BrokerProcess) -> None:

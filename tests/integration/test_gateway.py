@@ -9,6 +9,7 @@ the gateway in front of real vLLM servers.
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,8 +25,9 @@ from anyio.abc import SocketStream
 
 from broker.gateway import Gateway, GatewayConfig
 from broker.routes import Upstream
+from protocols.channel import curve_client_keys
 from protocols.messages import Register
-from tests.support import BrokerProcess
+from tests.support import ROOT, BrokerProcess, env
 from workers.client import BrokerClient, ClientConfig, NullHandler
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
@@ -388,3 +390,41 @@ async def test_a_client_that_hangs_up_ends_both_upstream_requests(broker: Broker
             await c.servers["d0"].seen[0].gone.wait()
         assert c.gateway.router.in_flight(c.gateway.router.upstreams[0]) == 0
         assert (await c.post({"prompt": [1]}, path="/v1/embeddings")).status_code == 404  # still serving
+
+
+async def test_a_gateway_reads_a_curve_brokers_registry_only_with_a_listed_key(tmp_path: Path) -> None:
+    keys, listed = tmp_path / "keys", tmp_path / "clients"
+    listed.mkdir()
+    for name in ("broker", "p0", "d0", "gw", "stranger"):
+        with anyio.fail_after(30):
+            made = await anyio.run_process([sys.executable, "-m", "broker.cli", "keygen", "--out", str(keys), "--name", name],
+                                           env=env(), cwd=ROOT, check=False)
+        assert made.returncode == 0, made.stderr.decode()
+        if name in ("p0", "d0", "gw"):
+            (listed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    server = (keys / "broker.key").read_text().strip()
+    broker = BrokerProcess(tmp_path, "--curve-secret-file", str(keys / "broker.key_secret"), "--curve-clients", str(listed))
+    broker.start()
+    ups = [Upstream("p0", "prefill", "127.0.0.1", closed_port()), Upstream("d0", "decode", "127.0.0.1", closed_port())]
+
+    def gateway(key: str) -> Gateway:
+        return Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1, curve_server_key=server,
+                                     curve_client_secret=(keys / f"{key}.key_secret").read_bytes()))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for name, role in (("p0", "prefill"), ("d0", "decode")):
+                cfg = ClientConfig(broker=broker.endpoint, curve=curve_client_keys(server, (keys / f"{name}.key_secret").read_bytes()))
+                reg = Register(role=role, instance_id=name, compat_hash="h", pool_capacity=0 if role == "prefill" else 1 << 20)
+                await tg.start(BrokerClient(cfg, reg, NullHandler()).run)
+            listed_gw, stranger_gw = gateway("gw"), gateway("stranger")
+            await tg.start(listed_gw.run)
+            await tg.start(stranger_gw.run)
+            with anyio.fail_after(20):
+                while listed_gw.router.view is None or stranger_gw._broker_ok is not False:
+                    await anyio.sleep(0.05)
+            assert listed_gw.router.view.registered == {"prefill": {"p0"}, "decode": {"d0"}}
+            assert stranger_gw.router.view is None  # refused at the handshake: it learns nothing
+            tg.cancel_scope.cancel()
+    finally:
+        assert broker.stop() == 0, broker.log_path.read_text()

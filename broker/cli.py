@@ -163,9 +163,6 @@ def gateway(**opts: Any) -> None:
             curve_client_secret=Path(opts["curve_client_secret_file"]).read_bytes() if opts["curve_client_secret_file"] else None,
             port_file=opts["port_file"],
         )
-        from .routes import Router
-
-        Router(ups)  # checks the instances given before anything is bound
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     run(config, backend=opts["backend"])

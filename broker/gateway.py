@@ -49,7 +49,7 @@ from .http import (
     response_head,
     upstream_request,
 )
-from .routes import Route, Router, Upstream
+from .routes import Route, Router, Upstream, check_upstreams
 from .status import fetch_status
 
 log = structlog.get_logger("kvbroker.gateway")
@@ -82,6 +82,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}.")
         if self.decode_attempts < 1 or self.prefill_attempts < 1:
             raise ValueError("decode and prefill attempts must be at least 1.")
+        check_upstreams(self.upstreams)
 
 
 # --- what each side is sent ---------------------------------------------------------------
@@ -256,21 +257,19 @@ class Gateway:
     async def _send_quietly(self, conn: HttpConn, status: int, message: str) -> None:
         if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
-        body = error_body(status, message)
-        self.answers[status] += 1
         try:
-            await conn.send(
-                response_head(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]),
-                h11.Data(data=body), h11.EndOfMessage(),
-            )
+            await self._send_whole(conn, status, [("Content-Type", "application/json")], error_body(status, message))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
             pass
 
     async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         ex.committed = True
+        await self._send_whole(ex.conn, status, headers, body)
+
+    async def _send_whole(self, conn: HttpConn, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         self.answers[status] += 1
-        await ex.conn.send(response_head(status, [*headers, ("Content-Length", str(len(body)))]),
-                           h11.Data(data=body), h11.EndOfMessage())
+        await conn.send(response_head(status, [*headers, ("Content-Length", str(len(body)))]),
+                        h11.Data(data=body), h11.EndOfMessage())
 
     async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
         method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
@@ -304,8 +303,7 @@ class Gateway:
                     body = await reply.body()
         except UpstreamFailed as exc:
             raise HttpError(502, str(exc)) from None
-        ctype = (reply.header(b"content-type") or b"application/json").decode("latin-1")
-        await self._reply(ex, reply.status, [("Content-Type", ctype)], body)
+        await self._reply(ex, reply.status, [("Content-Type", reply.content_type)], body)
 
     # --- a routed request ---
 
@@ -347,7 +345,7 @@ class Gateway:
                     async with upstream_request(up, "POST", target, p_raw, hdrs, self.config.connect_timeout_s) as reply:
                         body = await reply.body()
                     failed = reply.status >= 500
-                    p_result["reply"] = (reply.status, reply.header(b"content-type"), body)
+                    p_result["reply"] = (reply.status, reply.content_type, body)
                     log.info("gateway.prefilled", phase="prefill", status=reply.status)
                     if reply.status >= 300 and not ex.committed:
                         d_scope.cancel()  # D would wait its load timeout for KV that is not coming
@@ -379,7 +377,7 @@ class Gateway:
             raise HttpError(502, f"{failed}; the request was not answered.")
         status, ctype, body = p_result["reply"]
         # P answered first with an error, and D's request was cancelled for it: pass P's on.
-        await self._reply(ex, status, [("Content-Type", (ctype or b"application/json").decode("latin-1"))], body)
+        await self._reply(ex, status, [("Content-Type", ctype)], body)
         return None
 
     async def _decode(
@@ -419,7 +417,7 @@ class Gateway:
         return HttpError(502, f"no decode instance answered ({last}).")
 
     async def _relay(self, ex: _Exchange, reply: UpstreamReply) -> None:
-        ctype = (reply.header(b"content-type") or b"application/json").decode("latin-1")
+        ctype = reply.content_type
         if reply.header(b"content-length") is not None or not ctype.startswith("text/event-stream"):
             await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
             return

@@ -105,6 +105,10 @@ class UpstreamReply:
     def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.headers if k.lower() == name), None)
 
+    @property
+    def content_type(self) -> str:
+        return (self.header(b"content-type") or b"application/json").decode("latin-1")
+
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:
             event = await self.conn.next_event()

@@ -106,13 +106,7 @@ class Router:
     def __init__(
         self, upstreams: Sequence[Upstream], *, stale_s: float = 5.0, down_s: float = 5.0
     ) -> None:
-        names = [u.instance_id for u in upstreams]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"instance id {dup[0]!r} is given twice; each vLLM server registers under its own instance_id.")
-        for role in ("prefill", "decode"):
-            if not any(u.role == role for u in upstreams):
-                raise ValueError(f"no {role} instance given; name at least one with --{role} INSTANCE_ID=http://HOST:PORT.")
+        check_upstreams(upstreams)
         self.upstreams = list(upstreams)
         self.stale_s = stale_s
         self.down_s = down_s
@@ -189,6 +183,18 @@ class Router:
                     f"start one whose kv_connector_extra_config names this broker and one of these instance_ids."
                 )
         return None
+
+
+def check_upstreams(upstreams: Sequence[Upstream]) -> None:
+    """Distinct instance ids, and at least one instance of each role; else a ValueError
+    that says what to give."""
+    names = [u.instance_id for u in upstreams]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"instance id {dup[0]!r} is given twice; each vLLM server registers under its own instance_id.")
+    for role in ("prefill", "decode"):
+        if not any(u.role == role for u in upstreams):
+            raise ValueError(f"no {role} instance given; name at least one with --{role} INSTANCE_ID=http://HOST:PORT.")
 
 
 def new_transfer_id() -> str:

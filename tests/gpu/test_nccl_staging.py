@@ -38,10 +38,18 @@ def _direct_available() -> bool:
     return nccl_lib.load() is not None
 
 
-# Both communicator backends: "direct" (the ctypes NCCL binding) and "torch" (ProcessGroupNCCL).
+def _driver_available() -> bool:
+    from workers.transports import cuda_ipc
+
+    return cuda_ipc.driver() is not None
+
+
+# Every communicator backend: "direct" (the ctypes NCCL binding), "torch" (ProcessGroupNCCL)
+# and "ipc" (copy kernels over CUDA IPC, both GPUs on this host).
 BACKENDS = [
     pytest.param("direct", marks=pytest.mark.skipif(not _direct_available(), reason="no loadable libnccl")),
     "torch",
+    pytest.param("ipc", marks=pytest.mark.skipif(not _driver_available(), reason="no CUDA driver")),
 ]
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 4, 64, 16, 8, 128

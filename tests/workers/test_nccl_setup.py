@@ -92,7 +92,7 @@ def test_bad_payloads_are_refused_with_what_was_sent(payload: bytes) -> None:
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVBROKER_NCCL_BACKEND", raising=False)
-    with pytest.raises(ValueError, match=r"unknown NCCL backend 'mpi'; use one of \('direct', 'torch'\)"):
+    with pytest.raises(ValueError, match=r"unknown NCCL backend 'mpi'; use one of \('direct', 'torch', 'ipc'\)"):
         resolve_backend("mpi")
     assert resolve_backend("torch") == "torch"
     monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "torch")

@@ -277,7 +277,14 @@ class NcclCommunicator:
         self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
         keep: Sequence[Any] = (),
     ) -> Completion:
-        """Make `stream` wait for `works` (no host block) and return an event after them."""
+        """Make `stream` wait for `works` (no host block) and return an event after them.
+        When `works` are all posted groups of a backend with its own stream (`_DirectWork`),
+        the last one's event is the completion: they run in order on that stream."""
+        mine = [w for w in works if w is not None]
+        if mine and all(isinstance(w, _DirectWork) for w in mine):
+            done = Completion(self, mine[-1].event, op, transfer_id, [*keep, *mine])
+            self._track(done)
+            return done
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for work in works:
                 if work is not None:
@@ -331,7 +338,8 @@ class NcclCommunicator:
 
 
 class _DirectWork:
-    """A posted group of a `DirectCommunicator`: an event after it on the NCCL stream.
+    """A posted group of a `DirectCommunicator` (or an `IpcCommunicator`): an event after
+    it on the communicator's own stream.
 
     Holds the group's tensors, so the caching allocator cannot hand their memory to
     anyone else while the ops may still use it."""
@@ -453,19 +461,6 @@ class DirectCommunicator(NcclCommunicator):
             done = torch.cuda.Event()
             done.record(self.nccl_stream)
         return _DirectWork(done, [base])
-
-    def completion(
-        self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
-        keep: Sequence[Any] = (),
-    ) -> Completion:
-        """As `NcclCommunicator.completion`; when `works` are this communicator's, the
-        last one's event is the completion (its groups run in order on one stream)."""
-        mine = [w for w in works if w is not None]
-        if not mine or not all(isinstance(w, _DirectWork) for w in mine):
-            return super().completion(works, stream, op, transfer_id, keep)
-        done = Completion(self, mine[-1].event, op, transfer_id, [*keep, *mine])
-        self._track(done)
-        return done
 
     def async_error(self) -> int:
         """NCCL's asynchronous error code for this communicator (0: none)."""
@@ -666,8 +661,13 @@ class CommunicatorCache:
             info = None if payload is None else parse_payload(payload)
             while info is None or not _built_for(info, purpose):  # builds for other transfers are left
                 info = parse_payload(self.rendezvous.receive(peer, key, cancelled))
-        if (info["backend"] if info is not None else self.backend) == "direct":
+        backend = info["backend"] if info is not None else self.backend
+        if backend == "direct":
             return self._connect_direct(peer, info, cancelled, purpose)
+        if backend == "ipc":
+            from .cuda_ipc import connect_ipc  # imports this module
+
+            return connect_ipc(self, peer, info, cancelled, purpose)
         return self._connect_torch(peer, info, purpose)
 
     def _connect_direct(

@@ -20,7 +20,11 @@ from protocols.errors import RendezvousError
 
 log = structlog.get_logger()
 
-BACKENDS = ("direct", "torch")
+BACKENDS = ("direct", "torch", "ipc")
+
+# Where the ipc backend's shared page lives while two workers set up (`cuda_ipc`).
+SHM_DIR = "/dev/shm"
+IPC_PAGE_PREFIX = "kvbroker-ipc-"
 
 # The CUDA stream priority of the streams NCCL ops run on (lower is higher; compute and
 # copy streams keep the default 0). torch maps it into the device's range.
@@ -43,6 +47,11 @@ def resolve_backend(backend: str | None = None) -> str:
         raise ValueError(f"unknown NCCL backend {name!r}; use one of {BACKENDS}.")
     if name == "direct" and nccl_lib.load() is None:
         raise ValueError(f"the direct NCCL backend needs the NCCL library: {nccl_lib.load_error()}")
+    if name == "ipc":
+        from workers.transports import cuda_ipc
+
+        if cuda_ipc.driver() is None:
+            raise ValueError(f"the ipc backend needs the CUDA driver: {cuda_ipc.driver_error()}")
     return name
 
 
@@ -125,8 +134,9 @@ def master_store(host: str, timeout: timedelta) -> Any:
 
 
 def parse_payload(payload: bytes) -> dict[str, Any]:
-    """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id. Either
-    may name the transfer it was built for ("for"; "" any, as older peers send)."""
+    """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id, v3 an
+    ipc page (its path and the host's boot id). Each may name the transfer it was built
+    for ("for"; "" any, as older peers send)."""
     try:
         info = json.loads(payload)
         if not isinstance(info.get("nonce"), str) or not isinstance(info.get("for", ""), str):
@@ -137,6 +147,13 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
             if len(uid) != 128:
                 raise ValueError(f"an NCCL unique id is 128 bytes, not {len(uid)}")
             return {"backend": "direct", "id": uid, "nonce": info["nonce"], "for": purpose}
+        if info.get("v") == 3 and info.get("backend") == "ipc":
+            page, boot = info["page"], info["boot"]
+            if not isinstance(page, str) or not isinstance(boot, str):
+                raise ValueError("bad ipc fields")
+            if os.path.dirname(page) != SHM_DIR or not os.path.basename(page).startswith(IPC_PAGE_PREFIX):
+                raise ValueError(f"an ipc page lies in {SHM_DIR} and is named {IPC_PAGE_PREFIX}*, not {page!r}")
+            return {"backend": "ipc", "page": page, "boot": boot, "nonce": info["nonce"], "for": purpose}
         if info.get("v") != 1 or not isinstance(info["port"], int):
             raise ValueError("bad fields")
         return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"],

@@ -1,0 +1,132 @@
+"""The ipc communicator backend on GPUs: what it refuses, and what an abort leaves.
+
+The shared race tests of test_nccl_staging.py run over this backend too (its BACKENDS);
+these cover what only this backend has: the same-host check at rendezvous, sizes that
+differ, the copy gated off once the receiver gave up, and no NCCL memory per pair."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from protocols.errors import RecvTimeout, RendezvousError
+from tests.gpu.test_nccl_staging import _report, _run_pair, _setup
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _cache() -> Any:
+    import multiprocessing as mp
+
+    from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
+
+    ctx = mp.get_context("spawn")
+    return CommunicatorCache("d:0", "cuda:0", QueueRendezvous(ctx.Queue(), ctx.Queue(), timeout_s=1), backend="ipc")
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_a_peer_on_another_host_or_without_the_page_is_refused_with_what_to_use() -> None:
+    from workers.transports.cuda_ipc import boot_id, connect_ipc
+
+    cache = _cache()
+    info = {"backend": "ipc", "page": "/dev/shm/kvbroker-ipc-none", "boot": "another-boot", "nonce": "n", "for": ""}
+    with pytest.raises(RendezvousError, match="another host.*use the direct backend between hosts"):
+        connect_ipc(cache, "p:0", info)
+    with pytest.raises(RendezvousError, match="both workers need the same /dev/shm, or use the direct backend"):
+        connect_ipc(cache, "p:0", {**info, "boot": boot_id()})
+
+
+def _mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    try:
+        device, _, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        res: dict[str, Any] = {}
+        if role == "P":
+            x = torch.ones(2 << 20, dtype=torch.uint8, device=device)
+            try:
+                transport.send_tensors("D", [x]).wait(time.monotonic() + 10.0)
+                res["error"] = "the send of the wrong size went through"
+            except ValueError as exc:
+                res["message"] = str(exc)
+            res["stats"] = cache.statistics().__dict__
+        else:
+            y = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
+            try:
+                transport.recv_tensors("P", [y]).wait(time.monotonic() + 3.0)
+                res["timed_out"] = False
+            except RecvTimeout:
+                res["timed_out"] = True
+            res["untouched"] = bool((y == 0).all())
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_sizes_that_differ_fail_the_send_naming_both() -> None:
+    out = _run_pair(_mismatch_worker, {}, timeout_s=120.0)
+    _report("ipc_size_mismatch", out)
+    assert "takes 1048576 bytes, but the send has 2097152" in out["P"]["message"]
+    assert out["P"]["stats"]["aborted"] == 1  # the sender's communicator is gone
+    assert out["D"]["timed_out"] and out["D"]["untouched"]
+
+
+def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """P posts a send whose copy is held behind ~3 s of GPU work; D gives its receive up
+    after 1 s. When P's copy finally runs, D's buffer must stay as D left it."""
+    try:
+        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        comm = cache.get("D" if role == "P" else "P", initiator=role == "P")
+        res: dict[str, Any] = {"comm_mem_bytes": comm.mem_bytes}
+        if role == "P":
+            x = torch.full((8 << 20,), 7, dtype=torch.uint8, device=device)
+            rdv.receive("D", "test/posted")  # D's receive is announced: its `ready` is written
+            slow = torch.cuda.Stream(device)
+            with torch.cuda.stream(slow):
+                torch.cuda._sleep(int(3 * torch.cuda.get_device_properties(device).clock_rate * 1000))
+                held = torch.cuda.Event()
+                held.record(slow)
+            work = comm.post([("send", x)], slow, [held])
+            t0 = time.monotonic()
+            while not work.event.query() and time.monotonic() - t0 < 30:
+                time.sleep(1e-3)
+            res["send_ended"] = bool(work.event.query())
+            rdv.publish("D", "test/sent", b"1")
+        else:
+            y = torch.zeros(8 << 20, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)
+            done = transport.recv_tensors("P", [y])
+            rdv.publish("P", "test/posted", b"1")
+            try:
+                done.wait(time.monotonic() + 1.0)
+                res["timed_out"] = False
+            except RecvTimeout:
+                res["timed_out"] = True
+            rdv.receive("P", "test/sent")  # P's held copy has run (or been skipped) by now
+            torch.cuda.synchronize(device)
+            res["untouched"] = bool((y == 0).all())
+            res["stats"] = cache.statistics().__dict__
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_a_send_whose_receiver_gave_up_writes_nothing() -> None:
+    out = _run_pair(_gate_worker, {}, timeout_s=120.0)
+    _report("ipc_abort_gate", out)
+    assert out["D"]["timed_out"] and out["D"]["stats"]["aborted"] == 1
+    assert out["P"]["send_ended"]  # P's stream did not hang on the abort
+    assert out["D"]["untouched"], "the copy landed in a buffer its receiver had given up"
+    assert out["P"]["comm_mem_bytes"] == 0 and out["D"]["comm_mem_bytes"] == 0

@@ -1,0 +1,534 @@
+"""The "ipc" communicator backend: sends and receives between two GPUs of one host as
+one copy kernel over NVLink, paired like NCCL's, without NCCL.
+
+Why: between GPUs of one host NCCL's point-to-point ops are themselves copies through
+mapped peer memory, plus a FIFO, a proxy and a start-up cost of about 17-30 us an op
+(measured on an H200 pair, NCCL 2.28); a pipelined transfer of four chunks pays it four
+times. A 2-party NCCL communicator also holds 0.3-1 GB of GPU memory. Here the sender's
+kernel writes the bytes straight into the receiver's buffer, mapped into the sender's
+process with CUDA IPC, and the only shared state is one small page of host memory.
+
+How one op pairs (see `ipc_mailbox` for the page):
+
+* receive number k (receiver): the host writes descriptor k (the IPC handle of the
+  allocation the buffer lies in, the offset, the length); the receiver's stream waits
+  for the events the op depends on, then writes `ready = k` (its buffer may now be
+  written), then waits until `arrived >= k`. A work's event after that wait is the
+  receive's end.
+* send number k (sender): the host reads descriptor k (waiting for it under a deadline:
+  the receiver posts before its Ready, so it is normally there), maps the allocation
+  once per handle; the sender's stream waits for the events the op depends on and for
+  `ready >= k`, runs the copy kernel, then writes `arrived = k` behind a system-wide
+  fence, so the receiver sees the bytes before it sees the count.
+* In one group, receives are announced before sends are posted, and their waits come
+  after: two sides exchanging in one group cannot wait on each other.
+* Abort (`Mailbox.abort`): the side that gives up marks the page dead (the peer's host
+  stops waiting for descriptors) and pushes past `ABORT` the counters its own GPU waits
+  on, and the `ready` of its receives: a copy reads `ready` first and skips its bytes
+  past it, so a sender's copy never lands in a buffer its receiver gave up (unless it
+  had already started: a copy of a chunk lasts at most about a millisecond). The
+  `arrived` a peer's receive waits on is never forced, so no receive looks done without
+  its bytes; it ends by the peer's own deadline, as with NCCL. As with NCCL, an aborted
+  communicator's ops end early: callers check `closed` after an op's end (the
+  connector does).
+
+Set up through the same rendezvous as the NCCL backends: the initiator creates the page
+(a file in /dev/shm) and publishes ``{"v": 3, "backend": "ipc", "page", "boot"}``; the
+acceptor checks it runs on the same host (the boot id), maps the page, answers, and both
+run a small exchange each way, which also proves each side can map the other's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+import torch
+
+from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
+
+from .ipc_mailbox import ABORT, HANDLE_BYTES, Descriptor, Mailbox, MailboxError
+from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
+from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .nccl_comm import CommunicatorCache
+
+log = structlog.get_logger()
+
+__all__ = ["CudaDriver", "IpcCommunicator", "boot_id", "connect_ipc", "driver", "driver_error"]
+
+# Programs of the copy kernel: NVLink's ~0.45 TB/s a direction needs a few dozen SMs of
+# stores; the rest stay with the gathers and scatters beside it (KVBROKER_IPC_PROGRAMS).
+COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
+_COPY_BLOCK = 2048  # words a program copies per step
+
+_WAIT_GEQ = 0x0
+_REGISTER_PORTABLE_DEVICEMAP = 0x3
+_LAZY_PEER_ACCESS = 0x1
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class CudaDriver:
+    """The few CUDA driver calls this backend needs (libcuda, which any CUDA process has)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        u64, ptr, uint, vp = ctypes.c_uint64, ctypes.POINTER, ctypes.c_uint, ctypes.c_void_p
+        self._lib = lib
+        self._fns: dict[str, Any] = {}
+        for name, args, alts in (
+            ("cuGetErrorString", [ctypes.c_int, ptr(ctypes.c_char_p)], ()),
+            ("cuDeviceGet", [ptr(ctypes.c_int), ctypes.c_int], ()),
+            ("cuDevicePrimaryCtxRetain", [ptr(vp), ctypes.c_int], ()),
+            ("cuCtxSetCurrent", [vp], ()),
+            ("cuMemGetAddressRange", [ptr(u64), ptr(ctypes.c_size_t), u64], ("cuMemGetAddressRange_v2",)),
+            ("cuIpcGetMemHandle", [ptr(_IpcHandle), u64], ()),
+            ("cuIpcOpenMemHandle", [ptr(u64), _IpcHandle, uint], ("cuIpcOpenMemHandle_v2",)),
+            ("cuIpcCloseMemHandle", [u64], ()),
+            ("cuMemHostRegister", [vp, ctypes.c_size_t, uint], ("cuMemHostRegister_v2",)),
+            ("cuMemHostUnregister", [vp], ()),
+            ("cuMemHostGetDevicePointer", [ptr(u64), vp, uint], ("cuMemHostGetDevicePointer_v2",)),
+            ("cuStreamWaitValue64", [vp, u64, u64, uint], ("cuStreamWaitValue64_v2",)),
+            ("cuStreamWriteValue64", [vp, u64, u64, uint], ("cuStreamWriteValue64_v2",)),
+        ):
+            fn = None
+            for symbol in (*alts, name):  # the versioned symbol first: the plain one may be the old ABI
+                fn = getattr(lib, symbol, None)
+                if fn is not None:
+                    break
+            if fn is None:
+                raise OSError(f"libcuda has no {name}")
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            self._fns[name] = fn
+
+    def _call(self, name: str, *args: Any) -> None:
+        rc = self._fns[name](*args)
+        if rc:
+            text = ctypes.c_char_p()
+            self._fns["cuGetErrorString"](rc, ctypes.byref(text))
+            raise RuntimeError(f"{name} failed: CUDA error {rc} ({(text.value or b'?').decode()})")
+
+    def primary_context(self, ordinal: int) -> int:
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self._call("cuDeviceGet", ctypes.byref(dev), ordinal)
+        self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        return int(ctx.value or 0)
+
+    def make_current(self, ctx: int) -> None:
+        self._call("cuCtxSetCurrent", ctypes.c_void_p(ctx))
+
+    def export(self, ptr: int) -> tuple[bytes, int]:
+        """The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ptr)
+        handle = _IpcHandle()
+        self._call("cuIpcGetMemHandle", ctypes.byref(handle), base.value)
+        return bytes(handle.reserved.ljust(HANDLE_BYTES, b"\0"))[:HANDLE_BYTES], ptr - base.value
+
+    def open(self, handle: bytes) -> int:
+        h = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, HANDLE_BYTES)
+        out = ctypes.c_uint64()
+        self._call("cuIpcOpenMemHandle", ctypes.byref(out), h, _LAZY_PEER_ACCESS)
+        return int(out.value)
+
+    def close(self, dptr: int) -> None:
+        self._call("cuIpcCloseMemHandle", dptr)
+
+    def register(self, addr: int, nbytes: int) -> int:
+        """Pin `nbytes` of host memory at `addr` for the GPU; returns its device address."""
+        self._call("cuMemHostRegister", ctypes.c_void_p(addr), nbytes, _REGISTER_PORTABLE_DEVICEMAP)
+        out = ctypes.c_uint64()
+        self._call("cuMemHostGetDevicePointer", ctypes.byref(out), ctypes.c_void_p(addr), 0)
+        return int(out.value)
+
+    def unregister(self, addr: int) -> None:
+        self._call("cuMemHostUnregister", ctypes.c_void_p(addr))
+
+    def wait_value(self, stream: int, addr: int, value: int) -> None:
+        """`stream` waits until the 64-bit word at `addr` is at least `value`."""
+        self._call("cuStreamWaitValue64", ctypes.c_void_p(stream), addr, value, _WAIT_GEQ)
+
+    def write_value(self, stream: int, addr: int, value: int) -> None:
+        """`stream` writes `value` at `addr` after its earlier work, behind a system-wide fence."""
+        self._call("cuStreamWriteValue64", ctypes.c_void_p(stream), addr, value, 0)
+
+
+_DRIVER: list[CudaDriver | None] = []
+_DRIVER_ERROR: list[str] = []
+_DRIVER_LOCK = threading.Lock()
+
+
+def driver() -> CudaDriver | None:
+    """The CUDA driver binding, or None (`driver_error` says why); loads once."""
+    with _DRIVER_LOCK:
+        if not _DRIVER:
+            try:
+                _DRIVER.append(CudaDriver(ctypes.CDLL("libcuda.so.1")))
+            except OSError as exc:
+                _DRIVER.append(None)
+                _DRIVER_ERROR.append(f"the CUDA driver library is not usable here ({exc})")
+        return _DRIVER[0]
+
+
+def driver_error() -> str:
+    driver()
+    return _DRIVER_ERROR[0] if _DRIVER_ERROR else ""
+
+
+def boot_id() -> str:
+    """This host's boot id: two workers with the same one run on one host (one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# -- the copy kernel ----------------------------------------------------------------------
+
+_KERNEL: list[Any] = []
+
+
+def _kernel() -> Any:
+    if not _KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit(do_not_specialize=["src", "dst", "count", "gate"])
+        def ipc_copy(src, dst, count, gate, ABORT_AT: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+            # The receiver gave the buffer up (abort): copy nothing into it.
+            if tl.load(gate.to(tl.pointer_type(tl.int64)), volatile=True) < ABORT_AT:
+                if WIDE:
+                    s = src.to(tl.pointer_type(tl.int64))
+                    d = dst.to(tl.pointer_type(tl.int64))
+                else:
+                    s = src.to(tl.pointer_type(tl.uint8))
+                    d = dst.to(tl.pointer_type(tl.uint8))
+                n = count.to(tl.int64)
+                for start in tl.range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < n
+                    tl.store(d + offs, tl.load(s + offs, mask=mask, eviction_policy="evict_first"), mask=mask,
+                             cache_modifier=".cs")
+
+        _KERNEL.append(ipc_copy)
+    return _KERNEL[0]
+
+
+class _Copier:
+    """Launches the copy kernel on a given stream. The first launch of each variant goes
+    through Triton (which compiles it); later ones call the compiled kernel directly,
+    which skips Triton's per-call binding (tens of microseconds of host time, on every
+    chunk's post), once a local copy through that path has been checked."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.compiled: dict[bool, Any] = {}
+        self.fast = False
+
+    def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, gate: int) -> None:
+        wide = src % 8 == 0 and dst % 8 == 0 and nbytes % 8 == 0
+        count = nbytes // 8 if wide else nbytes
+        grid = max(1, min(COPY_PROGRAMS, -(-count // _COPY_BLOCK)))
+        kernel = self.compiled.get(wide)
+        if kernel is not None and self.fast:
+            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       src, dst, count, gate, ABORT, wide, _COPY_BLOCK)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            kernel = _kernel()[(grid,)](src, dst, count, gate, ABORT_AT=ABORT, WIDE=wide, BLOCK=_COPY_BLOCK,
+                                        num_warps=8)
+        self.compiled.setdefault(wide, kernel)
+
+    def check(self, gate: int) -> None:
+        """Compile both variants, check Triton's copy, and switch the direct launch on
+        if it copies the same bytes.
+
+        Raises:
+            RuntimeError: the kernel copied other bytes (a broken Triton or GPU).
+        """
+        n, tail = 32768, 13
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=self.device)
+            want = torch.zeros_like(src)
+            want[: n - 64] = src[: n - 64]
+            want[n - 63 : n - 63 + tail] = src[n - 63 : n - 63 + tail]
+            torch.cuda.current_stream(self.device).synchronize()
+            outs = []
+            for fast in (False, True):
+                self.fast = fast
+                out = torch.zeros_like(src)
+                try:
+                    self(stream, src.data_ptr(), out.data_ptr(), n - 64, gate)  # whole words
+                    self(stream, src.data_ptr() + n - 63, out.data_ptr() + n - 63, tail, gate)  # odd bytes
+                except Exception as exc:  # another Triton's launcher: keep Triton's path
+                    if not fast:
+                        raise
+                    log.info("ipc.fast_launch_off", reason=repr(exc))
+                outs.append(out)
+            stream.synchronize()
+        if not torch.equal(outs[0], want):
+            raise RuntimeError("the IPC copy kernel copied other bytes than asked.")
+        self.fast = torch.equal(outs[1], want)
+        if not self.fast:
+            log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes")
+
+
+# -- the shared page ----------------------------------------------------------------------
+
+
+class _Page:
+    """The mailbox file mapped into this process and registered with this GPU."""
+
+    def __init__(self, path: str, *, create: bool, drv: CudaDriver) -> None:
+        import mmap
+
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, Mailbox.SIZE)
+            self._mm = mmap.mmap(fd, Mailbox.SIZE)
+        finally:
+            os.close(fd)
+        self.path, self._drv = path, drv
+        self._view = memoryview(self._mm)
+        self.box = Mailbox(self._view)
+        if create:
+            self.box.init()
+        else:
+            self.box.check()
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.addr = ctypes.addressof(self._anchor)
+        self.dev = drv.register(self.addr, Mailbox.SIZE)
+
+    def device_addr(self, direction: int, name: Literal["ready", "arrived"]) -> int:
+        return self.dev + Mailbox.counter_offset(direction, name)
+
+    def close(self) -> None:
+        try:
+            self._drv.unregister(self.addr)
+        except RuntimeError as exc:  # best effort: the process may be exiting
+            log.warning("ipc.unregister_failed", error=str(exc))
+        self.box.buf.release()
+        self._view.release()
+        del self._anchor
+        self._mm.close()
+
+
+# -- the communicator ---------------------------------------------------------------------
+
+
+class IpcCommunicator(NcclCommunicator):
+    """A pair's sends and receives as copy kernels over CUDA IPC (module docstring)."""
+
+    backend = "ipc"
+
+    def __init__(self, *, peer: str, rank: int, device: torch.device, page: _Page, drv: CudaDriver, ctx: int,
+                 nonce: str, cache: CommunicatorCache | None, op_timeout_s: float = 60.0) -> None:
+        super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
+                         mem_bytes=0)
+        self.page, self.drv, self.ctx = page, drv, ctx
+        self.out, self.into = rank, 1 - rank  # the directions of this side's sends and receives
+        self.sent = self.received = 0  # ops posted so far, each way
+        self.op_timeout_s = op_timeout_s
+        self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+        self._sp = self.stream.cuda_stream
+        self._mapped: dict[bytes, int] = {}  # the peer's allocations mapped here, by handle
+        self._copy = _Copier(device)
+
+    def post(
+        self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
+        after: Sequence[torch.cuda.Event | None] = (),
+    ) -> Any:
+        items = [(op, tensor.data_ptr(), _nbytes(tensor)) for op, tensor in ops]
+        return self._enqueue(items, after, [tensor for _, tensor in ops])
+
+    def post_range(
+        self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
+        after: torch.cuda.Event | None = None,
+    ) -> Any:
+        _check_range(base, start, nbytes)
+        return self._enqueue([(op, base.data_ptr() + start, nbytes)], [after], [base])
+
+    def _enqueue(self, items: Sequence[tuple[str, int, int]], after: Sequence[torch.cuda.Event | None],
+                 keep: list[torch.Tensor]) -> Any:
+        if self.closed:
+            raise RuntimeError(f"the IPC communicator with {self.peer} is closed; get a new one from the cache.")
+        if self.page.box.dead:
+            self.fail(f"{self.peer} dropped it")
+            raise RuntimeError(f"{self.peer} dropped the IPC communicator; get a new one from the cache.")
+        with self.lock:
+            try:
+                self.drv.make_current(self.ctx)
+                for event in after:
+                    if event is not None:
+                        self.stream.wait_event(event)
+                receives = [self._announce(ptr, n) for op, ptr, n in items if op == "recv"]
+                for op, ptr, n in items:
+                    if op == "send":
+                        self._send(ptr, n)
+                arrived = self.page.device_addr(self.into, "arrived")
+                for seq in receives:
+                    self.drv.wait_value(self._sp, arrived, seq)
+            except BaseException:
+                self.fail("posting an op failed")
+                raise
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _DirectWork(done, keep)
+
+    def _announce(self, ptr: int, nbytes: int) -> int:
+        """Receive: publish where the bytes go, and (on the GPU, after the op's
+        events) that the buffer may be written."""
+        seq, box = self.received + 1, self.page.box
+        handle, offset = self.drv.export(ptr)
+        deadline = time.monotonic() + self.op_timeout_s
+        while not box.room(self.into, seq):  # only with SLOTS receives unread by the sender
+            if box.dead or time.monotonic() > deadline:
+                raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
+            time.sleep(1e-4)
+        box.post(self.into, Descriptor(seq, handle, offset, nbytes))
+        self.received = seq
+        self.drv.write_value(self._sp, self.page.device_addr(self.into, "ready"), seq)
+        return seq
+
+    def _send(self, ptr: int, nbytes: int) -> None:
+        seq, box = self.sent + 1, self.page.box
+        desc = box.take(self.out, seq)
+        if desc is None:
+            deadline, pause = time.monotonic() + self.op_timeout_s, 0.0
+            while (desc := box.take(self.out, seq)) is None:
+                if box.dead:
+                    raise SendTimeout("-", f"the IPC communicator with {self.peer} was aborted")
+                if time.monotonic() > deadline:
+                    raise SendTimeout("-", f"{self.peer} posted no receive for send {seq} in time")
+                pause = min(max(pause * 2, 1e-6), 1e-4)
+                time.sleep(pause)
+        if desc.nbytes != nbytes:
+            raise ValueError(f"{self.peer}'s receive {seq} takes {desc.nbytes} bytes, but the send has {nbytes}: "
+                             "both sides must post the same sizes in the same order.")
+        box.consume(self.out, seq)
+        base = self._mapped.get(desc.handle)
+        if base is None:
+            try:
+                base = self._mapped[desc.handle] = self.drv.open(desc.handle)
+            except RuntimeError as exc:
+                raise RuntimeError(f"cannot map {self.peer}'s GPU memory ({exc}); the two GPUs need peer "
+                                   "access for the ipc backend: use the direct backend.") from exc
+        self.sent = seq
+        ready = self.page.device_addr(self.out, "ready")
+        self.drv.wait_value(self._sp, ready, seq)
+        if nbytes:
+            self._copy(self.stream, ptr, base + desc.offset, nbytes, ready)
+        self.drv.write_value(self._sp, self.page.device_addr(self.out, "arrived"), seq)
+
+    def _abort(self) -> None:
+        box = self.page.box
+        box.abort(self.out, self.into)  # ends this side's waits; its pending copies skip their bytes
+        with self.lock:  # a post waiting for a descriptor sees the page dead and lets go
+            deadline = time.monotonic() + 5.0
+            while not self.stream.query() and time.monotonic() < deadline:
+                box.abort(self.out, self.into)  # again: the peer's GPU may have written a count since
+                time.sleep(1e-4)
+            for dptr in self._mapped.values():
+                try:
+                    self.drv.close(dptr)
+                except RuntimeError as exc:
+                    log.warning("ipc.unmap_failed", peer=self.peer, error=str(exc))
+            self._mapped.clear()
+            if self.stream.query():
+                self.page.close()
+            else:  # a wait that never ended: leave the page mapped rather than free it under the GPU
+                log.warning("ipc.stream_stuck", peer=self.peer)
+
+
+# -- rendezvous -----------------------------------------------------------------------------
+
+
+def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None,
+                cancelled: threading.Event | None = None, purpose: str = "") -> NcclCommunicator:
+    """Build an ipc communicator with `peer` (initiator: `info` None), as
+    `CommunicatorCache._connect_direct` does a direct one.
+
+    Raises:
+        RendezvousError: the peer is on another host, cannot share the page, did not
+            answer in time, or the warm-up exchange failed.
+    """
+    drv = driver()
+    if drv is None:
+        raise RendezvousError(f"the ipc backend with {peer} needs the CUDA driver: {driver_error()}")
+    device = cache.device
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    key = cache.key(cache.local_id, peer) if info is None else cache.key(peer, cache.local_id)
+    deadline = time.monotonic() + cache.connect_timeout_s
+    torch.cuda.set_device(device)
+    ctx = drv.primary_context(ordinal)
+    if info is None:
+        nonce = secrets.token_hex(8)
+        path = os.path.join(SHM_DIR, f"{IPC_PAGE_PREFIX}{nonce}")
+        page = _Page(path, create=True, drv=drv)
+        try:
+            cache.rendezvous.publish(peer, key, json.dumps(
+                {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}).encode())
+            while True:
+                ack = cache.rendezvous.receive(peer, f"{key}/joined", cancelled)
+                if ack.decode(errors="replace") == nonce:
+                    break
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(f"{peer} did not join IPC rendezvous {nonce} in time.")
+        except BaseException:
+            page.close()
+            raise
+        finally:
+            os.unlink(path)  # both sides have it mapped (or it is not needed): no file stays behind
+        rank = 0
+    else:
+        nonce, rank = info["nonce"], 1
+        if info["boot"] != boot_id():
+            raise RendezvousError(f"{peer} runs on another host: the ipc backend moves bytes only between GPUs "
+                                  "of one host; use the direct backend between hosts.")
+        try:
+            page = _Page(info["page"], create=False, drv=drv)
+        except (OSError, MailboxError) as exc:
+            raise RendezvousError(f"cannot share {peer}'s IPC page {info['page']} ({exc}); both workers need the "
+                                  f"same {SHM_DIR}, or use the direct backend.") from exc
+        cache.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
+    comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, nonce=nonce,
+                             cache=cache)
+    try:
+        comm._copy.check(page.device_addr(0, "ready"))
+        _warm_up(comm, deadline)
+    except BaseException as exc:
+        comm.abort()
+        if isinstance(exc, RendezvousError):
+            raise
+        raise RendezvousError(f"the IPC warm-up exchange with {peer} (rendezvous {nonce}) failed: {exc}") from exc
+    log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="ipc", mem_mib=0.0)
+    return comm
+
+
+def _warm_up(comm: Any, deadline: float) -> None:
+    """One small exchange each way: it maps each side's buffer in the other and checks the bytes."""
+    mine = torch.full((4096,), 17 + comm.rank, dtype=torch.uint8, device=comm.device)
+    theirs = torch.zeros_like(mine)
+    torch.cuda.current_stream(comm.device).synchronize()
+    work = comm.post([("recv", theirs), ("send", mine)], torch.cuda.current_stream(comm.device))
+    while not work.event.query():
+        if time.monotonic() >= deadline or comm.page.box.dead:
+            raise RendezvousError(f"the IPC warm-up exchange with {comm.peer} did not finish in time.")
+        time.sleep(1e-4)
+    if comm.page.box.dead or not bool((theirs == 17 + comm.peer_rank).all()):
+        raise RendezvousError(f"the IPC warm-up exchange with {comm.peer} delivered other bytes.")

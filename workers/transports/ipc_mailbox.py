@@ -1,0 +1,166 @@
+"""The shared page two workers on one host use to pair CUDA IPC sends with receives.
+
+Plain code over a writable buffer (a shared-memory file in production, a bytearray in
+tests); `workers.transports.cuda_ipc` maps it into both processes and into both GPUs.
+
+Each direction (rank 0 to 1, rank 1 to 0) has:
+
+* a ring of receive descriptors the receiver's host writes: for receive number `seq`
+  (1, 2, ...), the IPC handle of the allocation its bytes lie in, their offset in it,
+  and their length; the sender's host reads descriptor `seq` for its send number `seq`.
+  NCCL pairs by posting order; so does this.
+* three counters, each on its own cache line:
+  - `ready`, written by the receiver's GPU once receive `seq`'s buffer may be written
+    (after whatever still read it); the sender's GPU waits for it before it copies;
+  - `arrived`, written by the sender's GPU after its copy of send `seq`, behind a
+    system-wide fence; the receiver's GPU waits for it;
+  - `consumed`, written by the sender's host once it has read descriptor `seq`, so the
+    receiver may reuse that slot.
+
+Torn reads: the host writes a descriptor with plain stores, which another CPU may see
+in any order; each slot carries a hash of its fields, and a reader that finds the hash
+wrong treats the slot as not yet written and looks again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ABORT", "HANDLE_BYTES", "MAGIC", "SLOTS", "Descriptor", "Mailbox", "MailboxError"]
+
+MAGIC = 0x6B76_6270_6970_6331  # "kvbpipc1"
+SLOTS = 256
+HANDLE_BYTES = 64  # a CUipcMemHandle
+ABORT = 1 << 62  # a counter at or past it: the communicator was aborted
+
+_PAGE = 4096
+_LINE = 64
+_SLOT = 128
+_HEADER = struct.Struct("<QQQ")  # magic, slots, dead
+_FIELDS = struct.Struct("<QQQ")  # seq, offset, nbytes
+_COUNTERS = {"ready": 0, "arrived": _LINE, "consumed": 2 * _LINE}
+_DIRECTION = _PAGE + SLOTS * _SLOT
+
+Counter = Literal["ready", "arrived", "consumed"]
+
+
+class MailboxError(RuntimeError):
+    """The shared page is not a mailbox of this version, or a receive has no free slot."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Where receive `seq` wants its bytes: `offset` bytes into the allocation `handle`."""
+
+    seq: int
+    handle: bytes
+    offset: int
+    nbytes: int
+
+
+def _digest(fields: bytes, handle: bytes) -> bytes:
+    return hashlib.blake2b(fields + handle, digest_size=8).digest()
+
+
+class Mailbox:
+    """The two directions' rings and counters over `buf` (at least `Mailbox.SIZE` bytes)."""
+
+    SIZE = _PAGE + 2 * _DIRECTION
+
+    def __init__(self, buf: memoryview | bytearray) -> None:
+        view = memoryview(buf).cast("B")
+        if len(view) < self.SIZE:
+            raise MailboxError(f"a mailbox needs {self.SIZE} bytes, not {len(view)}.")
+        self.buf = view
+
+    # -- the page as a whole ------------------------------------------------------------
+
+    def init(self) -> None:
+        """Write the header of a new mailbox (the file is zero, so every count starts at 0)."""
+        _HEADER.pack_into(self.buf, 0, MAGIC, SLOTS, 0)
+
+    def check(self) -> None:
+        """Raise unless the page holds a mailbox of this layout."""
+        magic, slots, _ = _HEADER.unpack_from(self.buf, 0)
+        if magic != MAGIC or slots != SLOTS:
+            raise MailboxError("the shared page is not a kvbroker IPC mailbox of this version; "
+                               "run the same kvbroker version on both sides.")
+
+    @property
+    def dead(self) -> bool:
+        """Whether either side aborted the communicator."""
+        return bool(_HEADER.unpack_from(self.buf, 0)[2])
+
+    def abort(self, out: int, into: int) -> None:
+        """One side gives up. It marks the mailbox dead (the peer's host stops waiting for a
+        descriptor) and pushes past `ABORT` the counters its own GPU waits on, its sends'
+        `ready` and its receives' `arrived`, and its receives' `ready`: a copy of the
+        peer's into a buffer this side gave up then skips its bytes (the copy kernel
+        reads `ready` first). Its sends' `arrived` stays as it is, so none of the peer's
+        receives ever looks done without its bytes; those end by the peer's own deadline."""
+        struct.pack_into("<Q", self.buf, 16, 1)
+        self.write(out, "ready", ABORT)
+        self.write(into, "ready", ABORT)
+        self.write(into, "arrived", ABORT)
+
+    # -- counters ---------------------------------------------------------------------
+
+    @staticmethod
+    def counter_offset(direction: int, name: Counter) -> int:
+        """Byte offset of a counter: what a GPU waits on or writes, at the mapping's base plus this."""
+        if direction not in (0, 1):
+            raise ValueError(f"direction is 0 or 1, not {direction}")
+        return _PAGE + direction * _DIRECTION + _COUNTERS[name]
+
+    def read(self, direction: int, name: Counter) -> int:
+        return int(struct.unpack_from("<Q", self.buf, self.counter_offset(direction, name))[0])
+
+    def write(self, direction: int, name: Counter, value: int) -> None:
+        struct.pack_into("<Q", self.buf, self.counter_offset(direction, name), value)
+
+    # -- descriptors ------------------------------------------------------------------
+
+    @staticmethod
+    def _slot(direction: int, seq: int) -> int:
+        return _PAGE + direction * _DIRECTION + _PAGE + (seq % SLOTS) * _SLOT
+
+    def room(self, direction: int, seq: int) -> bool:
+        """Whether receive `seq` has a free slot: the sender read the descriptor that
+        last used it."""
+        return seq - self.read(direction, "consumed") <= SLOTS
+
+    def post(self, direction: int, desc: Descriptor) -> None:
+        """Write receive `desc.seq`'s descriptor (receiver's host).
+
+        Raises:
+            MailboxError: its slot still holds a descriptor the sender has not read.
+            ValueError: a handle of the wrong size, or a negative offset or length.
+        """
+        if len(desc.handle) != HANDLE_BYTES:
+            raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, not {len(desc.handle)}")
+        if desc.seq < 1 or desc.offset < 0 or desc.nbytes < 0:
+            raise ValueError(f"bad descriptor {desc}")
+        if not self.room(direction, desc.seq):
+            raise MailboxError(f"receive {desc.seq} has no free slot: the sender is {SLOTS} receives behind.")
+        fields = _FIELDS.pack(desc.seq, desc.offset, desc.nbytes)
+        at = self._slot(direction, desc.seq)
+        self.buf[at + 32 : at + 32 + HANDLE_BYTES] = desc.handle
+        self.buf[at : at + 24] = fields
+        self.buf[at + 24 : at + 32] = _digest(fields, desc.handle)
+
+    def take(self, direction: int, seq: int) -> Descriptor | None:
+        """Descriptor `seq` if the receiver has written it whole, else None (sender's host)."""
+        at = self._slot(direction, seq)
+        raw = bytes(self.buf[at : at + 32 + HANDLE_BYTES])
+        fields, digest, handle = raw[:24], raw[24:32], raw[32:]
+        got_seq, offset, nbytes = _FIELDS.unpack(fields)
+        if got_seq != seq or digest != _digest(fields, handle):
+            return None
+        return Descriptor(seq, handle, offset, nbytes)
+
+    def consume(self, direction: int, seq: int) -> None:
+        """The sender has read descriptor `seq`: its slot may be reused."""
+        self.write(direction, "consumed", seq)

@@ -133,7 +133,8 @@ class CudaDriver:
         self._call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ptr)
         handle = _IpcHandle()
         self._call("cuIpcGetMemHandle", ctypes.byref(handle), base.value)
-        return bytes(handle.reserved.ljust(HANDLE_BYTES, b"\0"))[:HANDLE_BYTES], ptr - base.value
+        # All 64 bytes: `.reserved` of a char array would stop at the first zero byte.
+        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base.value
 
     def open(self, handle: bytes) -> int:
         h = _IpcHandle()

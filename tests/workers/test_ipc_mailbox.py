@@ -105,8 +105,8 @@ def test_the_page_works_over_a_shared_mapping() -> None:
     reader.check()
     writer.post(1, Descriptor(1, handle(9), 64, 128))
     assert reader.take(1, 1) == Descriptor(1, handle(9), 64, 128)
-    writer.buf.release()
-    reader.buf.release()
+    writer.release()
+    reader.release()
     mm.close()
 
 

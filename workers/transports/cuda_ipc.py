@@ -323,7 +323,7 @@ class _Page:
             self._drv.unregister(self.addr)
         except RuntimeError as exc:  # best effort: the process may be exiting
             log.warning("ipc.unregister_failed", error=str(exc))
-        self.box.buf.release()
+        self.box.release()
         self._view.release()
         del self._anchor
         self._mm.close()

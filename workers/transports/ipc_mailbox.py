@@ -24,6 +24,7 @@ wrong treats the slot as not yet written and looks again.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -75,6 +76,15 @@ class Mailbox:
         if len(view) < self.SIZE:
             raise MailboxError(f"a mailbox needs {self.SIZE} bytes, not {len(view)}.")
         self.buf = view
+        # Counters are read and written as whole aligned 64-bit words: `struct` writes a
+        # word byte by byte, and a reader on another CPU then saw a count go back.
+        self._words = {at: ctypes.c_uint64.from_buffer(view, at)
+                       for at in [16] + [self.counter_offset(d, n) for d in (0, 1) for n in _COUNTERS]}  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        """Let go of the buffer (a mapping can only be closed once nothing views it)."""
+        self._words.clear()
+        self.buf.release()
 
     # -- the page as a whole ------------------------------------------------------------
 
@@ -92,7 +102,7 @@ class Mailbox:
     @property
     def dead(self) -> bool:
         """Whether either side aborted the communicator."""
-        return bool(_HEADER.unpack_from(self.buf, 0)[2])
+        return bool(self._words[16].value)
 
     def abort(self, out: int, into: int) -> None:
         """One side gives up. It marks the mailbox dead (the peer's host stops waiting for a
@@ -101,7 +111,7 @@ class Mailbox:
         peer's into a buffer this side gave up then skips its bytes (the copy kernel
         reads `ready` first). Its sends' `arrived` stays as it is, so none of the peer's
         receives ever looks done without its bytes; those end by the peer's own deadline."""
-        struct.pack_into("<Q", self.buf, 16, 1)
+        self._words[16].value = 1
         self.write(out, "ready", ABORT)
         self.write(into, "ready", ABORT)
         self.write(into, "arrived", ABORT)
@@ -116,10 +126,10 @@ class Mailbox:
         return _PAGE + direction * _DIRECTION + _COUNTERS[name]
 
     def read(self, direction: int, name: Counter) -> int:
-        return int(struct.unpack_from("<Q", self.buf, self.counter_offset(direction, name))[0])
+        return int(self._words[self.counter_offset(direction, name)].value)
 
     def write(self, direction: int, name: Counter, value: int) -> None:
-        struct.pack_into("<Q", self.buf, self.counter_offset(direction, name), value)
+        self._words[self.counter_offset(direction, name)].value = value
 
     # -- descriptors ------------------------------------------------------------------
 

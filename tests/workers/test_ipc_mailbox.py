@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from protocols.errors import RendezvousError
 from workers.transports.ipc_mailbox import (
-    ABORT,
     SLOTS,
     Descriptor,
     Mailbox,
@@ -72,21 +71,14 @@ def test_a_torn_slot_reads_as_not_yet_written() -> None:
     assert box.take(0, 1) == Descriptor(1, handle(1), 8, 16)
 
 
-def test_an_abort_never_makes_a_receive_of_the_peer_look_done() -> None:
-    """Rank 0 gives up: the waits of its own GPU end (its sends' `ready`, its receives'
-    `arrived`), rank 1's copies into rank 0's buffers are gated off (rank 0's receives'
-    `ready`), and the page reads dead. The `arrived` count rank 1's receives wait on keeps
-    what it had, so none of them can look done without its bytes."""
+def test_an_abort_marks_the_page_dead_and_counters_are_found_where_published() -> None:
     box = page()
-    box.write(0, "ready", 3)
-    box.write(1, "ready", 5)
-    box.write(0, "arrived", 2)
-    box.write(1, "arrived", 4)
+    assert box.flags_of(0) is None and box.flags_of(1) is None
+    box.publish_flags(1, handle(5), 4096)
+    assert box.flags_of(1) == (handle(5), 4096) and box.flags_of(0) is None
     assert not box.dead
-    box.abort(out=0, into=1)
+    box.abort()
     assert box.dead
-    assert box.read(0, "ready") == box.read(1, "ready") == box.read(1, "arrived") == ABORT
-    assert box.read(0, "arrived") == 2
 
 
 def test_a_page_of_another_layout_is_refused() -> None:

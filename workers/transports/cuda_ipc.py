@@ -6,36 +6,45 @@ mapped peer memory, plus a FIFO, a proxy and a start-up cost of about 17-30 us a
 (measured on an H200 pair, NCCL 2.28); a pipelined transfer of four chunks pays it four
 times. A 2-party NCCL communicator also holds 0.3-1 GB of GPU memory. Here the sender's
 kernel writes the bytes straight into the receiver's buffer, mapped into the sender's
-process with CUDA IPC, and the only shared state is one small page of host memory.
+process with CUDA IPC.
 
-How one op pairs (see `ipc_mailbox` for the page):
+Shared state: a page of host memory (`ipc_mailbox`: receive descriptors, read and
+written by the hosts only) and each side's two GPU counters in its own GPU memory
+(`_Counters`), which the peer maps and writes: `ready` (the peer's receive k may be
+written) and `arrived` (the peer's send k landed). Each GPU waits on and reads only its
+own memory. (A first version kept the counters in the host page: the copy kernel's
+read of `ready` from host memory cost about 8 us a program, serialized, so a 32-program
+copy took 0.25 ms longer; measured with `bench/ipc_ops.py`.)
+
+How one op pairs:
 
 * receive number k (receiver): the host writes descriptor k (the IPC handle of the
   allocation the buffer lies in, the offset, the length); the receiver's stream waits
-  for the events the op depends on, then writes `ready = k` (its buffer may now be
-  written), then waits until `arrived >= k`. A work's event after that wait is the
-  receive's end.
+  for the events the op depends on, then writes the peer's `ready = k` (its buffer may
+  now be written), then waits until its own `arrived >= k`. A work's event after that
+  wait is the receive's end.
 * send number k (sender): the host reads descriptor k (waiting for it under a deadline:
   the receiver posts before its Ready, so it is normally there), maps the allocation
   once per handle; the sender's stream waits for the events the op depends on and for
-  `ready >= k`, runs the copy kernel, then writes `arrived = k` behind a system-wide
-  fence, so the receiver sees the bytes before it sees the count.
+  its own `ready >= k`, runs the copy kernel, then writes the peer's `arrived = k`
+  behind a system-wide fence, so the receiver sees the bytes before it sees the count.
 * In one group, receives are announced before sends are posted, and their waits come
   after: two sides exchanging in one group cannot wait on each other.
-* Abort (`Mailbox.abort`): the side that gives up marks the page dead (the peer's host
-  stops waiting for descriptors) and pushes past `ABORT` the counters its own GPU waits
-  on, and the `ready` of its receives: a copy reads `ready` first and skips its bytes
-  past it, so a sender's copy never lands in a buffer its receiver gave up (unless it
-  had already started: a copy of a chunk lasts at most about a millisecond). The
-  `arrived` a peer's receive waits on is never forced, so no receive looks done without
-  its bytes; it ends by the peer's own deadline, as with NCCL. As with NCCL, an aborted
-  communicator's ops end early: callers check `closed` after an op's end (the
-  connector does).
+* Abort: the side that gives up marks the page dead (the peer's host stops waiting for
+  its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
+  waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
+  so a sender's copy never lands in a buffer its receiver gave up (unless it had already
+  started: a copy of a chunk lasts at most about a millisecond). The peer's `arrived` is
+  never forced, so no receive looks done without its bytes; it ends by the peer's own
+  deadline, as with NCCL. As with NCCL, an aborted communicator's ops end early: callers
+  check `closed` after an op's end (the connector does).
 
 Set up through the same rendezvous as the NCCL backends: the initiator creates the page
 (a file in /dev/shm) and publishes ``{"v": 3, "backend": "ipc", "page", "boot"}``; the
-acceptor checks it runs on the same host (the boot id), maps the page, answers, and both
-run a small exchange each way, which also proves each side can map the other's memory.
+acceptor checks it runs on the same host (the boot id), maps the page, answers; each
+side writes where its counters are into the page before it publishes or answers; then
+both map the other's counters and run a small exchange each way, which also proves each
+side can map the other's memory.
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ import torch
 
 from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
 
-from .ipc_mailbox import ABORT, HANDLE_BYTES, Descriptor, Mailbox, MailboxError
+from .ipc_mailbox import HANDLE_BYTES, Descriptor, Mailbox, MailboxError
 from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
 
@@ -70,8 +79,8 @@ __all__ = ["CudaDriver", "IpcCommunicator", "boot_id", "connect_ipc", "driver", 
 COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
 _COPY_BLOCK = 2048  # words a program copies per step
 
+ABORT = 1 << 62  # a counter at or past it: the communicator was aborted
 _WAIT_GEQ = 0x0
-_REGISTER_PORTABLE_DEVICEMAP = 0x3
 _LAZY_PEER_ACCESS = 0x1
 
 
@@ -95,9 +104,6 @@ class CudaDriver:
             ("cuIpcGetMemHandle", [ptr(_IpcHandle), u64], ()),
             ("cuIpcOpenMemHandle", [ptr(u64), _IpcHandle, uint], ("cuIpcOpenMemHandle_v2",)),
             ("cuIpcCloseMemHandle", [u64], ()),
-            ("cuMemHostRegister", [vp, ctypes.c_size_t, uint], ("cuMemHostRegister_v2",)),
-            ("cuMemHostUnregister", [vp], ()),
-            ("cuMemHostGetDevicePointer", [ptr(u64), vp, uint], ("cuMemHostGetDevicePointer_v2",)),
             ("cuStreamWaitValue64", [vp, u64, u64, uint], ("cuStreamWaitValue64_v2",)),
             ("cuStreamWriteValue64", [vp, u64, u64, uint], ("cuStreamWriteValue64_v2",)),
         ):
@@ -145,16 +151,6 @@ class CudaDriver:
 
     def close(self, dptr: int) -> None:
         self._call("cuIpcCloseMemHandle", dptr)
-
-    def register(self, addr: int, nbytes: int) -> int:
-        """Pin `nbytes` of host memory at `addr` for the GPU; returns its device address."""
-        self._call("cuMemHostRegister", ctypes.c_void_p(addr), nbytes, _REGISTER_PORTABLE_DEVICEMAP)
-        out = ctypes.c_uint64()
-        self._call("cuMemHostGetDevicePointer", ctypes.byref(out), ctypes.c_void_p(addr), 0)
-        return int(out.value)
-
-    def unregister(self, addr: int) -> None:
-        self._call("cuMemHostUnregister", ctypes.c_void_p(addr))
 
     def wait_value(self, stream: int, addr: int, value: int) -> None:
         """`stream` waits until the 64-bit word at `addr` is at least `value`."""
@@ -291,9 +287,9 @@ class _Copier:
 
 
 class _Page:
-    """The mailbox file mapped into this process and registered with this GPU."""
+    """The mailbox file mapped into this process (host memory only)."""
 
-    def __init__(self, path: str, *, create: bool, drv: CudaDriver) -> None:
+    def __init__(self, path: str, *, create: bool) -> None:
         import mmap
 
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -304,29 +300,33 @@ class _Page:
             self._mm = mmap.mmap(fd, Mailbox.SIZE)
         finally:
             os.close(fd)
-        self.path, self._drv = path, drv
+        self.path = path
         self._view = memoryview(self._mm)
         self.box = Mailbox(self._view)
         if create:
             self.box.init()
         else:
             self.box.check()
-        self._anchor = ctypes.c_char.from_buffer(self._mm)
-        self.addr = ctypes.addressof(self._anchor)
-        self.dev = drv.register(self.addr, Mailbox.SIZE)
-
-    def device_addr(self, direction: int, name: Literal["ready", "arrived"]) -> int:
-        return self.dev + Mailbox.counter_offset(direction, name)
 
     def close(self) -> None:
-        try:
-            self._drv.unregister(self.addr)
-        except RuntimeError as exc:  # best effort: the process may be exiting
-            log.warning("ipc.unregister_failed", error=str(exc))
         self.box.release()
         self._view.release()
-        del self._anchor
         self._mm.close()
+
+
+class _Counters:
+    """This side's GPU counters, in its own GPU memory, which the peer maps and writes:
+    `ready` (word 0: the peer's receive number k may be written, so this side's send k
+    may copy) and `arrived` (word 8: the peer's send k landed in this side's receive k).
+    Each GPU then waits on and reads only its own memory; the peer writes over NVLink."""
+
+    READY, ARRIVED = 0, 64
+
+    def __init__(self, device: torch.device, drv: CudaDriver) -> None:
+        self.tensor = torch.zeros(256, dtype=torch.int64, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        self.addr = self.tensor.data_ptr()
+        self.handle, self.offset = drv.export(self.addr)
 
 
 # -- the communicator ---------------------------------------------------------------------
@@ -338,7 +338,8 @@ class IpcCommunicator(NcclCommunicator):
     backend = "ipc"
 
     def __init__(self, *, peer: str, rank: int, device: torch.device, page: _Page, drv: CudaDriver, ctx: int,
-                 nonce: str, cache: CommunicatorCache | None, op_timeout_s: float = 60.0) -> None:
+                 counters: _Counters, peer_counters: tuple[bytes, int, int], nonce: str,
+                 cache: CommunicatorCache | None, op_timeout_s: float = 60.0) -> None:
         super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
                          mem_bytes=0)
         self.page, self.drv, self.ctx = page, drv, ctx
@@ -349,6 +350,13 @@ class IpcCommunicator(NcclCommunicator):
         self._sp = self.stream.cuda_stream
         self._mapped: dict[bytes, int] = {}  # the peer's allocations mapped here, by handle
         self._copy = _Copier(device)
+        # The counters: this side's (its GPU waits on them), and the peer's, mapped here
+        # (`peer_counters`: their allocation's handle, where it is mapped, their offset).
+        self.counters = counters
+        handle, base, offset = peer_counters
+        self._mapped[handle] = base  # a receive buffer of the peer's may share that allocation
+        self.my_ready, self.my_arrived = counters.addr + _Counters.READY, counters.addr + _Counters.ARRIVED
+        self.peer_ready, self.peer_arrived = base + offset + _Counters.READY, base + offset + _Counters.ARRIVED
 
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
@@ -381,9 +389,8 @@ class IpcCommunicator(NcclCommunicator):
                 for op, ptr, n in items:
                     if op == "send":
                         self._send(ptr, n)
-                arrived = self.page.device_addr(self.into, "arrived")
                 for seq in receives:
-                    self.drv.wait_value(self._sp, arrived, seq)
+                    self.drv.wait_value(self._sp, self.my_arrived, seq)
             except BaseException:
                 self.fail("posting an op failed")
                 raise
@@ -403,7 +410,7 @@ class IpcCommunicator(NcclCommunicator):
             time.sleep(1e-4)
         box.post(self.into, Descriptor(seq, handle, offset, nbytes))
         self.received = seq
-        self.drv.write_value(self._sp, self.page.device_addr(self.into, "ready"), seq)
+        self.drv.write_value(self._sp, self.peer_ready, seq)
         return seq
 
     def _send(self, ptr: int, nbytes: int) -> None:
@@ -430,30 +437,48 @@ class IpcCommunicator(NcclCommunicator):
                 raise RuntimeError(f"cannot map {self.peer}'s GPU memory ({exc}); the two GPUs need peer "
                                    "access for the ipc backend: use the direct backend.") from exc
         self.sent = seq
-        ready = self.page.device_addr(self.out, "ready")
-        self.drv.wait_value(self._sp, ready, seq)
+        self.drv.wait_value(self._sp, self.my_ready, seq)
         if nbytes:
-            self._copy(self.stream, ptr, base + desc.offset, nbytes, ready)
-        self.drv.write_value(self._sp, self.page.device_addr(self.out, "arrived"), seq)
+            self._copy(self.stream, ptr, base + desc.offset, nbytes, self.my_ready)
+        self.drv.write_value(self._sp, self.peer_arrived, seq)
 
     def _abort(self) -> None:
         box = self.page.box
-        box.abort(self.out, self.into)  # ends this side's waits; its pending copies skip their bytes
+        box.abort()  # the peer's host stops waiting for this side's descriptors
+        self._release_waits()
         with self.lock:  # a post waiting for a descriptor sees the page dead and lets go
             deadline = time.monotonic() + 5.0
             while not self.stream.query() and time.monotonic() < deadline:
-                box.abort(self.out, self.into)  # again: the peer's GPU may have written a count since
+                self._release_waits()  # again: the peer may have written a count since
                 time.sleep(1e-4)
+            idle = self.stream.query()
             for dptr in self._mapped.values():
                 try:
                     self.drv.close(dptr)
                 except RuntimeError as exc:
                     log.warning("ipc.unmap_failed", peer=self.peer, error=str(exc))
             self._mapped.clear()
-            if self.stream.query():
-                self.page.close()
-            else:  # a wait that never ended: leave the page mapped rather than free it under the GPU
+            self.page.close()
+            if not idle:  # a wait that never ended: keep the counters it waits on allocated
                 log.warning("ipc.stream_stuck", peer=self.peer)
+                _STUCK.append(self.counters)
+
+    def _release_waits(self) -> None:
+        """End this side's GPU waits (its sends' `ready`, its receives' `arrived`) and gate
+        the peer's copies into its buffers off (the peer's `ready`), on a stream of its
+        own: the communicator's stream may be the one waiting. The peer's `arrived` is
+        left alone, so none of the peer's receives looks done without its bytes."""
+        stream = torch.cuda.Stream(self.device)
+        self.drv.make_current(self.ctx)
+        for addr in (self.my_ready, self.my_arrived, self.peer_ready):
+            try:
+                self.drv.write_value(stream.cuda_stream, addr, ABORT)
+            except RuntimeError as exc:  # the peer's memory may be gone with the peer
+                log.warning("ipc.release_failed", peer=self.peer, error=str(exc))
+        stream.synchronize()
+
+
+_STUCK: list[_Counters] = []  # counters a stuck stream may still wait on: never freed
 
 
 # -- rendezvous -----------------------------------------------------------------------------
@@ -477,11 +502,14 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
     deadline = time.monotonic() + cache.connect_timeout_s
     torch.cuda.set_device(device)
     ctx = drv.primary_context(ordinal)
+    counters = _Counters(device, drv)
+    rank = 0 if info is None else 1
     if info is None:
         nonce = secrets.token_hex(8)
         path = os.path.join(SHM_DIR, f"{IPC_PAGE_PREFIX}{nonce}")
-        page = _Page(path, create=True, drv=drv)
+        page = _Page(path, create=True)
         try:
+            page.box.publish_flags(rank, counters.handle, counters.offset)
             cache.rendezvous.publish(peer, key, json.dumps(
                 {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}).encode())
             while True:
@@ -495,22 +523,33 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
             raise
         finally:
             os.unlink(path)  # both sides have it mapped (or it is not needed): no file stays behind
-        rank = 0
     else:
-        nonce, rank = info["nonce"], 1
+        nonce = info["nonce"]
         if info["boot"] != boot_id():
             raise RendezvousError(f"{peer} runs on another host: the ipc backend moves bytes only between GPUs "
                                   "of one host; use the direct backend between hosts.")
         try:
-            page = _Page(info["page"], create=False, drv=drv)
+            page = _Page(info["page"], create=False)
         except (OSError, MailboxError) as exc:
             raise RendezvousError(f"cannot share {peer}'s IPC page {info['page']} ({exc}); both workers need the "
                                   f"same {SHM_DIR}, or use the direct backend.") from exc
+        page.box.publish_flags(rank, counters.handle, counters.offset)
         cache.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
-    comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, nonce=nonce,
-                             cache=cache)
+    theirs = page.box.flags_of(1 - rank)
     try:
-        comm._copy.check(page.device_addr(0, "ready"))
+        if theirs is None:
+            raise RendezvousError(f"{peer} published no counters in IPC rendezvous {nonce}.")
+        peer_counters = (theirs[0], drv.open(theirs[0]), theirs[1])
+    except BaseException as exc:
+        page.close()
+        if isinstance(exc, RendezvousError):
+            raise
+        raise RendezvousError(f"cannot map {peer}'s GPU memory ({exc}); the two GPUs need peer access for the ipc "
+                              "backend: use the direct backend.") from exc
+    comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, counters=counters,
+                           peer_counters=peer_counters, nonce=nonce, cache=cache)
+    try:
+        comm._copy.check(comm.my_ready)
         _warm_up(comm, deadline)
     except BaseException as exc:
         comm.abort()

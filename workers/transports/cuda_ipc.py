@@ -195,6 +195,7 @@ def boot_id() -> str:
 # -- the copy kernel ----------------------------------------------------------------------
 
 _KERNEL: list[Any] = []
+_TALLIES = 64  # per-op program tallies a communicator cycles through (ops in flight at most)
 
 
 def _kernel() -> Any:
@@ -202,10 +203,17 @@ def _kernel() -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit(do_not_specialize=["src", "dst", "count", "gate"])
-        def ipc_copy(src, dst, count, gate, ABORT_AT: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
-            # The receiver gave the buffer up (abort): copy nothing into it.
-            if tl.load(gate.to(tl.pointer_type(tl.int64)), volatile=True) < ABORT_AT:
+        @triton.jit(do_not_specialize=["src", "dst", "count", "ready", "arrived", "tally", "seq"])
+        def ipc_copy(src, dst, count, ready, arrived, tally, seq, ABORT_AT: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK: tl.constexpr):
+            # Send number `seq`: wait (on this GPU's own memory) until the receiver made its
+            # buffer writable, copy, and have the last program to finish tell the receiver.
+            # All in the kernel: stream memory ops around it cost about 50 us an op.
+            ready_at = ready.to(tl.pointer_type(tl.int64))
+            r = tl.load(ready_at, volatile=True)
+            while r < seq:
+                r = tl.load(ready_at, volatile=True)
+            if r < ABORT_AT:  # past it: the receiver gave the buffer up; copy nothing into it
                 if WIDE:
                     s = src.to(tl.pointer_type(tl.int64))
                     d = dst.to(tl.pointer_type(tl.int64))
@@ -218,6 +226,11 @@ def _kernel() -> Any:
                     mask = offs < n
                     tl.store(d + offs, tl.load(s + offs, mask=mask, eviction_policy="evict_first"), mask=mask,
                              cache_modifier=".cs")
+                tl.debug_barrier()  # every thread's stores before this program's release below
+                tally_at = tally.to(tl.pointer_type(tl.int32))
+                if tl.atomic_add(tally_at, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
+                    tl.store(tally_at, 0)  # the tally is used again _TALLIES ops later, in stream order
+                    tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
 
         _KERNEL.append(ipc_copy)
     return _KERNEL[0]
@@ -234,50 +247,61 @@ class _Copier:
         self.compiled: dict[bool, Any] = {}
         self.fast = False
 
-    def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, gate: int) -> None:
+    def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, *, ready: int, arrived: int,
+                 tally: int, seq: int) -> None:
         wide = src % 8 == 0 and dst % 8 == 0 and nbytes % 8 == 0
         count = nbytes // 8 if wide else nbytes
         grid = max(1, min(COPY_PROGRAMS, -(-count // _COPY_BLOCK)))
         kernel = self.compiled.get(wide)
         if kernel is not None and self.fast:
             kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       src, dst, count, gate, ABORT, wide, _COPY_BLOCK)
+                       src, dst, count, ready, arrived, tally, seq, ABORT, wide, _COPY_BLOCK)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            kernel = _kernel()[(grid,)](src, dst, count, gate, ABORT_AT=ABORT, WIDE=wide, BLOCK=_COPY_BLOCK,
-                                        num_warps=8)
+            kernel = _kernel()[(grid,)](src, dst, count, ready, arrived, tally, seq, ABORT_AT=ABORT, WIDE=wide,
+                                        BLOCK=_COPY_BLOCK, num_warps=8)
         self.compiled.setdefault(wide, kernel)
 
-    def check(self, gate: int) -> None:
+    def check(self, scratch: torch.Tensor) -> None:
         """Compile both variants, check Triton's copy, and switch the direct launch on
-        if it copies the same bytes.
+        if it copies the same bytes (`scratch`: zeroed int64 words this may use as
+        counters).
 
         Raises:
-            RuntimeError: the kernel copied other bytes (a broken Triton or GPU).
+            RuntimeError: the kernel copied other bytes, or did not count (a broken
+                Triton or GPU).
         """
         n, tail = 32768, 13
         stream = torch.cuda.Stream(self.device)
+        ready, arrived, tally = (scratch.data_ptr() + 8 * k for k in range(3))
         with torch.cuda.device(self.device):
             src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=self.device)
             want = torch.zeros_like(src)
             want[: n - 64] = src[: n - 64]
             want[n - 63 : n - 63 + tail] = src[n - 63 : n - 63 + tail]
+            scratch.zero_()
+            scratch[0] = 5  # `ready`: send 5 may copy
             torch.cuda.current_stream(self.device).synchronize()
             outs = []
             for fast in (False, True):
                 self.fast = fast
                 out = torch.zeros_like(src)
                 try:
-                    self(stream, src.data_ptr(), out.data_ptr(), n - 64, gate)  # whole words
-                    self(stream, src.data_ptr() + n - 63, out.data_ptr() + n - 63, tail, gate)  # odd bytes
+                    self(stream, src.data_ptr(), out.data_ptr(), n - 64, ready=ready, arrived=arrived, tally=tally,
+                         seq=5)  # whole words
+                    self(stream, src.data_ptr() + n - 63, out.data_ptr() + n - 63, tail, ready=ready, arrived=arrived,
+                         tally=tally, seq=5)  # odd bytes
                 except Exception as exc:  # another Triton's launcher: keep Triton's path
                     if not fast:
                         raise
                     log.info("ipc.fast_launch_off", reason=repr(exc))
                 outs.append(out)
             stream.synchronize()
-        if not torch.equal(outs[0], want):
-            raise RuntimeError("the IPC copy kernel copied other bytes than asked.")
+            # The last program told `arrived`, and set the tally back to zero for its next use.
+            counted = int(scratch[1].item()) == 5 and int(scratch[2].item()) == 0
+            scratch.zero_()
+        if not torch.equal(outs[0], want) or not counted:
+            raise RuntimeError("the IPC copy kernel copied other bytes than asked, or did not count its programs.")
         self.fast = torch.equal(outs[1], want)
         if not self.fast:
             log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes")
@@ -321,9 +345,11 @@ class _Counters:
     Each GPU then waits on and reads only its own memory; the peer writes over NVLink."""
 
     READY, ARRIVED = 0, 64
+    TALLY = 128  # this side's sends' program tallies (int32 each), then scratch for checks
 
     def __init__(self, device: torch.device, drv: CudaDriver) -> None:
         self.tensor = torch.zeros(256, dtype=torch.int64, device=device)
+        self.scratch = self.tensor[192:]
         torch.cuda.current_stream(device).synchronize()
         self.addr = self.tensor.data_ptr()
         self.handle, self.offset = drv.export(self.addr)
@@ -437,10 +463,9 @@ class IpcCommunicator(NcclCommunicator):
                 raise RuntimeError(f"cannot map {self.peer}'s GPU memory ({exc}); the two GPUs need peer "
                                    "access for the ipc backend: use the direct backend.") from exc
         self.sent = seq
-        self.drv.wait_value(self._sp, self.my_ready, seq)
-        if nbytes:
-            self._copy(self.stream, ptr, base + desc.offset, nbytes, self.my_ready)
-        self.drv.write_value(self._sp, self.peer_arrived, seq)
+        tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
+        self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived,
+                   tally=tally, seq=seq)
 
     def _abort(self) -> None:
         box = self.page.box
@@ -549,7 +574,7 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
     comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, counters=counters,
                            peer_counters=peer_counters, nonce=nonce, cache=cache)
     try:
-        comm._copy.check(comm.my_ready)
+        comm._copy.check(counters.scratch)
         _warm_up(comm, deadline)
     except BaseException as exc:
         comm.abort()

@@ -1,14 +1,8 @@
-"""Where the ipc backend's time goes per op, on 2 GPUs of one host.
+"""The ipc backend's cost per op against the direct NCCL backend's, on 2 GPUs of one host.
 
-P sends `--ops` chunks of `--mib` MiB each, back to back, to D over the ipc backend,
-with D's receives posted first; each row times P's posts to D seeing the last one
-land (median of `--iters`). Rows vary one part of an op at a time, against the same
-sizes over the direct NCCL backend:
-
-* `ipc`: as the backend runs.
-* `ipc~nowait`: the sender does not wait for `ready` (unsafe: for timing only).
-* `ipc~kernels`: only the copy kernels, no counters at all (unsafe: for timing only).
-* `nccl`: the direct backend.
+P sends `--ops` chunks of `--mib` MiB each, back to back, to D, with D's receives
+posted first; each row times P's posts to D seeing the last one land (median of
+`--iters`), for each copy grid of `--programs` (`ipc@G`) and over NCCL (`nccl`).
 
 Usage: python bench/ipc_ops.py [--ops 4] [--mib 16,64] [--programs 32,64,132] [--iters 30]
 """
@@ -29,28 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.multiprocessing as mp
 
-VARIANTS = ("ipc", "ipc~nowait", "ipc~kernels", "nccl")
-
-
-_ORIGINAL: dict[str, Any] = {}
-_READY: set[int] = set()  # the sender's own `ready` counters (what `~nowait` skips waiting on)
-
-
-def _patch(variant: str) -> None:
-    """Make the driver calls of `variant` (each variant starts from the real ones)."""
-    from workers.transports import cuda_ipc
-
-    drv = cuda_ipc.driver()
-    assert drv is not None
-    if not _ORIGINAL:
-        _ORIGINAL.update(wait=drv.wait_value, write=drv.write_value)
-    wait, write = _ORIGINAL["wait"], _ORIGINAL["write"]
-    drv.wait_value, drv.write_value = wait, write  # type: ignore[method-assign]
-    if variant == "ipc~nowait":  # only the sender's wait for `ready` goes
-        drv.wait_value = lambda stream, addr, value: (  # type: ignore[method-assign]
-            None if addr in _READY else wait(stream, addr, value))
-    elif variant == "ipc~kernels":
-        drv.wait_value = drv.write_value = lambda *a: None  # type: ignore[method-assign]
+VARIANTS = ("ipc", "nccl")
 
 
 def _worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
@@ -68,10 +41,7 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dic
 
                 cuda_ipc.COPY_PROGRAMS = programs or cuda_ipc.COPY_PROGRAMS
                 cache = CommunicatorCache(role, device, rdv, backend=backend)
-                _patch("ipc")  # built with the real calls: the warm-up checks its bytes
                 comm = cache.get("D" if role == "P" else "P", initiator=role == "P")
-                _READY.add(getattr(comm, "my_ready", 0))
-                _patch(variant)
                 for mib in cfg["mib"]:
                     n = mib << 20
                     buf = torch.ones(cfg["ops"] * n, dtype=torch.uint8, device=device)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
-# communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first). Run from the project root with the wheels of `.whl/` present
+# communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first, then the ipc backend's and torch's). Run from the project root with the wheels of `.whl/` present
 # (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu), and with
 # PACK=1 into one archive there instead, $OUT/gpu-run.tar.gz (one file to move or keep).
 #   bash bench/run_gpu.sh
@@ -63,16 +63,20 @@ if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then
   echo "bench (torch debug defaults) rc=$?"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch" 2>&1 \
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch and not ipc" 2>&1 \
     | tee "$OUT/pytest.log"
   echo "pytest (CPU and direct backend) rc=$?"
-  left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
-  if [ "$left" -gt 20 ]; then
-    timeout "$left" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k torch 2>&1 | tee "$OUT/pytest-torch.log"
-    echo "pytest (torch backend) rc=$?"
-  else
-    echo "pytest (torch backend) skipped: ${left} s left"
-  fi
+  # Then the ipc backend's and torch's, each in what is left of TOTAL_BUDGET.
+  for backend in ipc torch; do
+    left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
+    if [ "$left" -gt 20 ]; then
+      timeout "$left" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "$backend" 2>&1 \
+        | tee "$OUT/pytest-$backend.log"
+      echo "pytest ($backend backend) rc=$?"
+    else
+      echo "pytest ($backend backend) skipped: ${left} s left"
+    fi
+  done
 fi
 if [ "${PACK:-0}" = 1 ]; then
   ( cd "$OUT" && files=$(ls -A | grep -v '^gpu-run.tar.gz$') \

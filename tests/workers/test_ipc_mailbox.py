@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from protocols.errors import RendezvousError
 from workers.transports.ipc_mailbox import (
     SLOTS,
+    Counters,
     Descriptor,
     Mailbox,
     MailboxError,
@@ -41,10 +42,10 @@ def handle(seq: int) -> bytes:
 
 def test_a_receive_pairs_with_the_send_of_the_same_number_in_its_own_direction() -> None:
     box = page()
-    box.post(1, Descriptor(1, handle(1), 4096, 1 << 20))
+    box.post(1, Descriptor(1, handle(1), 4096, 1 << 20, 0x7F00_0000_0000))
     assert box.take(0, 1) is None  # the other direction has nothing
     assert box.take(1, 2) is None  # send 2 has no receive yet
-    assert box.take(1, 1) == Descriptor(1, handle(1), 4096, 1 << 20)
+    assert box.take(1, 1) == Descriptor(1, handle(1), 4096, 1 << 20, 0x7F00_0000_0000)
 
 
 def test_a_slot_is_reused_only_after_the_sender_read_it() -> None:
@@ -74,8 +75,8 @@ def test_a_torn_slot_reads_as_not_yet_written() -> None:
 def test_an_abort_marks_the_page_dead_and_counters_are_found_where_published() -> None:
     box = page()
     assert box.flags_of(0) is None and box.flags_of(1) is None
-    box.publish_flags(1, handle(5), 4096)
-    assert box.flags_of(1) == (handle(5), 4096) and box.flags_of(0) is None
+    box.publish_flags(1, Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000))
+    assert box.flags_of(1) == Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000) and box.flags_of(0) is None
     assert not box.dead
     box.abort()
     assert box.dead
@@ -113,7 +114,7 @@ def test_any_interleaving_pairs_each_send_with_its_receive(steps: list[tuple[int
     for direction, step in steps:
         if step == "post":
             seq = posted[direction] + 1
-            desc = Descriptor(seq, handle(seq * 2 + direction), seq * 64, seq + direction)
+            desc = Descriptor(seq, handle(seq * 2 + direction), seq * 64, seq + direction, seq << 20)
             if seq - taken[direction] > SLOTS:
                 with pytest.raises(MailboxError):
                     box.post(direction, desc)
@@ -126,7 +127,7 @@ def test_any_interleaving_pairs_each_send_with_its_receive(steps: list[tuple[int
             if seq > posted[direction]:
                 assert got is None
             else:
-                assert got == Descriptor(seq, handle(seq * 2 + direction), seq * 64, seq + direction)
+                assert got == Descriptor(seq, handle(seq * 2 + direction), seq * 64, seq + direction, seq << 20)
                 box.consume(direction, seq)
                 taken[direction] = seq
 

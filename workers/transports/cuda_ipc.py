@@ -63,7 +63,7 @@ import torch
 
 from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
 
-from .ipc_mailbox import HANDLE_BYTES, Descriptor, Mailbox, MailboxError
+from .ipc_mailbox import HANDLE_BYTES, Counters, Descriptor, Mailbox, MailboxError
 from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
 
@@ -80,6 +80,7 @@ COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
 _COPY_BLOCK = 2048  # words a program copies per step
 
 ABORT = 1 << 62  # a counter at or past it: the communicator was aborted
+_PROCESS = secrets.randbits(63)  # names this process in the page (process ids repeat across containers)
 _WAIT_GEQ = 0x0
 _LAZY_PEER_ACCESS = 0x1
 
@@ -100,6 +101,7 @@ class CudaDriver:
             ("cuDeviceGet", [ptr(ctypes.c_int), ctypes.c_int], ()),
             ("cuDevicePrimaryCtxRetain", [ptr(vp), ctypes.c_int], ()),
             ("cuCtxSetCurrent", [vp], ()),
+            ("cuCtxEnablePeerAccess", [vp, uint], ()),
             ("cuMemGetAddressRange", [ptr(u64), ptr(ctypes.c_size_t), u64], ("cuMemGetAddressRange_v2",)),
             ("cuIpcGetMemHandle", [ptr(_IpcHandle), u64], ()),
             ("cuIpcOpenMemHandle", [ptr(u64), _IpcHandle, uint], ("cuIpcOpenMemHandle_v2",)),
@@ -133,14 +135,22 @@ class CudaDriver:
     def make_current(self, ctx: int) -> None:
         self._call("cuCtxSetCurrent", ctypes.c_void_p(ctx))
 
-    def export(self, ptr: int) -> tuple[bytes, int]:
-        """The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it."""
+    def enable_peer_access(self, peer_ctx: int) -> None:
+        """Let kernels of the current context reach the memory of `peer_ctx`'s device
+        (one process driving both GPUs); already enabled is fine."""
+        rc = self._fns["cuCtxEnablePeerAccess"](ctypes.c_void_p(peer_ctx), 0)
+        if rc not in (0, 704):  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            self._call("cuCtxEnablePeerAccess", ctypes.c_void_p(peer_ctx), 0)
+
+    def export(self, ptr: int) -> tuple[bytes, int, int]:
+        """The IPC handle of the allocation holding `ptr`, `ptr`'s offset in it, and the
+        allocation's address."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         self._call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ptr)
         handle = _IpcHandle()
         self._call("cuIpcGetMemHandle", ctypes.byref(handle), base.value)
         # All 64 bytes: `.reserved` of a char array would stop at the first zero byte.
-        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base.value
+        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base.value, base.value
 
     def open(self, handle: bytes) -> int:
         h = _IpcHandle()
@@ -352,7 +362,7 @@ class _Counters:
         self.scratch = self.tensor[192:]
         torch.cuda.current_stream(device).synchronize()
         self.addr = self.tensor.data_ptr()
-        self.handle, self.offset = drv.export(self.addr)
+        self.handle, self.offset, self.base = drv.export(self.addr)
 
 
 # -- the communicator ---------------------------------------------------------------------
@@ -364,7 +374,7 @@ class IpcCommunicator(NcclCommunicator):
     backend = "ipc"
 
     def __init__(self, *, peer: str, rank: int, device: torch.device, page: _Page, drv: CudaDriver, ctx: int,
-                 counters: _Counters, peer_counters: tuple[bytes, int, int], nonce: str,
+                 counters: _Counters, peer_counters: tuple[bytes, int, int, bool], nonce: str,
                  cache: CommunicatorCache | None, op_timeout_s: float = 60.0) -> None:
         super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
                          mem_bytes=0)
@@ -374,13 +384,15 @@ class IpcCommunicator(NcclCommunicator):
         self.op_timeout_s = op_timeout_s
         self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._sp = self.stream.cuda_stream
-        self._mapped: dict[bytes, int] = {}  # the peer's allocations mapped here, by handle
+        self._mapped: dict[bytes, int] = {}  # the peer's allocations opened here, by handle
         self._copy = _Copier(device)
         # The counters: this side's (its GPU waits on them), and the peer's, mapped here
-        # (`peer_counters`: their allocation's handle, where it is mapped, their offset).
+        # (`peer_counters`: their allocation's handle, where it is mapped, their offset, and
+        # whether the peer is this very process: then its addresses are used as they are).
         self.counters = counters
-        handle, base, offset = peer_counters
-        self._mapped[handle] = base  # a receive buffer of the peer's may share that allocation
+        handle, base, offset, self.same_process = peer_counters
+        if not self.same_process:
+            self._mapped[handle] = base  # a receive buffer of the peer's may share that allocation
         self.my_ready, self.my_arrived = counters.addr + _Counters.READY, counters.addr + _Counters.ARRIVED
         self.peer_ready, self.peer_arrived = base + offset + _Counters.READY, base + offset + _Counters.ARRIVED
 
@@ -428,13 +440,13 @@ class IpcCommunicator(NcclCommunicator):
         """Receive: publish where the bytes go, and (on the GPU, after the op's
         events) that the buffer may be written."""
         seq, box = self.received + 1, self.page.box
-        handle, offset = self.drv.export(ptr)
+        handle, offset, base = self.drv.export(ptr)
         deadline = time.monotonic() + self.op_timeout_s
         while not box.room(self.into, seq):  # only with SLOTS receives unread by the sender
             if box.dead or time.monotonic() > deadline:
                 raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
             time.sleep(1e-4)
-        box.post(self.into, Descriptor(seq, handle, offset, nbytes))
+        box.post(self.into, Descriptor(seq, handle, offset, nbytes, base))
         self.received = seq
         self.drv.write_value(self._sp, self.peer_ready, seq)
         return seq
@@ -455,7 +467,7 @@ class IpcCommunicator(NcclCommunicator):
             raise ValueError(f"{self.peer}'s receive {seq} takes {desc.nbytes} bytes, but the send has {nbytes}: "
                              "both sides must post the same sizes in the same order.")
         box.consume(self.out, seq)
-        base = self._mapped.get(desc.handle)
+        base = desc.base if self.same_process else self._mapped.get(desc.handle)
         if base is None:
             try:
                 base = self._mapped[desc.handle] = self.drv.open(desc.handle)
@@ -528,13 +540,14 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
     torch.cuda.set_device(device)
     ctx = drv.primary_context(ordinal)
     counters = _Counters(device, drv)
+    where = Counters(counters.handle, counters.offset, _PROCESS, ordinal, counters.base)
     rank = 0 if info is None else 1
     if info is None:
         nonce = secrets.token_hex(8)
         path = os.path.join(SHM_DIR, f"{IPC_PAGE_PREFIX}{nonce}")
         page = _Page(path, create=True)
         try:
-            page.box.publish_flags(rank, counters.handle, counters.offset)
+            page.box.publish_flags(rank, where)
             cache.rendezvous.publish(peer, key, json.dumps(
                 {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}).encode())
             while True:
@@ -558,13 +571,19 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
         except (OSError, MailboxError) as exc:
             raise RendezvousError(f"cannot share {peer}'s IPC page {info['page']} ({exc}); both workers need the "
                                   f"same {SHM_DIR}, or use the direct backend.") from exc
-        page.box.publish_flags(rank, counters.handle, counters.offset)
+        page.box.publish_flags(rank, where)
         cache.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
     theirs = page.box.flags_of(1 - rank)
     try:
         if theirs is None:
             raise RendezvousError(f"{peer} published no counters in IPC rendezvous {nonce}.")
-        peer_counters = (theirs[0], drv.open(theirs[0]), theirs[1])
+        if theirs.process == _PROCESS:  # both ends in one process: CUDA cannot open its own handles
+            drv.make_current(ctx)
+            if theirs.ordinal != ordinal:
+                drv.enable_peer_access(drv.primary_context(theirs.ordinal))
+            peer_counters = (theirs.handle, theirs.base, theirs.offset, True)
+        else:
+            peer_counters = (theirs.handle, drv.open(theirs.handle), theirs.offset, False)
     except BaseException as exc:
         page.close()
         if isinstance(exc, RendezvousError):

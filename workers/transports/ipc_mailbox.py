@@ -7,8 +7,9 @@ reading host memory here cost about 8 us a read (measured on an H200 pair in a V
 
 It holds:
 
-* for each rank, where its GPU counters are: the IPC handle of their allocation and
-  their offset in it, written before the rendezvous answer, read after it;
+* for each rank, where its GPU counters are (`Counters`): the IPC handle of their
+  allocation, their offset in it, and the process and device they live in, written
+  before the rendezvous answer, read after it;
 * a dead flag: set by a side that gave up, so the peer's host stops waiting for it;
 * for each direction (rank 0 to 1, rank 1 to 0):
   - a ring of receive descriptors the receiver's host writes: for receive number `seq`
@@ -31,7 +32,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-__all__ = ["HANDLE_BYTES", "MAGIC", "SLOTS", "Descriptor", "Mailbox", "MailboxError"]
+__all__ = ["HANDLE_BYTES", "MAGIC", "SLOTS", "Counters", "Descriptor", "Mailbox", "MailboxError"]
 
 MAGIC = 0x6B76_6270_6970_6332  # "kvbpipc2"
 SLOTS = 256
@@ -40,7 +41,8 @@ HANDLE_BYTES = 64  # a CUipcMemHandle
 _PAGE = 4096
 _SLOT = 128
 _HEADER = struct.Struct("<QQQ")  # magic, slots, dead
-_FIELDS = struct.Struct("<QQQ")  # seq, offset, nbytes
+_FIELDS = struct.Struct("<QQQQ")  # seq, offset, nbytes, base
+_PEER = struct.Struct("<QQQQQ")  # offset, set, process token, device ordinal, base
 _FLAGS_AT = 64  # each rank's GPU counters: handle, offset, set (128 bytes a rank)
 _DIRECTION = _PAGE + SLOTS * _SLOT
 
@@ -52,12 +54,28 @@ class MailboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Descriptor:
-    """Where receive `seq` wants its bytes: `offset` bytes into the allocation `handle`."""
+    """Where receive `seq` wants its bytes: `offset` bytes into the allocation `handle`
+    (which lies at `base` in the receiver's process: a sender in that same process uses
+    it as it is, since CUDA cannot open a handle in the process that made it)."""
 
     seq: int
     handle: bytes
     offset: int
     nbytes: int
+    base: int = 0
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Where a rank's GPU counters are: `offset` bytes into the allocation `handle`,
+    which lies at `base` in the process named `process` (a random token, since process
+    ids repeat across containers), on its device `ordinal`."""
+
+    handle: bytes
+    offset: int
+    process: int
+    ordinal: int
+    base: int
 
 
 def _digest(fields: bytes, handle: bytes) -> bytes:
@@ -108,19 +126,19 @@ class Mailbox:
 
     # -- where each rank's GPU counters are ---------------------------------------------
 
-    def publish_flags(self, rank: int, handle: bytes, offset: int) -> None:
-        """Rank `rank`'s GPU counters lie `offset` bytes into the allocation `handle`."""
-        if rank not in (0, 1) or len(handle) != HANDLE_BYTES:
-            raise ValueError(f"bad flags for rank {rank}")
+    def publish_flags(self, rank: int, where: Counters) -> None:
+        """Say where rank `rank`'s GPU counters are."""
+        if rank not in (0, 1) or len(where.handle) != HANDLE_BYTES:
+            raise ValueError(f"bad counters for rank {rank}")
         at = _FLAGS_AT + rank * 128
-        self.buf[at : at + HANDLE_BYTES] = handle
-        struct.pack_into("<QQ", self.buf, at + HANDLE_BYTES, offset, 1)
+        self.buf[at : at + HANDLE_BYTES] = where.handle
+        _PEER.pack_into(self.buf, at + HANDLE_BYTES, where.offset, 1, where.process, where.ordinal, where.base)
 
-    def flags_of(self, rank: int) -> tuple[bytes, int] | None:
-        """Where rank `rank`'s GPU counters are, once it published them."""
+    def flags_of(self, rank: int) -> Counters | None:
+        """Where rank `rank`'s GPU counters are, once it said so."""
         at = _FLAGS_AT + rank * 128
-        offset, is_set = struct.unpack_from("<QQ", self.buf, at + HANDLE_BYTES)
-        return (bytes(self.buf[at : at + HANDLE_BYTES]), offset) if is_set else None
+        offset, is_set, process, ordinal, base = _PEER.unpack_from(self.buf, at + HANDLE_BYTES)
+        return Counters(bytes(self.buf[at : at + HANDLE_BYTES]), offset, process, ordinal, base) if is_set else None
 
     # -- consumed ---------------------------------------------------------------------
 
@@ -154,25 +172,25 @@ class Mailbox:
         """
         if len(desc.handle) != HANDLE_BYTES:
             raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, not {len(desc.handle)}")
-        if desc.seq < 1 or desc.offset < 0 or desc.nbytes < 0:
+        if desc.seq < 1 or desc.offset < 0 or desc.nbytes < 0 or desc.base < 0:
             raise ValueError(f"bad descriptor {desc}")
         if not self.room(direction, desc.seq):
             raise MailboxError(f"receive {desc.seq} has no free slot: the sender is {SLOTS} receives behind.")
-        fields = _FIELDS.pack(desc.seq, desc.offset, desc.nbytes)
+        fields = _FIELDS.pack(desc.seq, desc.offset, desc.nbytes, desc.base)
         at = self._slot(direction, desc.seq)
-        self.buf[at + 32 : at + 32 + HANDLE_BYTES] = desc.handle
-        self.buf[at : at + 24] = fields
-        self.buf[at + 24 : at + 32] = _digest(fields, desc.handle)
+        self.buf[at + 40 : at + 40 + HANDLE_BYTES] = desc.handle
+        self.buf[at : at + 32] = fields
+        self.buf[at + 32 : at + 40] = _digest(fields, desc.handle)
 
     def take(self, direction: int, seq: int) -> Descriptor | None:
         """Descriptor `seq` if the receiver has written it whole, else None (sender's host)."""
         at = self._slot(direction, seq)
-        raw = bytes(self.buf[at : at + 32 + HANDLE_BYTES])
-        fields, digest, handle = raw[:24], raw[24:32], raw[32:]
-        got_seq, offset, nbytes = _FIELDS.unpack(fields)
+        raw = bytes(self.buf[at : at + 40 + HANDLE_BYTES])
+        fields, digest, handle = raw[:32], raw[32:40], raw[40:]
+        got_seq, offset, nbytes, base = _FIELDS.unpack(fields)
         if got_seq != seq or digest != _digest(fields, handle):
             return None
-        return Descriptor(seq, handle, offset, nbytes)
+        return Descriptor(seq, handle, offset, nbytes, base)
 
     def consume(self, direction: int, seq: int) -> None:
         """The sender has read descriptor `seq`: its slot may be reused."""

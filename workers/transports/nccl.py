@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Each (local worker, remote worker) pair gets its own 2-rank NCCL communicator, outside
-any global group: vLLM owns that. Two backends build it (`CommunicatorCache(backend=)`):
+any global group: vLLM owns that. Three backends build it (`CommunicatorCache(backend=)`):
 
 * "direct" (the default when the library loads): NCCL's C API through a small ctypes
   binding (`workers.transports.nccl_lib`) to the libnccl that torch's wheel ships.
@@ -21,8 +21,13 @@ any global group: vLLM owns that. Two backends build it (`CommunicatorCache(back
   which waits at posting on the events the op depends on; a post returns a work
   whose ``wait()`` makes the current stream wait on an event after the group, and
   holds the group's tensors until its completion is seen.
-* "torch": a `ProcessGroupNCCL` built on a `TCPStore`, as below. An acceptor builds
-  whichever kind the initiator's payload names.
+* "torch": a `ProcessGroupNCCL` built on a `TCPStore`, as below.
+* "ipc" (`workers.transports.cuda_ipc`): both GPUs on one host; no NCCL at all: a send
+  is one copy kernel straight into the receiver's buffer, mapped with CUDA IPC, paired
+  with its receive through a page of shared memory. No communicator memory; end to
+  end it measured level with "direct" or a few points behind (docs/RESULTS.md).
+
+An acceptor builds whichever kind the initiator's payload names.
 
 The rest holds for both (the torch details are marked as such).
 

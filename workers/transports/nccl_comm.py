@@ -1,4 +1,4 @@
-"""NCCL communicators for the GPU transport: two backends, a capped cache, rendezvous.
+"""NCCL communicators for the GPU transport: the backends, a capped cache, rendezvous.
 
 See `workers/transports/nccl.py` for the theory of operation; this module holds the
 communicator side of it (building, posting, completion, abort, LRU cache) so the
@@ -486,8 +486,9 @@ class CommunicatorCache:
         watchdog_timeout_s: the process group's own timeout (torch backend); keep it
             well above every transfer deadline (see the module docstring).
         backend: "direct" (the NCCL library through `nccl_lib`), "torch" (a
-            ProcessGroupNCCL), or None: `KVBROKER_NCCL_BACKEND` if set, else "direct"
-            when the library loads, else "torch". It applies to communicators this side
+            ProcessGroupNCCL), "ipc" (copy kernels over CUDA IPC, one host only:
+            `cuda_ipc`), or None: `KVBROKER_NCCL_BACKEND` if set, else "direct" when the
+            library loads, else "torch". It applies to communicators this side
             initiates; an acceptor builds whichever kind the initiator's payload names.
 
     Raises:

@@ -44,6 +44,15 @@ def test_a_peer_on_another_host_or_without_the_page_is_refused_with_what_to_use(
         connect_ipc(cache, "p:0", {**info, "boot": boot_id()})
 
 
+def _times_out(done: Any, seconds: float) -> bool:
+    """Whether a receive's completion missed a deadline `seconds` away (which aborts its communicator)."""
+    try:
+        done.wait(time.monotonic() + seconds)
+    except RecvTimeout:
+        return True
+    return False
+
+
 def _mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     try:
         device, _, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
@@ -58,11 +67,7 @@ def _mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any,
             res["stats"] = cache.statistics().__dict__
         else:
             y = torch.zeros(1 << 20, dtype=torch.uint8, device=device)
-            try:
-                transport.recv_tensors("P", [y]).wait(time.monotonic() + 3.0)
-                res["timed_out"] = False
-            except RecvTimeout:
-                res["timed_out"] = True
+            res["timed_out"] = _times_out(transport.recv_tensors("P", [y]), 3.0)
             res["untouched"] = bool((y == 0).all())
         cache.close()
         results.put((role, res))
@@ -106,11 +111,7 @@ def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
             torch.cuda.synchronize(device)
             done = transport.recv_tensors("P", [y])
             rdv.publish("P", "test/posted", b"1")
-            try:
-                done.wait(time.monotonic() + 1.0)
-                res["timed_out"] = False
-            except RecvTimeout:
-                res["timed_out"] = True
+            res["timed_out"] = _times_out(done, 1.0)
             rdv.receive("P", "test/sent")  # P's held copy has run (or been skipped) by now
             torch.cuda.synchronize(device)
             res["untouched"] = bool((y == 0).all())

@@ -131,3 +131,55 @@ def test_a_send_whose_receiver_gave_up_writes_nothing() -> None:
     assert out["P"]["send_ended"]  # P's stream did not hang on the abort
     assert out["D"]["untouched"], "the copy landed in a buffer its receiver had given up"
     assert out["P"]["comm_mem_bytes"] == 0 and out["D"]["comm_mem_bytes"] == 0
+
+
+def _one_gpu_side(role: str, outbox: Any, inbox: Any, results: Any) -> None:
+    """50 sends of distinct tensors, P and D both on cuda:0; D counts the exact ones."""
+    try:
+        from workers.transports.nccl import (
+            CommunicatorCache,
+            NcclTransport,
+            QueueRendezvous,
+        )
+
+        torch.cuda.set_device(0)
+        cache = CommunicatorCache(role, "cuda:0", QueueRendezvous(outbox, inbox, timeout_s=30), backend="ipc")
+        transport = NcclTransport(cache)
+        exact = 0
+        for i in range(50):
+            x = torch.arange(1 << 20, device="cuda:0", dtype=torch.int32) * (i + 1)
+            if role == "P":
+                transport.send_tensors("D", [x]).wait(time.monotonic() + 10)
+            else:
+                y = torch.zeros_like(x)
+                transport.recv_tensors("P", [y]).wait(time.monotonic() + 10)
+                exact += bool(torch.equal(y, x))
+        comm = cache.current("D" if role == "P" else "P")
+        results.put((role, {"exact": exact, "same_process": getattr(comm, "same_process", None)}))
+        cache.close()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@one_gpu
+@pytest.mark.parametrize("ends", ["two processes", "one process"])
+def test_both_ends_on_one_gpu_in_two_processes_or_in_one(ends: str) -> None:
+    """In one process CUDA cannot open its own IPC handles: the backend then uses the
+    peer's addresses as they are (the vLLM connector's GPU tests run P and D so)."""
+    import multiprocessing as mp
+    import threading
+
+    ctx = mp.get_context("spawn")
+    to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    kind: Any = ctx.Process if ends == "two processes" else threading.Thread
+    workers = [kind(target=_one_gpu_side, args=("P", to_d, to_p, results)),
+               kind(target=_one_gpu_side, args=("D", to_p, to_d, results))]
+    for w in workers:
+        w.start()
+    out = dict(results.get(timeout=120) for _ in workers)
+    for w in workers:
+        w.join(30)
+    assert "error" not in out["P"] and "error" not in out["D"], out
+    assert out["D"]["exact"] == 50
+    assert out["D"]["same_process"] is (ends == "one process")

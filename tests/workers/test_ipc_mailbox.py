@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +23,8 @@ from workers.transports.ipc_mailbox import (
     Descriptor,
     Mailbox,
     MailboxError,
+    Step,
+    group_steps,
 )
 from workers.transports.nccl_setup import (
     IPC_PAGE_PREFIX,
@@ -149,3 +153,116 @@ def test_asking_for_ipc_without_a_cuda_driver_says_what_to_use() -> None:
         pytest.skip("this host has a CUDA driver")
     with pytest.raises(ValueError, match="ipc backend needs the CUDA driver"):
         resolve_backend("ipc")
+
+
+# -- the order of a group's steps, against a model of both hosts and both GPU streams --------
+
+
+def run_pair(groups: dict[int, list[list[str]]], steps_of: Callable[..., list[Step]], pick: Callable[[int], int]
+             ) -> dict[int, list[int]] | None:
+    """Play both ranks' groups through `steps_of` on a model of the backend: a host
+    posts its groups in order, and its send waits (on the host) for the peer's
+    descriptor of the same number; a GPU stream runs its items in order, a copy once its
+    own `ready` counter reaches the send's number, a receive's wait once its `arrived`
+    does. `pick` chooses which runnable actor moves next. Returns, per rank, the send
+    number each of its receives got, in order; None if nothing can move (a deadlock)."""
+    posted = {0: 0, 1: 0}  # receives each rank's host has announced
+    ready = {0: 0, 1: 0}  # rank r's `ready`: how far r's sends may copy (the peer writes it)
+    arrived = {0: 0, 1: 0}  # rank r's `arrived`
+    got: dict[int, list[int]] = {0: [], 1: []}
+    hosts = {r: _planned(groups[r], steps_of) for r in (0, 1)}
+    streams: dict[int, list[tuple[str, int]]] = {0: [], 1: []}
+    while any(hosts.values()) or any(streams.values()):
+        movable = []
+        for r in (0, 1):
+            if hosts[r]:
+                kind, seq = hosts[r][0]
+                if kind != "send" or posted[1 - r] >= seq:  # a send needs the peer's descriptor
+                    movable.append(("host", r))
+            if streams[r]:
+                kind, seq = streams[r][0]
+                if (kind == "ready" or (kind == "copy" and ready[r] >= seq)
+                        or (kind == "await" and arrived[r] >= seq)):
+                    movable.append(("gpu", r))
+        if not movable:
+            return None
+        who, r = movable[pick(len(movable))]
+        if who == "host":
+            kind, seq = hosts[r].pop(0)
+            posted[r] = seq if kind == "announce" else posted[r]
+            streams[r].append(({"announce": "ready", "send": "copy", "await": "await"}[kind], seq))
+        else:
+            kind, seq = streams[r].pop(0)
+            if kind == "ready":
+                ready[1 - r] = max(ready[1 - r], seq)
+            elif kind == "copy":
+                arrived[1 - r] = seq
+                got[1 - r].append(seq)
+    return got
+
+
+def _planned(groups: list[list[str]], steps_of: Callable[..., list[Step]]) -> list[tuple[str, int]]:
+    """A rank's steps over all its groups; numbers continue across groups, as a
+    communicator's counts do."""
+    out: list[tuple[str, int]] = []
+    sent = received = 0
+    for group in groups:
+        out += [(kind, seq) for kind, _, seq in steps_of(group, sent, received)]
+        sent += group.count("send")
+        received += group.count("recv")
+    return out
+
+
+def in_posting_order(ops: list[str], sent: int, received: int) -> list[Step]:
+    """Each op as it comes, its receive's wait right after it."""
+    steps: list[Step] = []
+    for i, op in enumerate(ops):
+        if op == "recv":
+            received += 1
+            steps += [("announce", i, received), ("await", i, received)]
+        else:
+            sent += 1
+            steps.append(("send", i, sent))
+    return steps
+
+
+@st.composite
+def matched_groups(draw: st.DrawFn) -> dict[int, list[list[str]]]:
+    """What NCCL can finish, in the two shapes it allows: exchanges (each rank's group k
+    pairs with the peer's group k, each side ordering its ops as it likes), or one way
+    (rank 0 sends, rank 1 receives, each cutting its ops into groups of its own)."""
+    if draw(st.booleans()):
+        out: dict[int, list[list[str]]] = {0: [], 1: []}
+        for _ in range(draw(st.integers(1, 4))):
+            a, b = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+            out[0].append(draw(st.permutations(["send"] * a + ["recv"] * b)))
+            out[1].append(draw(st.permutations(["send"] * b + ["recv"] * a)))
+        return out
+    n = draw(st.integers(1, 8))
+
+    def cut(op: str) -> list[list[str]]:
+        points = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+        return [[op] * (j - i) for i, j in zip([0, *points], [*points, n])]
+
+    return {0: cut("send"), 1: cut("recv")}
+
+
+@settings(max_examples=300, deadline=None)
+@given(matched_groups(), st.randoms(use_true_random=False))
+def test_groups_nccl_can_finish_finish_here_each_receive_with_its_own_send(
+        groups: dict[int, list[list[str]]], rnd: Any) -> None:
+    """Whatever the groups and the interleaving of both hosts and both GPUs: every
+    receive gets exactly the send of its number, and nothing waits forever."""
+    got = run_pair(groups, group_steps, lambda n: rnd.randrange(n))
+    assert got is not None, f"deadlock: {groups}"
+    for r in (0, 1):
+        expected = sum(op == "recv" for g in groups[r] for op in g)
+        assert got[r] == list(range(1, expected + 1))
+
+
+def test_an_exchange_in_one_group_needs_the_receives_announced_first() -> None:
+    """Both ranks post [send, recv] as one group, as the warm-up does: with each op in
+    posting order both hosts wait for a descriptor the other never writes."""
+    groups = {0: [["send", "recv"]], 1: [["send", "recv"]]}
+    assert run_pair(groups, group_steps, lambda n: 0) == {0: [1], 1: [1]}
+    assert run_pair(groups, in_posting_order, lambda n: 0) is None

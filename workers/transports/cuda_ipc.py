@@ -29,7 +29,8 @@ How one op pairs:
   its own `ready >= k`, runs the copy kernel, then writes the peer's `arrived = k`
   behind a system-wide fence, so the receiver sees the bytes before it sees the count.
 * In one group, receives are announced before sends are posted, and their waits come
-  after: two sides exchanging in one group cannot wait on each other.
+  after (`ipc_mailbox.group_steps`): two sides exchanging in one group cannot wait on
+  each other.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -63,7 +64,14 @@ import torch
 
 from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
 
-from .ipc_mailbox import HANDLE_BYTES, Counters, Descriptor, Mailbox, MailboxError
+from .ipc_mailbox import (
+    HANDLE_BYTES,
+    Counters,
+    Descriptor,
+    Mailbox,
+    MailboxError,
+    group_steps,
+)
 from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
 
@@ -410,7 +418,7 @@ class IpcCommunicator(NcclCommunicator):
         _check_range(base, start, nbytes)
         return self._enqueue([(op, base.data_ptr() + start, nbytes)], [after], [base])
 
-    def _enqueue(self, items: Sequence[tuple[str, int, int]], after: Sequence[torch.cuda.Event | None],
+    def _enqueue(self, items: Sequence[tuple[Literal["send", "recv"], int, int]], after: Sequence[torch.cuda.Event | None],
                  keep: list[torch.Tensor]) -> Any:
         if self.closed:
             raise RuntimeError(f"the IPC communicator with {self.peer} is closed; get a new one from the cache.")
@@ -423,12 +431,14 @@ class IpcCommunicator(NcclCommunicator):
                 for event in after:
                     if event is not None:
                         self.stream.wait_event(event)
-                receives = [self._announce(ptr, n) for op, ptr, n in items if op == "recv"]
-                for op, ptr, n in items:
-                    if op == "send":
-                        self._send(ptr, n)
-                for seq in receives:
-                    self.drv.wait_value(self._sp, self.my_arrived, seq)
+                for step, i, seq in group_steps([op for op, _, _ in items], self.sent, self.received):
+                    _, ptr, n = items[i]
+                    if step == "announce":
+                        self._announce(ptr, n, seq)
+                    elif step == "send":
+                        self._send(ptr, n, seq)
+                    else:
+                        self.drv.wait_value(self._sp, self.my_arrived, seq)
             except BaseException:
                 self.fail("posting an op failed")
                 raise
@@ -436,10 +446,10 @@ class IpcCommunicator(NcclCommunicator):
             done.record(self.stream)
         return _DirectWork(done, keep)
 
-    def _announce(self, ptr: int, nbytes: int) -> int:
-        """Receive: publish where the bytes go, and (on the GPU, after the op's
+    def _announce(self, ptr: int, nbytes: int, seq: int) -> None:
+        """Receive `seq`: publish where the bytes go, and (on the GPU, after the op's
         events) that the buffer may be written."""
-        seq, box = self.received + 1, self.page.box
+        box = self.page.box
         handle, offset, base = self.drv.export(ptr)
         deadline = time.monotonic() + self.op_timeout_s
         while not box.room(self.into, seq):  # only with SLOTS receives unread by the sender
@@ -449,10 +459,9 @@ class IpcCommunicator(NcclCommunicator):
         box.post(self.into, Descriptor(seq, handle, offset, nbytes, base))
         self.received = seq
         self.drv.write_value(self._sp, self.peer_ready, seq)
-        return seq
 
-    def _send(self, ptr: int, nbytes: int) -> None:
-        seq, box = self.sent + 1, self.page.box
+    def _send(self, ptr: int, nbytes: int, seq: int) -> None:
+        box = self.page.box
         desc = box.take(self.out, seq)
         if desc is None:
             deadline, pause = time.monotonic() + self.op_timeout_s, 0.0

@@ -30,9 +30,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["HANDLE_BYTES", "MAGIC", "SLOTS", "Counters", "Descriptor", "Mailbox", "MailboxError"]
+__all__ = ["HANDLE_BYTES", "MAGIC", "SLOTS", "Counters", "Descriptor", "Mailbox", "MailboxError", "Step", "group_steps"]
 
 MAGIC = 0x6B76_6270_6970_6332  # "kvbpipc2"
 SLOTS = 256
@@ -195,3 +197,33 @@ class Mailbox:
     def consume(self, direction: int, seq: int) -> None:
         """The sender has read descriptor `seq`: its slot may be reused."""
         self._words[self._consumed(direction)].value = seq
+
+
+# -- the order of one group's steps -------------------------------------------------------
+
+Step = tuple[Literal["announce", "send", "await"], int, int]  # what, the op's place in its group, its number
+
+
+def group_steps(ops: Sequence[Literal["send", "recv"]], sent: int, received: int) -> list[Step]:
+    """The steps one group of ops is enqueued as, after `sent` sends and `received`
+    receives on the same communicator.
+
+    Every receive is announced first (its descriptor, and its `ready` on this side's
+    stream), then every send runs (its host waits for the peer's descriptor, its kernel
+    for the peer's `ready`), then every receive's stream waits for its `arrived`. NCCL
+    lets the two sides of an exchange post one group each in any order; so does this:
+    neither side's send then waits on a receive its peer has queued behind a wait of
+    its own.
+    """
+    steps: list[Step] = []
+    waits: list[Step] = []
+    for i, op in enumerate(ops):
+        if op == "recv":
+            received += 1
+            steps.append(("announce", i, received))
+            waits.append(("await", i, received))
+    for i, op in enumerate(ops):
+        if op == "send":
+            sent += 1
+            steps.append(("send", i, sent))
+    return steps + waits

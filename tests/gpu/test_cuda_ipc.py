@@ -15,6 +15,7 @@ import torch
 
 from protocols.errors import RecvTimeout, RendezvousError
 from tests.gpu.test_nccl_staging import _report, _run_pair, _setup
+from tests.support import wait_until
 
 two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
@@ -101,10 +102,7 @@ def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg
                 held = torch.cuda.Event()
                 held.record(slow)
             work = comm.post([("send", x)], slow, [held])
-            t0 = time.monotonic()
-            while not work.event.query() and time.monotonic() - t0 < 30:
-                time.sleep(1e-3)
-            res["send_ended"] = bool(work.event.query())
+            res["send_ended"] = wait_until(work.event.query, 30, "P's held send to end (its stream hung on the abort)")
             rdv.publish("D", "test/sent", b"1")
         else:
             y = torch.zeros(8 << 20, dtype=torch.uint8, device=device)

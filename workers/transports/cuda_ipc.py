@@ -358,9 +358,11 @@ class _Page:
 
 class _Counters:
     """This side's GPU counters, in its own GPU memory, which the peer maps and writes:
-    `ready` (word 0: the peer's receive number k may be written, so this side's send k
-    may copy) and `arrived` (word 8: the peer's send k landed in this side's receive k).
-    Each GPU then waits on and reads only its own memory; the peer writes over NVLink."""
+    `ready` (byte 0: the peer's receive number k may be written, so this side's send k
+    may copy) and `arrived` (byte 64: the peer's send k landed in this side's receive k);
+    then the tallies of this side's copy programs (byte 128: one for each of `_TALLIES`
+    sends in a row) and scratch words for the copy kernel's check (from byte 1536). Each
+    GPU waits on and reads only its own memory; the peer writes over NVLink."""
 
     READY, ARRIVED = 0, 64
     TALLY = 128  # this side's sends' program tallies (int32 each), then scratch for checks

@@ -12,7 +12,9 @@ What a route prefers, in order:
 2. Instances that have not just failed a request of the gateway's (`down_s`).
 3. For decode, one with room in its receive pool: a decode instance whose pools are full
    would make the transfer wait for credit.
-4. The fewest requests of the gateway's in flight on it, then the most free pool bytes,
+4. The least busy: the gateway's own requests in flight on it, or the broker's count of
+   its transfers when that is higher (with several gateways in front of the same
+   servers, the only sign of the others' requests); then the most free pool bytes;
    then whichever was picked longest ago (so equal instances take turns).
 """
 
@@ -79,6 +81,9 @@ class BrokerView:
     at: float
     registered: dict[Role, set[str]] = field(default_factory=dict)
     free_bytes: dict[str, int] = field(default_factory=dict)  # decode instance -> free bytes over its pools
+    # instance -> transfers the broker has in flight for it, whoever sent their requests:
+    # with several gateways in front of the same servers, the load the others put there
+    transfers: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_status(cls, status: Status, now: float) -> BrokerView:
@@ -88,6 +93,7 @@ class BrokerView:
             if peer.role in ("prefill", "decode"):
                 view.registered[peer.role].add(peer.instance_id)  # type: ignore[index]
             instance_of[peer.peer_id] = peer.instance_id
+            view.transfers[peer.instance_id] = view.transfers.get(peer.instance_id, 0) + peer.transfers
         for pool in status.pools:
             inst = instance_of.get(pool.peer_id)
             if inst is not None:
@@ -147,11 +153,16 @@ class Router:
         up = [u for u in pool if self._load[u.instance_id].down_until <= now]
         pool = up or pool  # every one failed lately: try them anyway rather than refuse
         free = view.free_bytes if view is not None else {}
+        transfers = view.transfers if view is not None else {}
 
         def key(u: Upstream) -> tuple[int, int, int, int]:
             load = self._load[u.instance_id]
             full = int(role == "decode" and u.instance_id in free and free[u.instance_id] <= 0)
-            return (full, load.in_flight, -free.get(u.instance_id, 0), load.last_picked)
+            # This gateway's own requests count at once; the broker's count of the
+            # instance's transfers (which also holds other gateways' requests, a status
+            # late) when it is higher.
+            busy = max(load.in_flight, transfers.get(u.instance_id, 0))
+            return (full, busy, -free.get(u.instance_id, 0), load.last_picked)
 
         return sorted(pool, key=key)
 

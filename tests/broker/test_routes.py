@@ -14,9 +14,11 @@ def up(name: str) -> Upstream:
     return Upstream(instance_id=name, role="prefill" if name.startswith("p") else "decode", host="127.0.0.1", port=1)
 
 
-def status(*names: str, free: dict[str, int] | None = None) -> Status:
-    """The broker's status with `names` registered (rank 0 each) and decode pools' free bytes."""
-    peers = [PeerInfo(peer_id=f"{n}:0", role=up(n).role, instance_id=n, rank=0, endpoints={}, lease_left_s=1.0, transfers=0)
+def status(*names: str, free: dict[str, int] | None = None, transfers: dict[str, int] | None = None) -> Status:
+    """The broker's status with `names` registered (rank 0 each), decode pools' free bytes,
+    and each instance's transfers in flight."""
+    peers = [PeerInfo(peer_id=f"{n}:0", role=up(n).role, instance_id=n, rank=0, endpoints={}, lease_left_s=1.0,
+                      transfers=(transfers or {}).get(n, 0))
              for n in names]
     pools = [PoolInfo(peer_id=f"{n}:0", capacity=100, reserved=100 - f, free=f, waiting=0) for n, f in (free or {}).items()]
     return Status(peers=peers, pools=pools)
@@ -95,6 +97,25 @@ def test_the_instance_with_fewest_requests_in_flight_wins_and_equals_take_turns(
     assert r.in_flight(up("d0")) == 0
     r.finished(up("d0"), now=0)  # never below zero
     assert r.in_flight(up("d0")) == 0
+
+
+def test_transfers_another_gateway_sent_count_against_an_instance_while_the_status_is_fresh() -> None:
+    """Two gateways in front of the same servers: this one has nothing in flight, but the
+    broker holds 3 transfers for d0 (the other gateway's requests): d1 gets the next
+    ones until its own requests here outnumber them; a stale status no longer counts."""
+    r = router("p0", "d0", "d1", stale_s=5)
+    r.observe(status("p0", "d0", "d1", transfers={"d0": 3}), now=0)
+    picks = []
+    for _ in range(4):
+        d = r.pick("decode", now=1)
+        assert d is not None
+        picks.append(d.instance_id)
+        r.started(d)
+    assert picks == ["d1", "d1", "d1", "d0"]  # d1 at 0, 1, 2 own requests, then 3 against d0's 3: d0's turn
+    assert r.pick("decode", now=1).instance_id == "d1"  # type: ignore[union-attr]  # 3 each, d1 picked longer ago
+    fresh = router("p0", "d0", "d1", stale_s=5)
+    fresh.observe(status("p0", "d0", "d1", transfers={"d0": 3}), now=0)
+    assert fresh.pick("decode", now=10).instance_id == "d0"  # type: ignore[union-attr]  # stale: turns only
 
 
 def test_an_instance_that_failed_is_passed_over_for_a_while_unless_it_is_the_only_one() -> None:

@@ -55,7 +55,7 @@ def _worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dic
                             done = comm.completion(works, torch.cuda.current_stream(device), "recv")
                             done.wait(time.monotonic() + 30)
                             landed = time.monotonic()
-                            rdv.receive("P", "sent")  # lockstep, also where D cannot see the end (~kernels)
+                            rdv.receive("P", "sent")  # lockstep: the next round starts with both sides idle
                             rdv.publish("P", "landed", str(landed).encode())
                         else:
                             rdv.receive("D", "posted")

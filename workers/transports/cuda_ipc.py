@@ -480,11 +480,7 @@ class IpcCommunicator(NcclCommunicator):
         box.consume(self.out, seq)
         base = desc.base if self.same_process else self._mapped.get(desc.handle)
         if base is None:
-            try:
-                base = self._mapped[desc.handle] = self.drv.open(desc.handle)
-            except RuntimeError as exc:
-                raise RuntimeError(f"cannot map {self.peer}'s GPU memory ({exc}); the two GPUs need peer "
-                                   "access for the ipc backend: use the direct backend.") from exc
+            base = self._mapped[desc.handle] = _map_peer(self.drv, desc.handle, self.peer)
         self.sent = seq
         tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
         self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived,
@@ -493,11 +489,13 @@ class IpcCommunicator(NcclCommunicator):
     def _abort(self) -> None:
         box = self.page.box
         box.abort()  # the peer's host stops waiting for this side's descriptors
-        self._release_waits()
+        # Its own stream: the communicator's stream may be the one waiting.
+        releases = torch.cuda.Stream(self.device)
+        self._release_waits(releases)
         with self.lock:  # a post waiting for a descriptor sees the page dead and lets go
             deadline = time.monotonic() + 5.0
             while not self.stream.query() and time.monotonic() < deadline:
-                self._release_waits()  # again: the peer may have written a count since
+                self._release_waits(releases)  # again: the peer may have written a count since
                 time.sleep(1e-4)
             idle = self.stream.query()
             for dptr in self._mapped.values():
@@ -511,12 +509,11 @@ class IpcCommunicator(NcclCommunicator):
                 log.warning("ipc.stream_stuck", peer=self.peer)
                 _STUCK.append(self.counters)
 
-    def _release_waits(self) -> None:
+    def _release_waits(self, stream: torch.cuda.Stream) -> None:
         """End this side's GPU waits (its sends' `ready`, its receives' `arrived`) and gate
-        the peer's copies into its buffers off (the peer's `ready`), on a stream of its
-        own: the communicator's stream may be the one waiting. The peer's `arrived` is
-        left alone, so none of the peer's receives looks done without its bytes."""
-        stream = torch.cuda.Stream(self.device)
+        the peer's copies into its buffers off (the peer's `ready`), through `stream`. The
+        peer's `arrived` is left alone, so none of the peer's receives looks done without
+        its bytes."""
         self.drv.make_current(self.ctx)
         for addr in (self.my_ready, self.my_arrived, self.peer_ready):
             try:
@@ -527,6 +524,15 @@ class IpcCommunicator(NcclCommunicator):
 
 
 _STUCK: list[_Counters] = []  # counters a stuck stream may still wait on: never freed
+
+
+def _map_peer(drv: CudaDriver, handle: bytes, peer: str) -> int:
+    """Map one of `peer`'s allocations here; raises a RuntimeError that says what to do."""
+    try:
+        return drv.open(handle)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot map {peer}'s GPU memory ({exc}); the two GPUs need peer access for the ipc "
+                           "backend: use the direct backend.") from exc
 
 
 # -- rendezvous -----------------------------------------------------------------------------
@@ -594,13 +600,12 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
                 drv.enable_peer_access(drv.primary_context(theirs.ordinal))
             peer_counters = (theirs.handle, theirs.base, theirs.offset, True)
         else:
-            peer_counters = (theirs.handle, drv.open(theirs.handle), theirs.offset, False)
+            peer_counters = (theirs.handle, _map_peer(drv, theirs.handle, peer), theirs.offset, False)
     except BaseException as exc:
         page.close()
         if isinstance(exc, RendezvousError):
             raise
-        raise RendezvousError(f"cannot map {peer}'s GPU memory ({exc}); the two GPUs need peer access for the ipc "
-                              "backend: use the direct backend.") from exc
+        raise RendezvousError(str(exc)) from exc
     comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, counters=counters,
                            peer_counters=peer_counters, nonce=nonce, cache=cache)
     try:

@@ -45,9 +45,10 @@ _SLOT = 128
 _HEADER = struct.Struct("<QQQ")  # magic, slots, dead
 _FIELDS = struct.Struct("<QQQQ")  # seq, offset, nbytes, base
 _PEER = struct.Struct("<QQQQQ")  # offset, set, process token, device ordinal, base
-_FLAGS_AT = 64  # each rank's GPU counters: handle, offset, set (128 bytes a rank)
+_DEAD_AT = 16  # the header's dead word
+_FLAGS_AT = 64  # where each rank's GPU counters are: a handle, then `_PEER`
+_FLAGS_SIZE = 128  # a rank's share of that
 _DIRECTION = _PAGE + SLOTS * _SLOT
-
 
 
 class MailboxError(RuntimeError):
@@ -97,7 +98,7 @@ class Mailbox:
         # Counters are read and written as whole aligned 64-bit words: `struct` writes a
         # word byte by byte, and a reader on another CPU then saw a count go back.
         self._words = {at: ctypes.c_uint64.from_buffer(view, at)
-                       for at in (16, self._consumed(0), self._consumed(1))}
+                       for at in (_DEAD_AT, self._consumed(0), self._consumed(1))}
 
     def release(self) -> None:
         """Let go of the buffer (a mapping can only be closed once nothing views it)."""
@@ -120,11 +121,11 @@ class Mailbox:
     @property
     def dead(self) -> bool:
         """Whether either side aborted the communicator."""
-        return bool(self._words[16].value)
+        return bool(self._words[_DEAD_AT].value)
 
     def abort(self) -> None:
         """One side gave up: the peer's host stops waiting for its descriptors."""
-        self._words[16].value = 1
+        self._words[_DEAD_AT].value = 1
 
     # -- where each rank's GPU counters are ---------------------------------------------
 
@@ -132,13 +133,13 @@ class Mailbox:
         """Say where rank `rank`'s GPU counters are."""
         if rank not in (0, 1) or len(where.handle) != HANDLE_BYTES:
             raise ValueError(f"bad counters for rank {rank}")
-        at = _FLAGS_AT + rank * 128
+        at = _FLAGS_AT + rank * _FLAGS_SIZE
         self.buf[at : at + HANDLE_BYTES] = where.handle
         _PEER.pack_into(self.buf, at + HANDLE_BYTES, where.offset, 1, where.process, where.ordinal, where.base)
 
     def flags_of(self, rank: int) -> Counters | None:
         """Where rank `rank`'s GPU counters are, once it said so."""
-        at = _FLAGS_AT + rank * 128
+        at = _FLAGS_AT + rank * _FLAGS_SIZE
         offset, is_set, process, ordinal, base = _PEER.unpack_from(self.buf, at + HANDLE_BYTES)
         return Counters(bytes(self.buf[at : at + HANDLE_BYTES]), offset, process, ordinal, base) if is_set else None
 

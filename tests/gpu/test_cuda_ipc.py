@@ -1,8 +1,10 @@
 """The ipc communicator backend on GPUs: what it refuses, and what an abort leaves.
 
-The shared race tests of test_nccl_staging.py run over this backend too (its BACKENDS);
-these cover what only this backend has: the same-host check at rendezvous, sizes that
-differ, the copy gated off once the receiver gave up, and no NCCL memory per pair."""
+The shared race tests of test_nccl_staging.py run over this backend too (its BACKENDS),
+where a staged transfer goes as one op straight into D's blocks; these cover what only
+this backend has: the same-host check at rendezvous, sizes and block counts that
+differ, the copy gated off once the receiver gave up, no NCCL memory per pair, and P
+and D on one GPU."""
 
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ import pytest
 import torch
 
 from protocols.errors import RecvTimeout, RendezvousError
-from tests.gpu.test_nccl_staging import _report, _run_pair, _setup
+from tests.gpu.test_nccl_staging import (
+    _CHUNKED_READY,
+    REQ_D,
+    _race_worker,
+    _report,
+    _run_pair,
+    _setup,
+)
 from tests.support import wait_until
 
 two_gpus = pytest.mark.skipif(
@@ -84,6 +93,66 @@ def test_sizes_that_differ_fail_the_send_naming_both() -> None:
     assert "takes 1048576 bytes, but the send has 2097152" in out["P"]["message"]
     assert out["P"]["stats"]["aborted"] == 1  # the sender's communicator is gone
     assert out["D"]["timed_out"] and out["D"]["untouched"]
+
+
+def _block_mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """P sends a staged transfer of 8 blocks; D's receive takes 7 into its cache."""
+    from tests.gpu.test_nccl_staging import _cache
+    from workers.gpu_staging import PagedKv, Stager
+    from workers.pool import BufferPool
+
+    try:
+        device, _, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        paged = PagedKv(_cache(device, seed=dev))
+        res: dict[str, Any] = {}
+        if role == "P":
+            staged = Stager(paged, BufferPool(paged.staged_block_nbytes * 8, device=device)).stage(list(range(8)))
+            try:
+                transport.send_staged("D", staged).wait(time.monotonic() + 10.0)
+                res["error"] = "the send of the wrong block count went through"
+            except ValueError as exc:
+                res["message"] = str(exc)
+            res["stats"] = cache.statistics().__dict__
+        else:
+            before = torch.stack(paged.rows).clone()
+            lease = BufferPool(paged.staged_block_nbytes * 8, device=device).acquire_nowait(paged.staged_block_nbytes * 7)
+            res["timed_out"] = _times_out(transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:7])), 3.0)
+            torch.cuda.synchronize(device)
+            res["untouched"] = bool(torch.equal(torch.stack(paged.rows), before))
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_block_counts_that_differ_fail_the_send_naming_both() -> None:
+    out = _run_pair(_block_mismatch_worker, {"one_gpu": True}, timeout_s=120.0)
+    _report("ipc_block_count_mismatch", out)
+    assert "takes 7 blocks, but this send is a staged transfer of 8 blocks" in out["P"]["message"]
+    assert out["P"]["stats"]["aborted"] == 1
+    assert out["D"]["timed_out"] and out["D"]["untouched"]
+
+
+@pytest.mark.gpu
+@one_gpu
+@pytest.mark.parametrize("pipelined", [True, False], ids=["gathers-beside-the-copy", "staged-first"])
+def test_staged_transfers_straight_into_blocks_on_one_gpu(pipelined: bool) -> None:
+    """P and D in two processes on one GPU: 200 repeated prompts as one block op each,
+    P's blocks overwritten right after the call, zero mismatches; in P's pipeline (its
+    copy kernel waiting for each chunk's gather) and after a whole staging. The same
+    run with the kernel told at once that every row is staged must be able to fail (P
+    then sends without waiting for D's Ready, so its gathers are still queued behind
+    the model's matmuls when the kernel starts)."""
+    cfg = {**_CHUNKED_READY, "iters": 200, "backend": "ipc", "one_gpu": True, "pipelined": pipelined}
+    res = _run_pair(_race_worker, cfg, timeout_s=120.0)["D"]
+    _report(f"ipc_blocks_one_gpu[{'pipelined' if pipelined else 'staged'}]", res)
+    unsafe = _run_pair(_race_worker, {**cfg, "matmuls": 6, "ready": False, "skip_event_wait": True},
+                       timeout_s=120.0)["D"]
+    _report(f"ipc_blocks_one_gpu_unsafe[{'pipelined' if pipelined else 'staged'}]", unsafe)
+    assert res["mismatches"] == 0
+    assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
 
 
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:

@@ -259,11 +259,13 @@ def test_a_cache_registered_from_another_gpus_thread_compiles_for_its_own_gpu() 
 
 
 def _run_pair(target: Any, cfg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
+    """P on cuda:0 and D on cuda:1 (or both on cuda:0 with ``cfg["one_gpu"]``), each in a
+    spawned process; returns each side's result."""
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
         ctx.Process(target=target, args=("P", 0, p_to_d, d_to_p, results, cfg)),
-        ctx.Process(target=target, args=("D", 1, d_to_p, p_to_d, results, cfg)),
+        ctx.Process(target=target, args=("D", 0 if cfg.get("one_gpu") else 1, d_to_p, p_to_d, results, cfg)),
     ]
     for proc in procs:
         proc.start()

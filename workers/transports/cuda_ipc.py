@@ -65,9 +65,12 @@ import torch
 from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
 
 from .ipc_mailbox import (
+    BLOCKS,
     HANDLE_BYTES,
+    MAX_LAYERS,
     Counters,
     Descriptor,
+    LayerTable,
     Mailbox,
     MailboxError,
     group_steps,
@@ -76,6 +79,8 @@ from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
 
 if TYPE_CHECKING:  # pragma: no cover
+    from workers.gpu_staging import PagedKv, StagedTransfer
+
     from .nccl_comm import CommunicatorCache
 
 log = structlog.get_logger()
@@ -86,6 +91,10 @@ __all__ = ["CudaDriver", "IpcCommunicator", "boot_id", "connect_ipc", "driver", 
 # stores; the rest stay with the gathers and scatters beside it (KVBROKER_IPC_PROGRAMS).
 COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
 _COPY_BLOCK = 2048  # words a program copies per step
+# A staged transfer of at most this many blocks goes as one op, straight into the
+# receiver's blocks (`IpcCommunicator.send_blocks`); its ids take an arena slot.
+MAX_BLOCKS = 8192
+_ID_SLOTS = 8  # arena slots: a receive's ids are read by the sender's kernel before the next 8 receives
 
 ABORT = 1 << 62  # a counter at or past it: the communicator was aborted
 _PROCESS = secrets.randbits(63)  # names this process in the page (process ids repeat across containers)
@@ -116,6 +125,7 @@ class CudaDriver:
             ("cuIpcCloseMemHandle", [u64], ()),
             ("cuStreamWaitValue64", [vp, u64, u64, uint], ("cuStreamWaitValue64_v2",)),
             ("cuStreamWriteValue64", [vp, u64, u64, uint], ("cuStreamWriteValue64_v2",)),
+            ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp], ()),
         ):
             fn = None
             for symbol in (*alts, name):  # the versioned symbol first: the plain one may be the old ABI
@@ -177,6 +187,10 @@ class CudaDriver:
     def write_value(self, stream: int, addr: int, value: int) -> None:
         """`stream` writes `value` at `addr` after its earlier work, behind a system-wide fence."""
         self._call("cuStreamWriteValue64", ctypes.c_void_p(stream), addr, value, 0)
+
+    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
+        """`stream` copies `nbytes` from `src` to `dst` (any two addresses this context reaches)."""
+        self._call("cuMemcpyAsync", dst, src, nbytes, ctypes.c_void_p(stream))
 
 
 _DRIVER: list[CudaDriver | None] = []
@@ -250,8 +264,67 @@ def _kernel() -> Any:
                     tl.store(tally_at, 0)  # the tally is used again _TALLIES ops later, in stream order
                     tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
 
+        @triton.jit(do_not_specialize=["src", "layers", "ids", "num_cache_blocks", "rows", "progress", "base",
+                                       "ready", "arrived", "tally", "seq"])
+        def ipc_blocks(src, layers, ids, num_cache_blocks, rows, progress, base, ready, arrived, tally, seq,
+                       ROW: tl.constexpr, NUM_LAYERS: tl.constexpr, PRE: tl.constexpr, BLOCK: tl.constexpr,
+                       ABORT_AT: tl.constexpr):
+            # Send number `seq` of a whole staged transfer, straight into the receiver's
+            # blocks. Staging row t is (block i, layer, pre p), t = (i * NUM_LAYERS + layer)
+            # * PRE + p, as P's gathers write it; it goes to row p of block ids[i] of the
+            # receiver's `layer`. A row is copied once P's compute stream says it is staged:
+            # `progress` holds base + the rows gathered so far (base = seq << 32, so a word
+            # left by an earlier send reads as nothing staged). All waits read this GPU's
+            # own memory; the receiver wrote `ready` and the ids over NVLink.
+            seq64 = seq.to(tl.int64)
+            ready_at = ready.to(tl.pointer_type(tl.int64))
+            r = tl.load(ready_at, volatile=True)
+            while r < seq64:
+                r = tl.load(ready_at, volatile=True)
+            r = tl.atomic_add(ready_at, 0, sem="acquire", scope="sys")  # the ids before them: ordered after
+            live = r < ABORT_AT  # past it: the receiver gave its blocks up; copy nothing into them
+            s = src.to(tl.pointer_type(tl.int64))
+            lp = layers.to(tl.pointer_type(tl.int64))
+            ip = ids.to(tl.pointer_type(tl.int64))
+            staged_at = progress.to(tl.pointer_type(tl.int64))
+            first = base.to(tl.int64)
+            have = first - first  # rows known staged (int64, as it is reassigned below)
+            n = rows.to(tl.int64)
+            ncb = num_cache_blocks.to(tl.int64)
+            for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
+                while live & (have <= t):
+                    have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
+                    if have <= t:  # still waiting: an abort on this side ends the wait
+                        live = tl.load(ready_at, volatile=True) < ABORT_AT
+                if live:
+                    i = t // (NUM_LAYERS * PRE)
+                    layer = (t // PRE) % NUM_LAYERS
+                    p = t % PRE
+                    dst = tl.load(lp + layer).to(tl.pointer_type(tl.int64))
+                    blk = tl.load(ip + i, cache_modifier=".cg")
+                    d_row = dst + (p * ncb + blk) * ROW
+                    s_row = s + t * ROW
+                    for start in tl.range(0, ROW, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        mask = offs < ROW
+                        # .cg: staging rows are rewritten between transfers; never an L1 copy
+                        tl.store(d_row + offs, tl.load(s_row + offs, mask=mask, cache_modifier=".cg"), mask=mask,
+                                 cache_modifier=".cs")
+            tl.debug_barrier()  # every thread's stores before this program's release below
+            if live:  # a program that saw an abort does not count, so the receiver is never told
+                tally_at = tally.to(tl.pointer_type(tl.int32))
+                if tl.atomic_add(tally_at, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
+                    tl.store(tally_at, 0)
+                    tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq64, sem="release", scope="sys")
+
         _KERNEL.append(ipc_copy)
+        _KERNEL.append(ipc_blocks)
     return _KERNEL[0]
+
+
+def _blocks_kernel() -> Any:
+    _kernel()
+    return _KERNEL[1]
 
 
 class _Copier:
@@ -325,6 +398,33 @@ class _Copier:
             log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes")
 
 
+class _BlockCopier:
+    """Launches `ipc_blocks`, as `_Copier` does the byte copy: through Triton once for
+    each cache shape, then through the compiled kernel when `fast` (the byte copy's
+    check proved that launch path on this Triton)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.compiled: dict[tuple[int, int, int], Any] = {}
+
+    def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, row_words: int, layers: int, pre: int,
+                 programs: int, fast: bool) -> None:
+        import triton
+
+        key = (row_words, layers, pre)
+        block = min(triton.next_power_of_2(row_words), _COPY_BLOCK)
+        grid = max(1, min(programs, args[4]))  # args[4]: the rows
+        kernel = self.compiled.get(key)
+        if kernel is not None and fast:
+            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, row_words, layers, pre, block, ABORT)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            kernel = _blocks_kernel()[(grid,)](*args, ROW=row_words, NUM_LAYERS=layers, PRE=pre, BLOCK=block,
+                                               ABORT_AT=ABORT, num_warps=8)
+        self.compiled.setdefault(key, kernel)
+
+
 # -- the shared page ----------------------------------------------------------------------
 
 
@@ -361,15 +461,21 @@ class _Counters:
     `ready` (byte 0: the peer's receive number k may be written, so this side's send k
     may copy) and `arrived` (byte 64: the peer's send k landed in this side's receive k);
     then the tallies of this side's copy programs (byte 128: one for each of `_TALLIES`
-    sends in a row) and scratch words for the copy kernel's check (from byte 1536). Each
-    GPU waits on and reads only its own memory; the peer writes over NVLink."""
+    sends in a row), how far each block send's staging has got (byte 512: one word for
+    each of `_TALLIES` sends, written by this side's compute stream), scratch words for
+    the copy kernel's check (from byte 1536), and from byte 2048 the arena where the
+    peer's GPU puts the block ids of its BLOCKS receives (`_ID_SLOTS` slots of
+    `MAX_BLOCKS` int64). Each GPU waits on and reads only its own memory; the peer
+    writes over NVLink."""
 
     READY, ARRIVED = 0, 64
-    TALLY = 128  # this side's sends' program tallies (int32 each), then scratch for checks
+    TALLY = 128  # this side's sends' program tallies (int32 each)
+    PROGRESS = 512  # this side's block sends' staged rows (int64 each)
+    ARENA = 2048  # the peer's block ids, for this side's block sends
 
     def __init__(self, device: torch.device, drv: CudaDriver) -> None:
-        self.tensor = torch.zeros(256, dtype=torch.int64, device=device)
-        self.scratch = self.tensor[192:]
+        self.tensor = torch.zeros(self.ARENA // 8 + _ID_SLOTS * MAX_BLOCKS, dtype=torch.int64, device=device)
+        self.scratch = self.tensor[192:256]
         torch.cuda.current_stream(device).synchronize()
         self.addr = self.tensor.data_ptr()
         self.handle, self.offset, self.base = drv.export(self.addr)
@@ -405,6 +511,10 @@ class IpcCommunicator(NcclCommunicator):
             self._mapped[handle] = base  # a receive buffer of the peer's may share that allocation
         self.my_ready, self.my_arrived = counters.addr + _Counters.READY, counters.addr + _Counters.ARRIVED
         self.peer_ready, self.peer_arrived = base + offset + _Counters.READY, base + offset + _Counters.ARRIVED
+        self.peer_arena = base + offset + _Counters.ARENA
+        self._blocks = _BlockCopier(device)
+        self._table: tuple[Any, int] | None = None  # this side's published layer table: its key, its version
+        self._peer_layers: tuple[int, torch.Tensor, LayerTable] | None = None  # the peer's, mapped: version, addresses, table
 
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
@@ -422,11 +532,7 @@ class IpcCommunicator(NcclCommunicator):
 
     def _enqueue(self, items: Sequence[tuple[Literal["send", "recv"], int, int]], after: Sequence[torch.cuda.Event | None],
                  keep: list[torch.Tensor]) -> Any:
-        if self.closed:
-            raise RuntimeError(f"the IPC communicator with {self.peer} is closed; get a new one from the cache.")
-        if self.page.box.dead:
-            self.fail(f"{self.peer} dropped it")
-            raise RuntimeError(f"{self.peer} dropped the IPC communicator; get a new one from the cache.")
+        self._check_open()
         with self.lock:
             try:
                 self.drv.make_current(self.ctx)
@@ -474,6 +580,10 @@ class IpcCommunicator(NcclCommunicator):
                     raise SendTimeout("-", f"{self.peer} posted no receive for send {seq} in time")
                 pause = min(max(pause * 2, 1e-6), 1e-4)
                 time.sleep(pause)
+        if desc.kind == BLOCKS:
+            raise ValueError(f"{self.peer}'s receive {seq} takes {desc.count} blocks straight into its cache, but "
+                             f"this send is {nbytes} bytes from a buffer: both sides must post the same transfers in "
+                             "the same order.")
         if desc.nbytes != nbytes:
             raise ValueError(f"{self.peer}'s receive {seq} takes {desc.nbytes} bytes, but the send has {nbytes}: "
                              "both sides must post the same sizes in the same order.")
@@ -485,6 +595,185 @@ class IpcCommunicator(NcclCommunicator):
         tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
         self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived,
                    tally=tally, seq=seq)
+
+    # -- a whole staged transfer, straight into the receiver's blocks ----------------------
+
+    @staticmethod
+    def takes_blocks(paged: PagedKv, num_blocks: int) -> bool:
+        """Whether a staged transfer of `num_blocks` blocks of `paged`'s shape goes as one
+        BLOCKS op (`send_blocks`, `post_blocks`). Both sides decide alike: the shape is
+        the same on both (the broker refuses peers whose layouts differ)."""
+        return (0 < num_blocks <= MAX_BLOCKS and paged.row_nbytes % 8 == 0 and paged.num_layers <= MAX_LAYERS
+                and bool(paged.use_triton))
+
+    def post_blocks(self, paged: PagedKv, block_ids: torch.Tensor, after: Sequence[torch.cuda.Event | None] = ()) -> Any:
+        """Receive a staged transfer straight into `block_ids` of `paged` (this side's
+        cache), as one op: no pool, no scatter. The op waits for `after` (whatever may
+        still use those blocks) before the sender may write them.
+
+        Its block ids go from this GPU into the sender's arena, then the sender's `ready`
+        says they are there; the sender's kernel reads them before it copies.
+        """
+        ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous()
+        n = ids.numel()
+        if not self.takes_blocks(paged, n):
+            raise ValueError(f"{n} blocks of this cache cannot go as one IPC op (at most {MAX_BLOCKS} blocks, rows "
+                             "of whole 8-byte words, Triton on the GPU).")
+        self._check_open()
+        box = self.page.box
+        with self.lock:
+            try:
+                self.drv.make_current(self.ctx)
+                version = self._publish_layers(paged)
+                seq = self.received + 1
+                deadline = time.monotonic() + self.op_timeout_s
+                while not box.room(self.into, seq):
+                    if box.dead or time.monotonic() > deadline:
+                        raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
+                    time.sleep(1e-4)
+                for event in after:
+                    if event is not None:
+                        self.stream.wait_event(event)
+                # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
+                # now in this stream's order (every receive waits for its arrival here), and
+                # the sender's kernel reads the ids before it tells that arrival.
+                slot = self.peer_arena + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+                self.drv.copy(self._sp, slot, ids.data_ptr(), n * 8)
+                box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
+                                               kind=BLOCKS, count=n))
+                self.received = seq
+                self.drv.write_value(self._sp, self.peer_ready, seq)
+                self.drv.wait_value(self._sp, self.my_arrived, seq)
+            except BaseException:
+                self.fail("posting a block receive failed")
+                raise
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _DirectWork(done, [ids])
+
+    def _publish_layers(self, paged: PagedKv) -> int:
+        key = (tuple(r.data_ptr() for r in paged.rows), paged.num_blocks, paged.pre, paged.row_nbytes)
+        if self._table is not None and self._table[0] == key:
+            return self._table[1]
+        version = 1 if self._table is None else self._table[1] + 1
+        entries = tuple(self.drv.export(ptr) for ptr in key[0])
+        self.page.box.publish_layers(self.into, LayerTable(version, paged.num_blocks, paged.pre, paged.row_nbytes,
+                                                           entries))
+        self._table = (key, version)
+        return version
+
+    @property
+    def next_send(self) -> int:
+        """The number the next send gets (hold `lock` from reading it to posting it)."""
+        return self.sent + 1
+
+    def mark_staged(self, stream: torch.cuda.Stream, seq: int, rows: int) -> None:
+        """After `stream`'s work so far (a gather), block send `seq` may copy its first
+        `rows` staged rows."""
+        self.drv.make_current(self.ctx)
+        self.drv.write_value(stream.cuda_stream, self._progress(seq), (seq << 32) + rows)
+
+    def _progress(self, seq: int) -> int:
+        return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
+
+    def send_blocks(self, seq: int, staged: StagedTransfer, *, after: Sequence[torch.cuda.Event | None] = (),
+                    staged_rows: int | None = None, programs: int | None = None) -> Any:
+        """Send `staged` whole as send number `seq` (`next_send`, under `lock`), straight
+        into the blocks the receiver's BLOCKS receive names. Its rows are copied as
+        `mark_staged` releases them, so the gathers may still be running (or not yet
+        enqueued) when this returns; or, with `staged_rows`, the first `staged_rows` rows
+        once the events `after` completed (gathers already enqueued).
+
+        Raises:
+            ValueError: the receiver posted another size or kind of receive, or its cache
+                has another shape: the message says which.
+        """
+        self._check_open()
+        if seq != self.sent + 1:
+            raise RuntimeError(f"send {seq} is not the next one ({self.sent + 1}); hold the lock from next_send on.")
+        paged = staged.paged
+        with self.lock:
+            try:
+                self.drv.make_current(self.ctx)
+                desc = self._descriptor(seq)
+                if desc.kind != BLOCKS or desc.count != staged.num_blocks:
+                    what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
+                    raise ValueError(f"{self.peer}'s receive {seq} takes {what}, but this send is a staged transfer "
+                                     f"of {staged.num_blocks} blocks: both sides must post the same transfers in "
+                                     "the same order.")
+                layers, table = self._layers_of(desc.offset)
+                if (table.rows_per_block, table.row_nbytes, len(table.entries)) != (paged.pre, paged.row_nbytes,
+                                                                                    paged.num_layers):
+                    raise ValueError(f"{self.peer}'s cache has {len(table.entries)} layers of {table.rows_per_block} "
+                                     f"rows of {table.row_nbytes} bytes a block, this side's {paged.num_layers} of "
+                                     f"{paged.pre} of {paged.row_nbytes}: serve the same model and KV cache dtype "
+                                     "on both.")
+                self.page.box.consume(self.out, seq)
+                for event in after:
+                    if event is not None:
+                        self.stream.wait_event(event)
+                if staged_rows is not None:
+                    self.mark_staged(self.stream, seq, staged_rows)
+                self.sent = seq
+                row_words = paged.row_nbytes // 8
+                rows = staged.num_blocks * paged.num_layers * paged.pre
+                src = staged.tensor.data_ptr()
+                tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
+                arena = self.counters.addr + _Counters.ARENA + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+                args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
+                        self.my_ready, self.peer_arrived, tally, seq)
+                self._blocks(self.stream, args, row_words=row_words, layers=paged.num_layers, pre=paged.pre,
+                             programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
+            except BaseException:
+                self.fail("posting a block send failed")
+                raise
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _DirectWork(done, [staged.tensor, layers])
+
+    def _descriptor(self, seq: int) -> Descriptor:
+        """Receive descriptor `seq`, waiting for it under the op deadline: spinning first
+        (it is normally a few microseconds away: the receiver posts right after Ready),
+        then in pauses."""
+        box = self.page.box
+        spin_until = time.monotonic() + 2e-3
+        deadline, pause = time.monotonic() + self.op_timeout_s, 0.0
+        while (desc := box.take(self.out, seq)) is None:
+            if box.dead:
+                raise SendTimeout("-", f"the IPC communicator with {self.peer} was aborted")
+            now = time.monotonic()
+            if now > deadline:
+                raise SendTimeout("-", f"{self.peer} posted no receive for send {seq} in time")
+            if now > spin_until:
+                pause = min(max(pause * 2, 1e-6), 1e-4)
+                time.sleep(pause)
+        return desc
+
+    def _layers_of(self, version: int) -> tuple[torch.Tensor, LayerTable]:
+        """The peer's layer table `version`, its layers mapped here: their addresses as a
+        GPU tensor the kernel reads, and the table."""
+        if self._peer_layers is not None and self._peer_layers[0] == version:
+            return self._peer_layers[1], self._peer_layers[2]
+        table = self.page.box.layers(self.out)
+        if table is None or table.version != version:
+            raise RuntimeError(f"{self.peer}'s layer table {version} is not in the IPC page.")
+        addrs = []
+        for handle, offset, base in table.entries:
+            if not self.same_process:
+                if handle not in self._mapped:
+                    self._mapped[handle] = _map_peer(self.drv, handle, self.peer)
+                base = self._mapped[handle]
+            addrs.append(base + offset)
+        layers = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        self._peer_layers = (version, layers, table)
+        return layers, table
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the IPC communicator with {self.peer} is closed; get a new one from the cache.")
+        if self.page.box.dead:
+            self.fail(f"{self.peer} dropped it")
+            raise RuntimeError(f"{self.peer} dropped the IPC communicator; get a new one from the cache.")
 
     def _abort(self) -> None:
         box = self.page.box

@@ -17,7 +17,12 @@ It holds:
     and their length; the sender's host reads descriptor `seq` for its send number
     `seq`. NCCL pairs by posting order; so does this;
   - `consumed`, written by the sender's host once it has read descriptor `seq`, so the
-    receiver may reuse that slot.
+    receiver may reuse that slot;
+  - the receiver's layer table (`LayerTable`): where each layer of its paged KV cache
+    lies (IPC handle, offset) and the cache's shape, written once before the first
+    receive straight into its blocks (`Descriptor.kind` BLOCKS). Such a receive's block
+    ids do not pass through here: the receiver's GPU copies them into the sender's
+    GPU memory (`cuda_ipc`).
 
 Torn reads: the host writes a descriptor with plain stores, which another CPU may see
 in any order; each slot carries a hash of its fields, and a reader that finds the hash
@@ -34,21 +39,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["HANDLE_BYTES", "MAGIC", "SLOTS", "Counters", "Descriptor", "Mailbox", "MailboxError", "Step", "group_steps"]
+__all__ = [
+    "BLOCKS", "BYTES", "HANDLE_BYTES", "MAGIC", "MAX_LAYERS", "SLOTS", "Counters", "Descriptor", "LayerTable",
+    "Mailbox", "MailboxError", "Step", "group_steps",
+]
 
-MAGIC = 0x6B76_6270_6970_6332  # "kvbpipc2"
+MAGIC = 0x6B76_6270_6970_6333  # "kvbpipc3"
 SLOTS = 256
 HANDLE_BYTES = 64  # a CUipcMemHandle
+MAX_LAYERS = 512  # layers a layer table holds
+BYTES, BLOCKS = 0, 1  # what a receive takes: a byte range, or whole blocks of the paged cache
 
 _PAGE = 4096
 _SLOT = 128
 _HEADER = struct.Struct("<QQQ")  # magic, slots, dead
-_FIELDS = struct.Struct("<QQQQ")  # seq, offset, nbytes, base
+_FIELDS = struct.Struct("<QQQQQQ")  # seq, offset, nbytes, base, kind, count
+_FIELDS_AT = 72  # a slot: the handle at 0, then `_FIELDS`, then the digest
+_TABLE_HEAD = struct.Struct("<QQQQQ")  # version, layers, cache blocks, rows a block, row bytes
+_TABLE_ENTRY = struct.Struct("<QQ")  # offset, base (after the handle)
+_TABLE_SIZE = _PAGE + MAX_LAYERS * (HANDLE_BYTES + _TABLE_ENTRY.size)
 _PEER = struct.Struct("<QQQQQ")  # offset, set, process token, device ordinal, base
 _DEAD_AT = 16  # the header's dead word
 _FLAGS_AT = 64  # where each rank's GPU counters are: a handle, then `_PEER`
 _FLAGS_SIZE = 128  # a rank's share of that
-_DIRECTION = _PAGE + SLOTS * _SLOT
+_DIRECTION = _PAGE + SLOTS * _SLOT + _TABLE_SIZE
 
 
 class MailboxError(RuntimeError):
@@ -59,13 +73,34 @@ class MailboxError(RuntimeError):
 class Descriptor:
     """Where receive `seq` wants its bytes: `offset` bytes into the allocation `handle`
     (which lies at `base` in the receiver's process: a sender in that same process uses
-    it as it is, since CUDA cannot open a handle in the process that made it)."""
+    it as it is, since CUDA cannot open a handle in the process that made it).
+
+    A BLOCKS receive takes `count` whole blocks (`nbytes` in all) straight into the
+    receiver's paged cache, as its layer table of version `offset` describes; its block
+    ids are in the sender's GPU memory by the time the sender's GPU sees `ready`."""
 
     seq: int
     handle: bytes
     offset: int
     nbytes: int
     base: int = 0
+    kind: int = BYTES
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Where a receiver's paged KV cache lies, for a sender that writes straight into its
+    blocks: each layer's allocation (IPC handle), the layer's offset in it and the
+    allocation's address in the receiver's process (`entries`), and the cache's shape,
+    which must match the sender's staging (`rows_per_block` rows of `row_nbytes` for
+    each layer of a block). `version` rises with each table a receiver publishes."""
+
+    version: int
+    num_blocks: int
+    rows_per_block: int
+    row_nbytes: int
+    entries: tuple[tuple[bytes, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -175,29 +210,79 @@ class Mailbox:
         """
         if len(desc.handle) != HANDLE_BYTES:
             raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, not {len(desc.handle)}")
-        if desc.seq < 1 or desc.offset < 0 or desc.nbytes < 0 or desc.base < 0:
+        if min(desc.seq - 1, desc.offset, desc.nbytes, desc.base, desc.count) < 0 or desc.kind not in (BYTES, BLOCKS):
             raise ValueError(f"bad descriptor {desc}")
         if not self.room(direction, desc.seq):
             raise MailboxError(f"receive {desc.seq} has no free slot: the sender is {SLOTS} receives behind.")
-        fields = _FIELDS.pack(desc.seq, desc.offset, desc.nbytes, desc.base)
+        fields = _FIELDS.pack(desc.seq, desc.offset, desc.nbytes, desc.base, desc.kind, desc.count)
         at = self._slot(direction, desc.seq)
-        self.buf[at + 40 : at + 40 + HANDLE_BYTES] = desc.handle
-        self.buf[at : at + 32] = fields
-        self.buf[at + 32 : at + 40] = _digest(fields, desc.handle)
+        end = at + _FIELDS_AT + _FIELDS.size
+        self.buf[at : at + HANDLE_BYTES] = desc.handle
+        self.buf[at + _FIELDS_AT : end] = fields
+        self.buf[end : end + 8] = _digest(fields, desc.handle)
 
     def take(self, direction: int, seq: int) -> Descriptor | None:
         """Descriptor `seq` if the receiver has written it whole, else None (sender's host)."""
         at = self._slot(direction, seq)
-        raw = bytes(self.buf[at : at + 40 + HANDLE_BYTES])
-        fields, digest, handle = raw[:32], raw[32:40], raw[40:]
-        got_seq, offset, nbytes, base = _FIELDS.unpack(fields)
+        raw = bytes(self.buf[at : at + _FIELDS_AT + _FIELDS.size + 8])
+        handle, fields, digest = raw[:HANDLE_BYTES], raw[_FIELDS_AT:-8], raw[-8:]
+        got_seq, offset, nbytes, base, kind, count = _FIELDS.unpack(fields)
         if got_seq != seq or digest != _digest(fields, handle):
             return None
-        return Descriptor(seq, handle, offset, nbytes, base)
+        return Descriptor(seq, handle, offset, nbytes, base, kind, count)
 
     def consume(self, direction: int, seq: int) -> None:
         """The sender has read descriptor `seq`: its slot may be reused."""
         self._words[self._consumed(direction)].value = seq
+
+    # -- the receiver's layer table -------------------------------------------------------
+
+    @staticmethod
+    def _table(direction: int) -> int:
+        return _PAGE + direction * _DIRECTION + _PAGE + SLOTS * _SLOT
+
+    def publish_layers(self, direction: int, table: LayerTable) -> None:
+        """Write the receiver's layer table for `direction` (receiver's host), before the
+        descriptor of the first receive that names its version.
+
+        Raises:
+            ValueError: more layers than `MAX_LAYERS`, a handle of the wrong size, or a
+                version that does not rise.
+        """
+        if not 0 < len(table.entries) <= MAX_LAYERS:
+            raise ValueError(f"a layer table holds 1 to {MAX_LAYERS} layers, not {len(table.entries)}.")
+        if any(len(h) != HANDLE_BYTES for h, _, _ in table.entries):
+            raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes")
+        old = self.layers(direction)
+        if table.version < 1 or (old is not None and table.version <= old.version):
+            raise ValueError(f"layer table version {table.version} must be at least 1 and rise")
+        at = self._table(direction)
+        body = bytearray()
+        for handle, offset, base in table.entries:
+            body += handle + _TABLE_ENTRY.pack(offset, base)
+        head = _TABLE_HEAD.pack(table.version, len(table.entries), table.num_blocks, table.rows_per_block,
+                                table.row_nbytes)
+        self.buf[at + _PAGE : at + _PAGE + len(body)] = body
+        self.buf[at : at + _TABLE_HEAD.size] = head
+        self.buf[at + _TABLE_HEAD.size : at + _TABLE_HEAD.size + 8] = _digest(head, bytes(body))
+
+    def layers(self, direction: int) -> LayerTable | None:
+        """The receiver's layer table for `direction`, if one was written whole."""
+        at = self._table(direction)
+        head = bytes(self.buf[at : at + _TABLE_HEAD.size])
+        version, n, num_blocks, rows, row_nbytes = _TABLE_HEAD.unpack(head)
+        if version == 0 or not 0 < n <= MAX_LAYERS:
+            return None
+        step = HANDLE_BYTES + _TABLE_ENTRY.size
+        body = bytes(self.buf[at + _PAGE : at + _PAGE + n * step])
+        if bytes(self.buf[at + _TABLE_HEAD.size : at + _TABLE_HEAD.size + 8]) != _digest(head, body):
+            return None
+        entries = []
+        for k in range(n):
+            e = body[k * step : (k + 1) * step]
+            offset, base = _TABLE_ENTRY.unpack(e[HANDLE_BYTES:])
+            entries.append((e[:HANDLE_BYTES], offset, base))
+        return LayerTable(version, num_blocks, rows, row_nbytes, tuple(entries))
 
 
 # -- the order of one group's steps -------------------------------------------------------

@@ -101,6 +101,7 @@ from protocols.errors import RendezvousError
 from workers.gpu_staging import PagedKv, StagedTransfer, Stager, current_stream
 from workers.pool import Lease
 
+from .cuda_ipc import IpcCommunicator
 from .nccl_comm import (
     CacheStats,
     CommunicatorCache,
@@ -253,6 +254,8 @@ class NcclTransport:
         if on_step is not None:
             on_step("gather", ends[0])
         comm = self.cache.get(peer, initiator=True)
+        if ready_at == 0 and isinstance(comm, IpcCommunicator) and comm.takes_blocks(staged.paged, staged.num_blocks):
+            return self._gather_and_send_blocks(comm, stager, staged, ends, before_send, transfer_id, on_step)
         # Staged on the GPU, each chunk's send is one lean post on a byte range of the
         # staging buffer; spilled, `send_staged` brings each chunk back through a bounce.
         data = staged.lease.base if staged.on_gpu else None  # the pool; the transfer starts at the lease's offset
@@ -289,6 +292,40 @@ class NcclTransport:
         done.absorb(earlier)  # every chunk's bounce goes once the last send is seen done
         return done
 
+    def _gather_and_send_blocks(
+        self, comm: IpcCommunicator, stager: Stager, staged: StagedTransfer, ends: list[int],
+        before_send: Callable[[], None] | None, transfer_id: str, on_step: Callable[[str, int], None] | None,
+    ) -> Completion:
+        """`gather_and_send` over a backend that sends a staged transfer whole (ipc): one
+        copy kernel for every chunk, launched once chunk 0's gather is enqueued; after
+        each chunk's gather the compute stream tells the kernel how many rows it may copy
+        (`mark_staged`), in place of the event a chunk's send would wait on. Chunk 0's
+        gather is already enqueued."""
+        per_block = staged.paged.num_layers * staged.paged.pre
+        compute = current_stream(self.device)
+        with comm.lock:
+            seq = comm.next_send
+            if not self.unsafe_skip_event_wait:
+                comm.mark_staged(compute, seq, ends[0] * per_block)
+            if before_send is not None:
+                before_send()
+            # TEST ONLY (`unsafe_skip_event_wait`): every row released at once, gathered or not.
+            everything = staged.num_blocks * per_block if self.unsafe_skip_event_wait else None
+            work = comm.send_blocks(seq, staged, staged_rows=everything)
+            if on_step is not None:
+                on_step("send", ends[0])
+            for k in range(1, len(ends)):
+                programs = self.gather_programs
+                if self.adaptive_gathers:
+                    prev = ends[k - 1] - (ends[k - 2] if k > 1 else 0)
+                    programs = gather_programs_for((ends[k] - ends[k - 1]) / prev, programs)
+                stager.gather_chunk(staged, ends[k], programs=programs)
+                if not self.unsafe_skip_event_wait:
+                    comm.mark_staged(compute, seq, ends[k] * per_block)
+                if on_step is not None:
+                    on_step("gather", ends[k])
+        return self._finish(comm, [work], self.stream, "send", transfer_id)
+
     def send_staged(
         self, peer: str, staged: StagedTransfer, *, first_block: int = 0, last_block: int | None = None,
         bounds: Sequence[int] | None = None, transfer_id: str = "",
@@ -303,9 +340,16 @@ class NcclTransport:
         allowed only if no other transfer to `peer` is posted in between.
         """
         comm = self.cache.get(peer, initiator=True)
+        last = staged.num_blocks if last_block is None else last_block
+        if (first_block == 0 and last == staged.num_blocks and isinstance(comm, IpcCommunicator)
+                and comm.takes_blocks(staged.paged, staged.num_blocks)):
+            with comm.lock:  # the whole transfer as one op, once every gather is done
+                event = None if self.unsafe_skip_event_wait else staged.event_for(last)
+                rows = staged.num_blocks * staged.paged.num_layers * staged.paged.pre
+                work = comm.send_blocks(comm.next_send, staged, after=[event], staged_rows=rows)
+            return self._finish(comm, [work], self.stream, "send", transfer_id)
         step = staged.paged.staged_block_nbytes
         data, keep, works = staged.tensor, [], []
-        last = staged.num_blocks if last_block is None else last_block
         waited: torch.cuda.Event | None = None
         chunks = _ranges(last - first_block, bounds)
         with comm.lock:
@@ -348,6 +392,11 @@ class NcclTransport:
         """
         comm = self.cache.get(peer, initiator=False)
         n = block_ids.numel()
+        if not posted and isinstance(comm, IpcCommunicator) and comm.takes_blocks(paged, n):
+            # The sender writes straight into the blocks (ipc): `buf` stays untouched (the
+            # caller still holds it: it is the credit the broker granted), no scatter.
+            work = comm.post_blocks(paged, block_ids, after=_now(self.device))
+            return self._finish(comm, [work], self.stream, "recv", transfer_id)
         step = paged.staged_block_nbytes
         chunks = _ranges(n, bounds)
         if isinstance(buf, Lease):  # a pool's tensor is uint8 and contiguous by construction

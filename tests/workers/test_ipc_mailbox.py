@@ -18,9 +18,12 @@ from hypothesis import strategies as st
 
 from protocols.errors import RendezvousError
 from workers.transports.ipc_mailbox import (
+    BLOCKS,
+    MAX_LAYERS,
     SLOTS,
     Counters,
     Descriptor,
+    LayerTable,
     Mailbox,
     MailboxError,
     Step,
@@ -74,6 +77,45 @@ def test_a_torn_slot_reads_as_not_yet_written() -> None:
     assert box.take(0, 1) is None
     box.post(0, Descriptor(1, handle(1), 8, 16))  # the whole write lands
     assert box.take(0, 1) == Descriptor(1, handle(1), 8, 16)
+
+
+def test_a_block_receive_names_its_count_and_layer_table() -> None:
+    box = page()
+    desc = Descriptor(3, bytes(64), 2, 8 * 4096, kind=BLOCKS, count=8)
+    box.post(1, desc)
+    assert box.take(1, 3) == desc
+    with pytest.raises(ValueError, match="bad descriptor"):
+        box.post(1, Descriptor(4, bytes(64), 2, 1, kind=7))
+
+
+def table(version: int, layers: int = 3, blocks: int = 64) -> LayerTable:
+    return LayerTable(version, blocks, 2, 32768, tuple((handle(k), 4096 * k, 0x7F00_0000_0000 + k)
+                                                        for k in range(layers)))
+
+
+def test_a_layer_table_is_read_whole_per_direction_and_only_rises() -> None:
+    box = page()
+    assert box.layers(0) is None and box.layers(1) is None
+    box.publish_layers(1, table(1))
+    assert box.layers(1) == table(1) and box.layers(0) is None
+    box.publish_layers(1, table(2, layers=MAX_LAYERS, blocks=9))  # the receiver registered another cache
+    assert box.layers(1) == table(2, layers=MAX_LAYERS, blocks=9)
+    with pytest.raises(ValueError, match="must be at least 1 and rise"):
+        box.publish_layers(1, table(2))
+    with pytest.raises(ValueError, match=f"1 to {MAX_LAYERS} layers"):
+        box.publish_layers(1, table(3, layers=MAX_LAYERS + 1))
+    with pytest.raises(ValueError, match="1 to"):
+        box.publish_layers(1, table(3, layers=0))
+
+
+def test_a_torn_layer_table_reads_as_not_yet_written() -> None:
+    box = page()
+    box.publish_layers(0, table(1))
+    at = Mailbox._table(0) + 4096  # the first entry's handle, rewritten before the head that covers it
+    box.buf[at : at + 8] = b"\xff" * 8
+    assert box.layers(0) is None
+    box.publish_layers(0, table(2))
+    assert box.layers(0) == table(2)
 
 
 def test_an_abort_marks_the_page_dead_and_counters_are_found_where_published() -> None:

@@ -31,6 +31,17 @@ How one op pairs:
 * In one group, receives are announced before sends are posted, and their waits come
   after (`ipc_mailbox.group_steps`): two sides exchanging in one group cannot wait on
   each other.
+* A staged transfer whole (`send_blocks` with `post_blocks`, what `NcclTransport`'s
+  `gather_and_send`/`send_staged` and `recv_staged` use on this backend): one op, one
+  kernel, straight from P's staging into D's blocks, so D needs no pool bytes and no
+  scatter. D's host publishes its layer table once (where each layer of its cache
+  lies) and a BLOCKS descriptor per transfer; D's GPU copies the block ids into P's
+  arena (in P's counters' allocation), then writes P's `ready`. P's kernel is launched
+  once chunk 0's gather is enqueued: it copies each staged row once P's compute stream
+  has said, after the gather that wrote it, how many rows are staged (`mark_staged`,
+  a word per send in P's own memory). That word takes the place of the staging event
+  a chunk's send waits on; the gathers stay on the compute stream, so P's blocks may
+  be reused as soon as the call returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,

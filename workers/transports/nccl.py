@@ -24,8 +24,10 @@ any global group: vLLM owns that. Three backends build it (`CommunicatorCache(ba
 * "torch": a `ProcessGroupNCCL` built on a `TCPStore`, as below.
 * "ipc" (`workers.transports.cuda_ipc`): both GPUs on one host; no NCCL at all: a send
   is one copy kernel straight into the receiver's buffer, mapped with CUDA IPC, paired
-  with its receive through a page of shared memory. No communicator memory; end to
-  end it measured level with "direct" or a few points behind (docs/RESULTS.md).
+  with its receive through a page of shared memory. No communicator memory. A staged
+  transfer goes whole as one kernel straight into D's blocks, each chunk copied as soon
+  as P's compute stream says its gather is done (`_gather_and_send_blocks`): no
+  per-chunk ops, no pool bytes or scatter on D (docs/RESULTS.md).
 
 An acceptor builds whichever kind the initiator's payload names.
 

@@ -5,11 +5,16 @@ As `tests/connector/test_worker.py` does on the CPU, these drive the hooks vLLM 
 no vLLM: a prefill worker whose KV cache lives on cuda:0 and a decode worker whose cache
 lives on cuda:1, talking only through the broker (which also relays the communicator's
 rendezvous) and NCCL. The KV is flash-attn shaped (``[2, num_blocks, bs, H, D]`` a layer).
+
+With ``KVBROKER_NCCL_BACKEND=ipc`` they run over the ipc backend, and on a host with one
+GPU both workers then keep their caches on cuda:0 (the backend copies between two
+caches of one GPU as between two GPUs).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +35,10 @@ from tests.connector.test_worker import (
 )
 from tests.support import BrokerProcess, wait_until
 
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+_ONE_GPU_IPC = _GPUS == 1 and os.environ.get("KVBROKER_NCCL_BACKEND") == "ipc"
+P_GPU, D_GPU = "cuda:0", "cuda:0" if _ONE_GPU_IPC else "cuda:1"
+two_gpus = pytest.mark.skipif(_GPUS < 2 and not _ONE_GPU_IPC, reason="needs 2 CUDA GPUs (or 1 with the ipc backend)")
 pytestmark = [pytest.mark.gpu, two_gpus]
 
 BLOCKS = 64
@@ -74,7 +80,7 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
     Triton kernel (the default on a GPU), index_select/index_copy_ (without Triton), or
     P handed another view of one layer's cache (that layer copied by index_select, the
     rest by the kernel)."""
-    pc, dc = gpu_caches("cuda:0", 1), gpu_caches("cuda:1", 2)
+    pc, dc = gpu_caches(P_GPU, 1), gpu_caches(D_GPU, 2)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     assert p.paged is not None and d.paged is not None  # Triton is there on the GPU host
@@ -104,7 +110,7 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
             finished, errors, _ = run_steps(d, {f"req-t{i}"}, timeout=30)
             times.append(time.monotonic() - t0)
             assert not errors, f"transfer t{i} failed to load: {d.statistics()}"
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 mismatches += not torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu())
                 assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
@@ -125,7 +131,7 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
 def test_two_transfers_of_one_step_to_one_decode_peer(broker: BrokerProcess) -> None:
     """Two saves in one step, both to the same decode peer: D receives them one after the
     other (NCCL pairs ops by posting order), and each lands in its own blocks."""
-    pc, dc = gpu_caches("cuda:0", 3), gpu_caches("cuda:1", 4)
+    pc, dc = gpu_caches(P_GPU, 3), gpu_caches(D_GPU, 4)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     try:
@@ -147,7 +153,7 @@ def test_two_transfers_of_one_step_to_one_decode_peer(broker: BrokerProcess) -> 
                 t[:, [1, 2, 5, 6, 7]] = torch.randn_like(t[:, [1, 2, 5, 6, 7]])  # reused at once
             _, errors, _ = run_steps(d, {f"req-{a}", f"req-{b}"}, timeout=30)
             assert not errors
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 assert torch.equal(t[:, [10, 11]].cpu(), saved[n][0].cpu())
                 assert torch.equal(t[:, [20, 21, 22]].cpu(), saved[n][1].cpu())
@@ -163,7 +169,7 @@ def test_a_step_of_four_saves_is_staged_back_to_back_and_lands_whole(broker: Bro
     lands in its own blocks, whatever P writes into its blocks right after the step.
     `mixed`: one layer is handed over as another view of its cache, so that layer is
     copied request by request and the others together."""
-    pc, dc = gpu_caches("cuda:0", 5), gpu_caches("cuda:1", 6)
+    pc, dc = gpu_caches(P_GPU, 5), gpu_caches(D_GPU, 6)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     assert p.paged is not None and p.producer is not None
@@ -192,7 +198,7 @@ def test_a_step_of_four_saves_is_staged_back_to_back_and_lands_whole(broker: Bro
                 t[:, every] = -7.0
             _, errors, _ = run_steps(d, {f"req-{tid}" for tid in tids}, timeout=30)
             assert not errors, d.statistics()
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 for j, dst in enumerate(dsts):
                     assert torch.equal(t[:, dst].cpu(), saved[n][j].cpu()), f"round {round_}, save {j}, {n}"
@@ -207,7 +213,7 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
     layer after the Go): D's load fails at once, not at its deadline, its communicator is
     aborted so the receive cannot take a later transfer's bytes, and the next transfer
     goes through on a new communicator on both sides (D told P its side was gone)."""
-    pc, dc = gpu_caches("cuda:0", 5), gpu_caches("cuda:1", 6)
+    pc, dc = gpu_caches(P_GPU, 5), gpu_caches(D_GPU, 6)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
     try:
@@ -232,7 +238,7 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
         load(d, "after", [50, 51], cached=0)
         stage(p, pc, "after", [7, 8], decode="d0")
         assert not run_steps(d, {"req-after"}, timeout=30)[1]
-        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize(D_GPU)
         for n, t in dc.items():
             assert torch.equal(t[:, [50, 51]].cpu(), saved[n].cpu())
         assert p.nccl is not None
@@ -248,7 +254,7 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
     deadline, and D's turn for this producer is free again at once, both when D was still
     waiting for P's rendezvous data (no communicator yet) and when its receive was posted
     on one; the next transfer goes through each time."""
-    pc, dc = gpu_caches("cuda:0", 7), gpu_caches("cuda:1", 8)
+    pc, dc = gpu_caches(P_GPU, 7), gpu_caches(D_GPU, 8)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=20,
                     fault_injection="refuse_send", fault_injection_prefix="lost")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=20)
@@ -265,7 +271,7 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
             load(d, ok, [50, 51], cached=0)
             stage(p, pc, ok, [7, 8], decode="d0")
             assert not run_steps(d, {f"req-{ok}"}, timeout=10)[1]  # D's turn for p0 came back at once
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 assert torch.equal(t[:, [50, 51]].cpu(), saved[n].cpu())
         assert p.statistics()["staged_now"] == 0 and p.statistics()["aborted"] == 2
@@ -307,7 +313,7 @@ def test_chunks_are_scattered_as_each_lands(
         real_land(self, load, b0, b1, left)
 
     monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
-    pc, dc = gpu_caches("cuda:0", 9), gpu_caches("cuda:1", 10)
+    pc, dc = gpu_caches(P_GPU, 9), gpu_caches(D_GPU, 10)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     assert p.paged is not None and d.paged is not None
@@ -324,7 +330,7 @@ def test_chunks_are_scattered_as_each_lands(
                 t[:, src] = -7.0
             _, errors, _ = run_steps(d, {f"req-c{i}"}, timeout=30)
             assert not errors, f"transfer c{i} failed to load: {d.statistics()}"
-            torch.cuda.synchronize("cuda:1")
+            torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
                 assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
@@ -363,7 +369,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
             self.w.nccl.cancel(load.source, load.transfer_id)
 
     monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
-    pc, dc = gpu_caches("cuda:0", 11), gpu_caches("cuda:1", 12)
+    pc, dc = gpu_caches(P_GPU, 11), gpu_caches(D_GPU, 12)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=8)
     try:
@@ -372,7 +378,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         stage(p, pc, "cut", [4, 5, 6], decode="d0")
         _, errors, seconds = run_steps(d, {"req-cut"}, timeout=30)
         assert errors == {40, 41, 42} and seconds < 6, (errors, seconds)
-        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize(D_GPU)
         for n, t in dc.items():  # the chunk that landed holds P's bytes, not garbage
             assert torch.equal(t[:, 40].cpu(), saved[n][:, 0].cpu())
         leases_come_back(d)  # the cut load's receive lease, once its landed chunk's copy ran
@@ -381,7 +387,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         load(d, "after", [50, 51, 52], cached=0)
         stage(p, pc, "after", [7, 8, 9], decode="d0")
         assert not run_steps(d, {"req-after"}, timeout=30)[1]
-        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize(D_GPU)
         for n, t in dc.items():
             assert torch.equal(t[:, [50, 51, 52]].cpu(), saved[n].cpu())
         assert p.nccl is not None and d.nccl is not None

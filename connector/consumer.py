@@ -43,7 +43,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -556,17 +556,24 @@ class ConsumerSide:
                                    skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
                                    seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
                                    turn_us=_us(turn - leased), send_us=_us(ready - turn))
+                        # Over the ipc backend the bytes may go straight into the blocks (`Into`).
+                        into = ((w.paged, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)),
+                                 load.allocated) if w.paged is not None else None)
                         posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
-                                                        block_nbytes=len(w.layers) * w.block_nbytes)
+                                                        block_nbytes=len(w.layers) * w.block_nbytes, into=into)
                         load.post_us = _us(time.monotonic() - ready)
                     finally:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another
                             with anyio.CancelScope(shield=True):
                                 await w.nccl.give_up(msg.source)
-                load.waited = await w.nccl.wait(
-                    posted, load.deadline,
-                    landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
-                    before=(lambda: self._before_landing(load)) if w.paged else None)
+                if posted.into_blocks:  # nothing to land: the receive's end is the load's
+                    load.waited = await w.nccl.wait(
+                        posted, load.deadline, landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))
+                else:
+                    load.waited = await w.nccl.wait(
+                        posted, load.deadline,
+                        landed=(lambda b0, b1, left: self._land(load, b0, b1, left)) if w.paged else None,
+                        before=(lambda: self._before_landing(load)) if w.paged else None)
         except TimeoutError:
             return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:
@@ -650,6 +657,18 @@ class ConsumerSide:
         w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[b0, b1], left=left,
                     lock_wait_us=_us(locked - asked), launch_us=_us(time.monotonic() - locked),
                     launch_cpu_us=_us(time.thread_time() - cpu))
+
+    def _landed_in_place(self, load: _Load, posted: Any, count: int) -> None:
+        """The load's one receive straight into its blocks has ended (the ipc backend):
+        the blocks hold the bytes, and the compute stream only has to be after it."""
+        with load.landing:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
+            if load.state != "receiving":
+                return
+            with self.w.lock:  # what get_finished reads
+                load.scattered, load.landed_blocks = posted.completions[-1].event, count
+                load.state, load.received_at = "received", time.monotonic()
+        self.w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[0, count], left=0,
+                         in_place=True)
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Expect the bytes at the receiver, then Ready, then wait for them."""

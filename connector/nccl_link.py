@@ -49,6 +49,13 @@ Ordering against the model: P's send waits on an event recorded after the step's
 gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands in a
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
+
+Over the ipc backend a D with the Triton copies (`into`) posts a transfer as one receive
+straight into its blocks (`IpcCommunicator.post_blocks`), after the point its blocks
+may be written (`start_load_kv`); P sees that kind of receive and sends its staged
+blocks whole into them (`send_blocks`). One op each way, nothing to land: the
+receive's end is the load's. The lease is still taken (it is the broker's credit) but
+not written.
 """
 
 from __future__ import annotations
@@ -69,12 +76,17 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
+from workers.transports.cuda_ipc import IpcCommunicator
+from workers.transports.ipc_mailbox import BLOCKS
 from workers.transports.nccl import CommunicatorCache
 from workers.waker import make_waker
 
-__all__ = ["NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
+__all__ = ["Into", "NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
 
 Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
+# D's cache, the load's blocks in it and the event after which they may be written: where a
+# receive over the ipc backend goes straight into the blocks (`NcclLink.post_recv`).
+Into = tuple[Any, list[int], "torch.cuda.Event | None"]
 
 # Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
 COMMUNICATORS = 8
@@ -107,6 +119,11 @@ COALESCE_LANDINGS = True
 # False: a worker thread waits for each transfer and lands its chunks
 # (`bench/connector_path.py --poller-lands 0`).
 POLLER_LANDS = True
+
+# Whether D, over the ipc backend, posts a transfer as one receive straight into its
+# blocks when its cache allows (P follows the kind of receive D posted); False: chunks
+# into the lease, landed by scatters, as over NCCL.
+INTO_BLOCKS = True
 
 # How long past a carried transfer's deadline its task still waits for the poller's
 # report (the poller hands an expired transfer back at once; this only bounds a poller
@@ -233,6 +250,7 @@ class Posted:
     completions: list[Any]
     parts: list[tuple[int, int]]
     flag: threading.Event
+    into_blocks: bool = False  # one op straight into D's blocks (ipc): nothing to land
 
 
 @dataclass(frozen=True)
@@ -548,10 +566,12 @@ class NcclLink:
         return self._recv_order.ticket(producer, None if comm is None else comm.nonce)
 
     async def post_recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float,
-                        ticket: Ticket, *, block_nbytes: int = 0) -> Posted:
+                        ticket: Ticket, *, block_nbytes: int = 0, into: Into | None = None) -> Posted:
         """D: post the receive of `nbytes` from `producer` into the start of `lease`, in the
         sender's chunks, on the communicator `ticket` names (Ready sent first: the
-        producer builds a new communicator only once it has the Go).
+        producer builds a new communicator only once it has the Go). Over the ipc
+        backend, with `into`, one receive straight into those blocks instead
+        (`Posted.into_blocks`).
 
         Raises:
             TransferFailed: not posted (no communicator, cancelled, or not the ticket's);
@@ -559,7 +579,7 @@ class NcclLink:
         """
         try:
             posted = await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline,
-                                      block_nbytes, ticket)
+                                      block_nbytes, ticket, into)
         except BaseException:
             self._recv_order.given_up(producer)
             raise
@@ -577,11 +597,12 @@ class NcclLink:
 
     async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
                    after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0,
-                   ticket: Ticket = ("", 0)) -> Waited:
+                   ticket: Ticket = ("", 0), paged: Any = None) -> Waited:
         """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
         once `after` (the step's gathers) has completed on the GPU, in `chunks` of staged
         blocks of `block_nbytes` (0: one op), when it is next in `ticket`'s order (the Go's);
-        when its end was seen.
+        when its end was seen. Over the ipc backend, when D posted its receive straight
+        into its blocks, as one op into them (`paged`: this side's cache, its shape).
 
         Raises:
             TransferFailed: not in order, not sent by `deadline` (a `time.monotonic()`
@@ -591,7 +612,7 @@ class NcclLink:
         self._send_order.begin(decode)
         try:
             posted = await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after,
-                                      deadline, block_nbytes, ticket)
+                                      deadline, block_nbytes, ticket, paged)
         except BaseException:
             built = self.cache.current(decode)
             await self._end_pair(decode, None if built is None else built.nonce)
@@ -713,7 +734,8 @@ class NcclLink:
         return _reported(carried)
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                    after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket) -> Posted:
+                    after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket,
+                    blocks: Any = None) -> Posted:
         # In a worker thread: building a communicator blocks (its rendezvous goes through
         # this loop). Not abandoned on cancellation: whether the ops were posted must be
         # known before the caller lets the next transfer post; `cancel` ends it early.
@@ -724,9 +746,10 @@ class NcclLink:
             comm = self._postable_now(peer, op, ticket, flag)
             if comm is not None:
                 with torch.cuda.device(self.device):
-                    return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, flag, block_nbytes)
+                    return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, flag, block_nbytes,
+                                         blocks)
             return await anyio.to_thread.run_sync(self._post_ops, peer, op, transfer_id, lease, start, nbytes, after,
-                                                  flag, block_nbytes, ticket)
+                                                  flag, block_nbytes, ticket, blocks)
         except BaseException as exc:
             self._untrack(peer, transfer_id, flag)
             if isinstance(exc, (KvBrokerError, RuntimeError)) and not isinstance(exc, TransferFailed):
@@ -742,7 +765,7 @@ class NcclLink:
 
     def _post_ops(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                   after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
-                  ticket: Ticket) -> Posted:
+                  ticket: Ticket, blocks: Any = None) -> Posted:
         if ticket[0]:
             # A ticket names a communicator this side had when it was taken; if it is gone
             # now (an abort of a transfer ahead dropped it), it is gone for good: building
@@ -765,7 +788,8 @@ class NcclLink:
         if ticket[0] and comm.nonce != ticket[0]:
             raise TransferFailed(transfer_id, f"the communicator with {peer} changed since its Ready "
                                  f"({ticket[0]} then, {comm.nonce} now): its op cannot be paired in order")
-        return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, cancelled, block_nbytes)
+        return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, cancelled, block_nbytes,
+                             blocks)
 
     def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event) -> Any:
         """The communicator `ticket` names, when the op may be posted on it from the loop
@@ -775,9 +799,18 @@ class NcclLink:
         return self.cache.usable(peer, ticket[0], initiator=op == "send")
 
     def _post_on(self, comm: Any, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                 after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int) -> Posted:
-        """Post the transfer's chunks on `comm`; never blocks (the communicator is built)."""
+                 after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
+                 blocks: Any = None) -> Posted:
+        """Post the transfer's chunks on `comm`; never blocks (the communicator is built;
+        over the ipc backend a send first waits for its receive's descriptor, which D
+        writes right after its Ready). `blocks`: D's `Into`, or P's cache (`PagedKv`):
+        over the ipc backend the transfer then goes as one op into D's blocks."""
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0
+        if whole and blocks is not None and isinstance(comm, IpcCommunicator):
+            posted = self._post_blocks(comm, peer, op, transfer_id, lease, start, nbytes // block_nbytes, after,
+                                       cancelled, blocks)
+            if posted is not None:
+                return posted
         parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
         step = block_nbytes if whole else nbytes
         with comm.lock:  # the chunks back to back: nothing of another transfer may come between
@@ -787,6 +820,28 @@ class NcclLink:
             done = [comm.completion([work], self.stream, op, transfer_id) for work in works]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done,
                       parts=parts if whole else [], flag=cancelled)
+
+    def _post_blocks(self, comm: IpcCommunicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int,
+                     count: int, after: torch.cuda.Event | None, cancelled: threading.Event,
+                     blocks: Any) -> Posted | None:
+        """The transfer as one op straight into D's blocks, if both sides can: D when its
+        cache takes `count` blocks so; P when D's receive is of that kind. None: chunks."""
+        with comm.lock:
+            if op == "recv":
+                paged, ids, ready_after = blocks
+                if not INTO_BLOCKS or not comm.takes_blocks(paged, count):
+                    return None
+                work = comm.post_blocks(paged, ids, after=[ready_after])
+            else:
+                seq = comm.next_send
+                if comm.receive_kind(seq) != BLOCKS:
+                    return None
+                rows = count * blocks.num_layers * blocks.pre
+                work = comm.send_blocks(seq, blocks, lease.base.data_ptr() + start, count, after=[after],
+                                        staged_rows=rows, keep=[lease.base])
+            done = [comm.completion([work], self.stream, op, transfer_id)]
+        return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
+                      flag=cancelled, into_blocks=True)
 
     def close(self) -> None:
         self.cache.close()  # aborts what is still on the wire: the waits end

@@ -438,7 +438,7 @@ class ProducerSide:
                     waited = await w.nccl.send(
                         msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
                         time.monotonic() + w.config.load_timeout_s,
-                        block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq))
+                        block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq), paged=w.paged)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.

@@ -305,6 +305,7 @@ def test_chunks_are_scattered_as_each_lands(
     was busy: in order, each block once), and every lease goes back to its pool."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", coalesce)
+    monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)  # over ipc: chunks too
     landed: list[tuple[str, int, int]] = []
     real_land = consumer.ConsumerSide._land
 
@@ -358,6 +359,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     lands on its own here, so the cut comes between two chunks whatever the timing."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
     monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", False)
+    monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)  # over ipc: chunks too
     real_land = consumer.ConsumerSide._land
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
@@ -393,6 +395,53 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         assert p.nccl is not None and d.nccl is not None
         assert d.nccl.cache.statistics().created == 2 and p.nccl.cache.statistics().created == 2
         leases_come_back(p, d, timeout=20)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(os.environ.get("KVBROKER_NCCL_BACKEND") != "ipc", reason="the ipc backend's own path")
+def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProcess,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the ipc backend D posts each transfer as one receive into its blocks: nothing
+    is scattered (`_land` never runs), every load lands in place once, with and without a
+    prefix hit, and D's blocks hold what P saved; then, with `INTO_BLOCKS` off, the same
+    pair moves the next transfers in chunks landed by scatters (P follows D's kind)."""
+    scattered, in_place = [], []
+    real_land, real_in_place = consumer.ConsumerSide._land, consumer.ConsumerSide._landed_in_place
+
+    def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
+        scattered.append(load.transfer_id)
+        real_land(self, load, b0, b1, left)
+
+    def landed_in_place(self: consumer.ConsumerSide, load: consumer._Load, posted: object, count: int) -> None:
+        in_place.append((load.transfer_id, count))
+        real_in_place(self, load, posted, count)
+
+    monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
+    monkeypatch.setattr(consumer.ConsumerSide, "_landed_in_place", landed_in_place)
+    pc, dc = gpu_caches(P_GPU, 13), gpu_caches(D_GPU, 14)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    try:
+        for i in range(20):
+            if i == 10:
+                monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)
+            src, dst, cached = [3, 17, 40, 9, 12], [50, 2, 33, 21, 7], i % 2
+            for t in pc.values():
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            load(d, f"b{i}", dst, cached=cached)
+            stage(p, pc, f"b{i}", src, decode="d0")
+            for t in pc.values():
+                t[:, src] = -7.0
+            assert not run_steps(d, {f"req-b{i}"}, timeout=30)[1], f"transfer b{i} failed to load"
+            torch.cuda.synchronize(D_GPU)
+            for n, t in dc.items():
+                assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
+        assert in_place == [(f"b{i}", 5 - i % 2) for i in range(10)]
+        assert sorted(set(scattered)) == sorted(f"b{i}" for i in range(10, 20))
+        leases_come_back(p, d)
     finally:
         p.close()
         d.close()

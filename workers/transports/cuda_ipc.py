@@ -90,7 +90,7 @@ from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
 
 if TYPE_CHECKING:  # pragma: no cover
-    from workers.gpu_staging import PagedKv, StagedTransfer
+    from workers.gpu_staging import PagedKv
 
     from .nccl_comm import CommunicatorCache
 
@@ -276,10 +276,13 @@ def _kernel() -> Any:
                     tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
 
         @triton.jit(do_not_specialize=["src", "layers", "ids", "num_cache_blocks", "rows", "progress", "base",
-                                       "ready", "arrived", "tally", "seq"])
+                                       "ready", "arrived", "tally", "seq", "row_words", "num_layers", "pre"])
         def ipc_blocks(src, layers, ids, num_cache_blocks, rows, progress, base, ready, arrived, tally, seq,
-                       ROW: tl.constexpr, NUM_LAYERS: tl.constexpr, PRE: tl.constexpr, BLOCK: tl.constexpr,
-                       ABORT_AT: tl.constexpr):
+                       row_words, num_layers, pre, BLOCK: tl.constexpr, ABORT_AT: tl.constexpr):
+            # The cache's shape is passed at run time, not compiled in: the kernel is then
+            # compiled and loaded once, when the communicator is built. Loading a module
+            # later, while a peer's stream in this process waits on a count, would wait for
+            # that stream (a module load synchronizes the context) and never end.
             # Send number `seq` of a whole staged transfer, straight into the receiver's
             # blocks. Staging row t is (block i, layer, pre p), t = (i * NUM_LAYERS + layer)
             # * PRE + p, as P's gathers write it; it goes to row p of block ids[i] of the
@@ -302,6 +305,9 @@ def _kernel() -> Any:
             have = first - first  # rows known staged (int64, as it is reassigned below)
             n = rows.to(tl.int64)
             ncb = num_cache_blocks.to(tl.int64)
+            ROW = row_words.to(tl.int64)
+            NUM_LAYERS = num_layers.to(tl.int64)
+            PRE = pre.to(tl.int64)
             for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
                 while live & (have <= t):
                     have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
@@ -410,30 +416,40 @@ class _Copier:
 
 
 class _BlockCopier:
-    """Launches `ipc_blocks`, as `_Copier` does the byte copy: through Triton once for
-    each cache shape, then through the compiled kernel when `fast` (the byte copy's
-    check proved that launch path on this Triton)."""
+    """Launches `ipc_blocks`, as `_Copier` does the byte copy: through Triton the first
+    time (`load`, when the communicator is built), then through the compiled kernel when
+    `fast` (the byte copy's check proved that launch path on this Triton)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compiled: dict[tuple[int, int, int], Any] = {}
+        self.compiled: Any = None
 
-    def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, row_words: int, layers: int, pre: int,
-                 programs: int, fast: bool) -> None:
-        import triton
-
-        key = (row_words, layers, pre)
-        block = min(triton.next_power_of_2(row_words), _COPY_BLOCK)
+    def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, programs: int, fast: bool) -> None:
         grid = max(1, min(programs, args[4]))  # args[4]: the rows
-        kernel = self.compiled.get(key)
+        kernel = self.compiled
         if kernel is not None and fast:
             kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, row_words, layers, pre, block, ABORT)
+                       *args, _COPY_BLOCK, ABORT)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            kernel = _blocks_kernel()[(grid,)](*args, ROW=row_words, NUM_LAYERS=layers, PRE=pre, BLOCK=block,
-                                               ABORT_AT=ABORT, num_warps=8)
-        self.compiled.setdefault(key, kernel)
+            kernel = _blocks_kernel()[(grid,)](*args, BLOCK=_COPY_BLOCK, ABORT_AT=ABORT, num_warps=8)
+        if self.compiled is None:
+            self.compiled = kernel
+
+    def load(self, scratch: torch.Tensor) -> None:
+        """Compile and load the kernel now, with a send of no rows that counts into
+        `scratch` (zeroed int64 words), not into a peer's counters."""
+        word = scratch.data_ptr()
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device):
+            scratch.zero_()
+            scratch[0] = 1  # `ready` for send 1
+            torch.cuda.current_stream(self.device).synchronize()
+            self(stream, (word, word, word, 1, 0, word + 8, 1 << 32, word, word + 16, word + 24, 1, 8, 1, 1),
+                 programs=1, fast=False)
+            stream.synchronize()
+            scratch.zero_()
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 # -- the shared page ----------------------------------------------------------------------
@@ -483,10 +499,14 @@ class _Counters:
     TALLY = 128  # this side's sends' program tallies (int32 each)
     PROGRESS = 512  # this side's block sends' staged rows (int64 each)
     ARENA = 2048  # the peer's block ids, for this side's block sends
+    LAYERS = ARENA + _ID_SLOTS * MAX_BLOCKS * 8  # where the peer's layers are mapped here (int64 each)
 
     def __init__(self, device: torch.device, drv: CudaDriver) -> None:
-        self.tensor = torch.zeros(self.ARENA // 8 + _ID_SLOTS * MAX_BLOCKS, dtype=torch.int64, device=device)
+        self.tensor = torch.zeros(self.LAYERS // 8 + MAX_LAYERS, dtype=torch.int64, device=device)
         self.scratch = self.tensor[192:256]
+        # Staging for the layer addresses, so mapping the peer's table allocates nothing
+        # while a peer's stream in this process may wait (an allocation can wait for it).
+        self.layers_host = torch.zeros(MAX_LAYERS, dtype=torch.int64).pin_memory()
         torch.cuda.current_stream(device).synchronize()
         self.addr = self.tensor.data_ptr()
         self.handle, self.offset, self.base = drv.export(self.addr)
@@ -617,15 +637,21 @@ class IpcCommunicator(NcclCommunicator):
         return (0 < num_blocks <= MAX_BLOCKS and paged.row_nbytes % 8 == 0 and paged.num_layers <= MAX_LAYERS
                 and bool(paged.use_triton))
 
-    def post_blocks(self, paged: PagedKv, block_ids: torch.Tensor, after: Sequence[torch.cuda.Event | None] = ()) -> Any:
+    def post_blocks(self, paged: PagedKv, block_ids: torch.Tensor | Sequence[int],
+                    after: Sequence[torch.cuda.Event | None] = ()) -> Any:
         """Receive a staged transfer straight into `block_ids` of `paged` (this side's
         cache), as one op: no pool, no scatter. The op waits for `after` (whatever may
-        still use those blocks) before the sender may write them.
+        still use those blocks; with ids on this GPU, what made them too) before the
+        sender may write them.
 
-        Its block ids go from this GPU into the sender's arena, then the sender's `ready`
-        says they are there; the sender's kernel reads them before it copies.
+        Its block ids go into the sender's arena (from this GPU, or from host memory
+        when given as a list), then the sender's `ready` says they are there; the
+        sender's kernel reads them before it copies.
         """
-        ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous()
+        if isinstance(block_ids, torch.Tensor) and block_ids.is_cuda:
+            ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous()
+        else:  # copied from pageable memory at once (into the driver's staging), then sent on: no host wait
+            ids = torch.as_tensor(block_ids, dtype=torch.int64).contiguous()
         n = ids.numel()
         if not self.takes_blocks(paged, n):
             raise ValueError(f"{n} blocks of this cache cannot go as one IPC op (at most {MAX_BLOCKS} blocks, rows "
@@ -687,13 +713,22 @@ class IpcCommunicator(NcclCommunicator):
     def _progress(self, seq: int) -> int:
         return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
 
-    def send_blocks(self, seq: int, staged: StagedTransfer, *, after: Sequence[torch.cuda.Event | None] = (),
-                    staged_rows: int | None = None, programs: int | None = None) -> Any:
-        """Send `staged` whole as send number `seq` (`next_send`, under `lock`), straight
-        into the blocks the receiver's BLOCKS receive names. Its rows are copied as
-        `mark_staged` releases them, so the gathers may still be running (or not yet
-        enqueued) when this returns; or, with `staged_rows`, the first `staged_rows` rows
-        once the events `after` completed (gathers already enqueued).
+    def receive_kind(self, seq: int) -> int:
+        """What the peer's receive `seq` takes (`BYTES` or `BLOCKS`), once it is posted
+        (waiting for it under the op deadline): a sender that can do either follows it."""
+        self._check_open()
+        return self._descriptor(seq).kind
+
+    def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
+                    after: Sequence[torch.cuda.Event | None] = (), staged_rows: int | None = None,
+                    keep: Sequence[torch.Tensor] = (), programs: int | None = None) -> Any:
+        """Send `num_blocks` staged blocks of `paged`'s shape at address `src` (block-major
+        staging, on this GPU or pinned) whole, as send number `seq` (`next_send`, under
+        `lock`), straight into the blocks the receiver's BLOCKS receive names. Rows are
+        copied as `mark_staged` releases them, so the gathers may still be running (or
+        not yet enqueued) when this returns; or, with `staged_rows`, the first
+        `staged_rows` rows once the events `after` completed (gathers already enqueued).
+        `keep`: tensors to hold until the send's end.
 
         Raises:
             ValueError: the receiver posted another size or kind of receive, or its cache
@@ -702,15 +737,14 @@ class IpcCommunicator(NcclCommunicator):
         self._check_open()
         if seq != self.sent + 1:
             raise RuntimeError(f"send {seq} is not the next one ({self.sent + 1}); hold the lock from next_send on.")
-        paged = staged.paged
         with self.lock:
             try:
                 self.drv.make_current(self.ctx)
                 desc = self._descriptor(seq)
-                if desc.kind != BLOCKS or desc.count != staged.num_blocks:
+                if desc.kind != BLOCKS or desc.count != num_blocks:
                     what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
                     raise ValueError(f"{self.peer}'s receive {seq} takes {what}, but this send is a staged transfer "
-                                     f"of {staged.num_blocks} blocks: both sides must post the same transfers in "
+                                     f"of {num_blocks} blocks: both sides must post the same transfers in "
                                      "the same order.")
                 layers, table = self._layers_of(desc.offset)
                 if (table.rows_per_block, table.row_nbytes, len(table.entries)) != (paged.pre, paged.row_nbytes,
@@ -726,21 +760,19 @@ class IpcCommunicator(NcclCommunicator):
                 if staged_rows is not None:
                     self.mark_staged(self.stream, seq, staged_rows)
                 self.sent = seq
-                row_words = paged.row_nbytes // 8
-                rows = staged.num_blocks * paged.num_layers * paged.pre
-                src = staged.tensor.data_ptr()
+                rows = num_blocks * paged.num_layers * paged.pre
                 tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
                 arena = self.counters.addr + _Counters.ARENA + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
                 args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
-                        self.my_ready, self.peer_arrived, tally, seq)
-                self._blocks(self.stream, args, row_words=row_words, layers=paged.num_layers, pre=paged.pre,
-                             programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
+                        self.my_ready, self.peer_arrived, tally, seq, paged.row_nbytes // 8, paged.num_layers,
+                        paged.pre)
+                self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             except BaseException:
                 self.fail("posting a block send failed")
                 raise
             done = torch.cuda.Event()
             done.record(self.stream)
-        return _DirectWork(done, [staged.tensor, layers])
+        return _DirectWork(done, [*keep, layers])
 
     def _descriptor(self, seq: int) -> Descriptor:
         """Receive descriptor `seq`, waiting for it under the op deadline: spinning first
@@ -775,7 +807,13 @@ class IpcCommunicator(NcclCommunicator):
                     self._mapped[handle] = _map_peer(self.drv, handle, self.peer)
                 base = self._mapped[handle]
             addrs.append(base + offset)
-        layers = torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        # Copied on this communicator's stream, ahead of the kernels that read it, into
+        # memory made at connect: no host wait and no allocation (either could wait on a
+        # peer's stream in this process). A new table comes only with a new cache.
+        n = len(addrs)
+        self.counters.layers_host[:n] = torch.tensor(addrs, dtype=torch.int64)
+        self.drv.copy(self._sp, self.counters.addr + _Counters.LAYERS, self.counters.layers_host.data_ptr(), n * 8)
+        layers = self.counters.tensor[_Counters.LAYERS // 8 : _Counters.LAYERS // 8 + n]
         self._peer_layers = (version, layers, table)
         return layers, table
 
@@ -910,6 +948,7 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
                            peer_counters=peer_counters, nonce=nonce, cache=cache)
     try:
         comm._copy.check(counters.scratch)
+        comm._blocks.load(counters.scratch)
         _warm_up(comm, deadline)
     except BaseException as exc:
         comm.abort()

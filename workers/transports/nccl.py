@@ -313,7 +313,8 @@ class NcclTransport:
                 before_send()
             # TEST ONLY (`unsafe_skip_event_wait`): every row released at once, gathered or not.
             everything = staged.num_blocks * per_block if self.unsafe_skip_event_wait else None
-            work = comm.send_blocks(seq, staged, staged_rows=everything)
+            work = comm.send_blocks(seq, staged.paged, staged.tensor.data_ptr(), staged.num_blocks,
+                                    staged_rows=everything, keep=[staged.tensor])
             if on_step is not None:
                 on_step("send", ends[0])
             for k in range(1, len(ends)):
@@ -348,7 +349,8 @@ class NcclTransport:
             with comm.lock:  # the whole transfer as one op, once every gather is done
                 event = None if self.unsafe_skip_event_wait else staged.event_for(last)
                 rows = staged.num_blocks * staged.paged.num_layers * staged.paged.pre
-                work = comm.send_blocks(comm.next_send, staged, after=[event], staged_rows=rows)
+                work = comm.send_blocks(comm.next_send, staged.paged, staged.tensor.data_ptr(), staged.num_blocks,
+                                        after=[event], staged_rows=rows, keep=[staged.tensor])
             return self._finish(comm, [work], self.stream, "send", transfer_id)
         step = staged.paged.staged_block_nbytes
         data, keep, works = staged.tensor, [], []

@@ -796,7 +796,10 @@ class NcclLink:
         thread (`POST_ON_LOOP`): built, and nothing to abort; None: post from a worker thread."""
         if not POST_ON_LOOP or not ticket[0] or cancelled.is_set():
             return None
-        return self.cache.usable(peer, ticket[0], initiator=op == "send")
+        comm = self.cache.usable(peer, ticket[0], initiator=op == "send")
+        if op == "send" and isinstance(comm, IpcCommunicator) and not comm.receive_posted(comm.next_send):
+            return None  # an ipc send waits on the host for D's receive: not on the loop
+        return comm
 
     def _post_on(self, comm: Any, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                  after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,

@@ -713,6 +713,10 @@ class IpcCommunicator(NcclCommunicator):
     def _progress(self, seq: int) -> int:
         return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
 
+    def receive_posted(self, seq: int) -> bool:
+        """Whether the peer's receive `seq` is posted (never waits)."""
+        return self.page.box.take(self.out, seq) is not None
+
     def receive_kind(self, seq: int) -> int:
         """What the peer's receive `seq` takes (`BYTES` or `BLOCKS`), once it is posted
         (waiting for it under the op deadline): a sender that can do either follows it."""

@@ -67,7 +67,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
@@ -563,38 +563,56 @@ class IpcCommunicator(NcclCommunicator):
 
     def _enqueue(self, items: Sequence[tuple[Literal["send", "recv"], int, int]], after: Sequence[torch.cuda.Event | None],
                  keep: list[torch.Tensor]) -> Any:
+        def steps() -> list[torch.Tensor]:
+            self._wait_for(after)
+            for step, i, seq in group_steps([op for op, _, _ in items], self.sent, self.received):
+                _, ptr, n = items[i]
+                if step == "announce":
+                    self._announce(ptr, n, seq)
+                elif step == "send":
+                    self._send(ptr, n, seq)
+                else:
+                    self.drv.wait_value(self._sp, self.my_arrived, seq)
+            return keep
+
+        return self._posted("an op", steps)
+
+    def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]]) -> _DirectWork:
+        """Run `enqueue` (one group's steps on this communicator's stream) under the lock,
+        with this GPU's context current; a failure ends the communicator, since the peer
+        may have paired part of it. The work: an event after the group, holding the
+        tensors `enqueue` returns."""
         self._check_open()
         with self.lock:
             try:
                 self.drv.make_current(self.ctx)
-                for event in after:
-                    if event is not None:
-                        self.stream.wait_event(event)
-                for step, i, seq in group_steps([op for op, _, _ in items], self.sent, self.received):
-                    _, ptr, n = items[i]
-                    if step == "announce":
-                        self._announce(ptr, n, seq)
-                    elif step == "send":
-                        self._send(ptr, n, seq)
-                    else:
-                        self.drv.wait_value(self._sp, self.my_arrived, seq)
+                keep = enqueue()
             except BaseException:
-                self.fail("posting an op failed")
+                self.fail(f"posting {what} failed")
                 raise
             done = torch.cuda.Event()
             done.record(self.stream)
         return _DirectWork(done, keep)
+
+    def _wait_room(self, seq: int) -> None:
+        """Until receive `seq` has a slot: only with SLOTS receives unread by the sender."""
+        box, deadline = self.page.box, time.monotonic() + self.op_timeout_s
+        while not box.room(self.into, seq):
+            if box.dead or time.monotonic() > deadline:
+                raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
+            time.sleep(1e-4)
+
+    def _wait_for(self, events: Sequence[torch.cuda.Event | None]) -> None:
+        for event in events:
+            if event is not None:
+                self.stream.wait_event(event)
 
     def _announce(self, ptr: int, nbytes: int, seq: int) -> None:
         """Receive `seq`: publish where the bytes go, and (on the GPU, after the op's
         events) that the buffer may be written."""
         box = self.page.box
         handle, offset, base = self.drv.export(ptr)
-        deadline = time.monotonic() + self.op_timeout_s
-        while not box.room(self.into, seq):  # only with SLOTS receives unread by the sender
-            if box.dead or time.monotonic() > deadline:
-                raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
-            time.sleep(1e-4)
+        self._wait_room(seq)
         box.post(self.into, Descriptor(seq, handle, offset, nbytes, base))
         self.received = seq
         self.drv.write_value(self._sp, self.peer_ready, seq)
@@ -656,37 +674,26 @@ class IpcCommunicator(NcclCommunicator):
         if not self.takes_blocks(paged, n):
             raise ValueError(f"{n} blocks of this cache cannot go as one IPC op (at most {MAX_BLOCKS} blocks, rows "
                              "of whole 8-byte words, Triton on the GPU).")
-        self._check_open()
         box = self.page.box
-        with self.lock:
-            try:
-                self.drv.make_current(self.ctx)
-                version = self._publish_layers(paged)
-                seq = self.received + 1
-                deadline = time.monotonic() + self.op_timeout_s
-                while not box.room(self.into, seq):
-                    if box.dead or time.monotonic() > deadline:
-                        raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
-                    time.sleep(1e-4)
-                for event in after:
-                    if event is not None:
-                        self.stream.wait_event(event)
-                # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
-                # now in this stream's order (every receive waits for its arrival here), and
-                # the sender's kernel reads the ids before it tells that arrival.
-                slot = self.peer_arena + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
-                self.drv.copy(self._sp, slot, ids.data_ptr(), n * 8)
-                box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
-                                               kind=BLOCKS, count=n))
-                self.received = seq
-                self.drv.write_value(self._sp, self.peer_ready, seq)
-                self.drv.wait_value(self._sp, self.my_arrived, seq)
-            except BaseException:
-                self.fail("posting a block receive failed")
-                raise
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return _DirectWork(done, [ids])
+
+        def steps() -> list[torch.Tensor]:
+            version = self._publish_layers(paged)
+            seq = self.received + 1
+            self._wait_room(seq)
+            self._wait_for(after)
+            # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
+            # now in this stream's order (every receive waits for its arrival here), and
+            # the sender's kernel reads the ids before it tells that arrival.
+            slot = self.peer_arena + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+            self.drv.copy(self._sp, slot, ids.data_ptr(), n * 8)
+            box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
+                                           kind=BLOCKS, count=n))
+            self.received = seq
+            self.drv.write_value(self._sp, self.peer_ready, seq)
+            self.drv.wait_value(self._sp, self.my_arrived, seq)
+            return [ids]
+
+        return self._posted("a block receive", steps)
 
     def _publish_layers(self, paged: PagedKv) -> int:
         key = (tuple(r.data_ptr() for r in paged.rows), paged.num_blocks, paged.pre, paged.row_nbytes)
@@ -738,45 +745,37 @@ class IpcCommunicator(NcclCommunicator):
             ValueError: the receiver posted another size or kind of receive, or its cache
                 has another shape: the message says which.
         """
-        self._check_open()
         if seq != self.sent + 1:
             raise RuntimeError(f"send {seq} is not the next one ({self.sent + 1}); hold the lock from next_send on.")
-        with self.lock:
-            try:
-                self.drv.make_current(self.ctx)
-                desc = self._descriptor(seq)
-                if desc.kind != BLOCKS or desc.count != num_blocks:
-                    what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
-                    raise ValueError(f"{self.peer}'s receive {seq} takes {what}, but this send is a staged transfer "
-                                     f"of {num_blocks} blocks: both sides must post the same transfers in "
-                                     "the same order.")
-                layers, table = self._layers_of(desc.offset)
-                if (table.rows_per_block, table.row_nbytes, len(table.entries)) != (paged.pre, paged.row_nbytes,
-                                                                                    paged.num_layers):
-                    raise ValueError(f"{self.peer}'s cache has {len(table.entries)} layers of {table.rows_per_block} "
-                                     f"rows of {table.row_nbytes} bytes a block, this side's {paged.num_layers} of "
-                                     f"{paged.pre} of {paged.row_nbytes}: serve the same model and KV cache dtype "
-                                     "on both.")
-                self.page.box.consume(self.out, seq)
-                for event in after:
-                    if event is not None:
-                        self.stream.wait_event(event)
-                if staged_rows is not None:
-                    self.mark_staged(self.stream, seq, staged_rows)
-                self.sent = seq
-                rows = num_blocks * paged.num_layers * paged.pre
-                tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
-                arena = self.counters.addr + _Counters.ARENA + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
-                args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
-                        self.my_ready, self.peer_arrived, tally, seq, paged.row_nbytes // 8, paged.num_layers,
-                        paged.pre)
-                self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
-            except BaseException:
-                self.fail("posting a block send failed")
-                raise
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return _DirectWork(done, [*keep, layers])
+
+        def steps() -> list[torch.Tensor]:
+            desc = self._descriptor(seq)
+            if desc.kind != BLOCKS or desc.count != num_blocks:
+                what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
+                raise ValueError(f"{self.peer}'s receive {seq} takes {what}, but this send is a staged transfer "
+                                 f"of {num_blocks} blocks: both sides must post the same transfers in "
+                                 "the same order.")
+            layers, table = self._layers_of(desc.offset)
+            if (table.rows_per_block, table.row_nbytes, len(table.entries)) != (paged.pre, paged.row_nbytes,
+                                                                                paged.num_layers):
+                raise ValueError(f"{self.peer}'s cache has {len(table.entries)} layers of {table.rows_per_block} "
+                                 f"rows of {table.row_nbytes} bytes a block, this side's {paged.num_layers} of "
+                                 f"{paged.pre} of {paged.row_nbytes}: serve the same model and KV cache dtype "
+                                 "on both.")
+            self.page.box.consume(self.out, seq)
+            self._wait_for(after)
+            if staged_rows is not None:
+                self.mark_staged(self.stream, seq, staged_rows)
+            self.sent = seq
+            rows = num_blocks * paged.num_layers * paged.pre
+            tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
+            arena = self.counters.addr + _Counters.ARENA + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+            args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
+                    self.my_ready, self.peer_arrived, tally, seq, paged.row_nbytes // 8, paged.num_layers, paged.pre)
+            self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
+            return [*keep, layers]
+
+        return self._posted("a block send", steps)
 
     def _descriptor(self, seq: int) -> Descriptor:
         """Receive descriptor `seq`, waiting for it under the op deadline: spinning first

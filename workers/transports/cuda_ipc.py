@@ -619,16 +619,7 @@ class IpcCommunicator(NcclCommunicator):
 
     def _send(self, ptr: int, nbytes: int, seq: int) -> None:
         box = self.page.box
-        desc = box.take(self.out, seq)
-        if desc is None:
-            deadline, pause = time.monotonic() + self.op_timeout_s, 0.0
-            while (desc := box.take(self.out, seq)) is None:
-                if box.dead:
-                    raise SendTimeout("-", f"the IPC communicator with {self.peer} was aborted")
-                if time.monotonic() > deadline:
-                    raise SendTimeout("-", f"{self.peer} posted no receive for send {seq} in time")
-                pause = min(max(pause * 2, 1e-6), 1e-4)
-                time.sleep(pause)
+        desc = self._descriptor(seq)
         if desc.kind == BLOCKS:
             raise ValueError(f"{self.peer}'s receive {seq} takes {desc.count} blocks straight into its cache, but "
                              f"this send is {nbytes} bytes from a buffer: both sides must post the same transfers in "

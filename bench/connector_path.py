@@ -212,6 +212,8 @@ def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[Conne
         connector.nccl_link.POLLER_LANDS = bool(cfg["poller_lands"])
     if cfg.get("post_on_loop") is not None:
         connector.nccl_link.POST_ON_LOOP = cfg["post_on_loop"]
+    if cfg.get("into_blocks") is not None:
+        connector.nccl_link.INTO_BLOCKS = bool(cfg["into_blocks"])
     if cfg.get("hold_gil") is not None:
         import workers.transports.nccl_comm
 
@@ -446,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-gil", type=int, choices=(0, 1), default=None,
                     help="nccl: keep the GIL while enqueueing an op on a connected pair (1), or let go of it for "
                          "every NCCL call (0) (default: workers.transports.nccl_comm's)")
+    ap.add_argument("--into-blocks", type=int, choices=(0, 1), default=None,
+                    help="nccl over the ipc backend (KVBROKER_NCCL_BACKEND=ipc): each transfer as one op straight "
+                         "into D's blocks (1), or in chunks landed by scatters (0) (default: connector.nccl_link's)")
     ap.add_argument("--land-each", action="store_true",
                     help="nccl: D lands every chunk on its own, even those that ended while it was busy")
     ap.add_argument("--one-op", action="store_true",
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "inflight": args.inflight, "thread_cpu": args.thread_cpu,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "into_blocks": args.into_blocks, "inflight": args.inflight, "thread_cpu": args.thread_cpu,
            "poller_lands": args.poller_lands, "hold_gil": args.hold_gil,
            "wait_spin_us": args.wait_spin_us,
            "log_format": args.log_format, "log_level": args.log_level,

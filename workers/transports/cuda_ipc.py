@@ -544,7 +544,7 @@ class IpcCommunicator(NcclCommunicator):
         self.peer_ready, self.peer_arrived = base + offset + _Counters.READY, base + offset + _Counters.ARRIVED
         self.peer_arena = base + offset + _Counters.ARENA
         self._blocks = _BlockCopier(device)
-        self._table: tuple[Any, int] | None = None  # this side's published layer table: its key, its version
+        self._table: tuple[PagedKv, int] | None = None  # this side's published layer table: its cache, its version
         self._peer_layers: tuple[int, torch.Tensor, LayerTable] | None = None  # the peer's, mapped: version, addresses, table
 
     def post(
@@ -687,14 +687,15 @@ class IpcCommunicator(NcclCommunicator):
         return self._posted("a block receive", steps)
 
     def _publish_layers(self, paged: PagedKv) -> int:
-        key = (tuple(r.data_ptr() for r in paged.rows), paged.num_blocks, paged.pre, paged.row_nbytes)
-        if self._table is not None and self._table[0] == key:
+        """The version of this side's layer table for `paged`, published once per cache
+        (a `PagedKv` is made once, at `register_kv_caches`)."""
+        if self._table is not None and self._table[0] is paged:
             return self._table[1]
         version = 1 if self._table is None else self._table[1] + 1
-        entries = tuple(self.drv.export(ptr) for ptr in key[0])
+        entries = tuple(self.drv.export(r.data_ptr()) for r in paged.rows)
         self.page.box.publish_layers(self.into, LayerTable(version, paged.num_blocks, paged.pre, paged.row_nbytes,
                                                            entries))
-        self._table = (key, version)
+        self._table = (paged, version)
         return version
 
     @property

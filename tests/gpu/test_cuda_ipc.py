@@ -155,6 +155,51 @@ def test_staged_transfers_straight_into_blocks_on_one_gpu(pipelined: bool) -> No
     assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
 
 
+def _block_gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """P's block send waits for its gathers (never marked staged while D waits); D gives
+    its receive up after 1 s. Marked staged after that, P's kernel must end without
+    writing D's blocks."""
+    from tests.gpu.test_nccl_staging import _cache
+    from workers.gpu_staging import PagedKv, Stager
+    from workers.pool import BufferPool
+
+    try:
+        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        paged = PagedKv(_cache(device, seed=dev))
+        res: dict[str, Any] = {}
+        if role == "P":
+            staged = Stager(paged, BufferPool(paged.staged_block_nbytes * 8, device=device)).stage(list(range(8)))
+            comm = cache.get("D", initiator=True)
+            with comm.lock:
+                seq = comm.next_send
+                work = comm.send_blocks(seq, paged, staged.tensor.data_ptr(), 8, keep=[staged.tensor])
+            rdv.receive("D", "test/gave-up")
+            comm.mark_staged(torch.cuda.current_stream(device), seq, 8 * paged.num_layers * paged.pre)
+            res["send_ended"] = wait_until(work.event.query, 30, "P's block send to end after D gave up")
+            rdv.publish("D", "test/ended", b"1")
+        else:
+            before = torch.stack(paged.rows).clone()
+            lease = BufferPool(paged.staged_block_nbytes * 8, device=device).acquire_nowait(paged.staged_block_nbytes * 8)
+            res["timed_out"] = _times_out(transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D)), 1.0)
+            rdv.publish("P", "test/gave-up", b"1")
+            rdv.receive("P", "test/ended")
+            torch.cuda.synchronize(device)
+            res["untouched"] = bool(torch.equal(torch.stack(paged.rows), before))
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
+    out = _run_pair(_block_gate_worker, {"one_gpu": True}, timeout_s=120.0)
+    _report("ipc_block_abort_gate", out)
+    assert out["D"]["timed_out"] and out["P"]["send_ended"]
+    assert out["D"]["untouched"], "the block send wrote into blocks its receiver had given up"
+
+
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     """P posts a send whose copy is held behind ~3 s of GPU work; D gives its receive up
     after 1 s. When P's copy finally runs, D's buffer must stay as D left it."""

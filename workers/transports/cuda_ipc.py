@@ -314,6 +314,10 @@ def _kernel() -> Any:
                     if have <= t:  # still waiting: an abort on this side ends the wait
                         live = tl.load(ready_at, volatile=True) < ABORT_AT
                 if live:
+                    # Read while this row copies, looked at after it: a receiver that gave
+                    # its blocks up (a failed load whose blocks vLLM may reuse) gets no row
+                    # started after it said so.
+                    gate = tl.load(ready_at, volatile=True)
                     i = t // (NUM_LAYERS * PRE)
                     layer = (t // PRE) % NUM_LAYERS
                     p = t % PRE
@@ -327,6 +331,7 @@ def _kernel() -> Any:
                         # .cg: staging rows are rewritten between transfers; never an L1 copy
                         tl.store(d_row + offs, tl.load(s_row + offs, mask=mask, cache_modifier=".cg"), mask=mask,
                                  cache_modifier=".cs")
+                    live = gate < ABORT_AT
             tl.debug_barrier()  # every thread's stores before this program's release below
             if live:  # a program that saw an abort does not count, so the receiver is never told
                 tally_at = tally.to(tl.pointer_type(tl.int32))

@@ -8,7 +8,9 @@ P and D in processes of their own, Llama-3-8B-shaped KV (32 layers, 8 KV heads, 
 Release, and for nccl the communicators' rendezvous). No vLLM and no model: P's forward
 pass is only its 32 per-layer gathers, unless `--prefill-ms` gives it GPU time of its own.
 
-`--transport nccl` (2 GPUs): P's KV on cuda:0, D's on cuda:1, flash-attn shaped.
+`--transport nccl` (2 GPUs): P's KV on cuda:0, D's on cuda:1, flash-attn shaped (with
+KVBROKER_NCCL_BACKEND=ipc on a host of one GPU, both on cuda:0: the copies then stay in
+its memory, so only the host's part of the path compares with two GPUs).
 `--transport tcp`: both on the CPU, vLLM CPU backend shaped (``[blocks, H, bs, 2D]``).
 
 * raw          the transfer's bytes moved once with nothing else: one NCCL send/recv over
@@ -89,7 +91,8 @@ class _Engine:
 
     def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0) -> None:
         self.gpu = transport == "nccl"
-        self.device = ("cuda:0" if role == "p" else "cuda:1") if self.gpu else "cpu"
+        one = self.gpu and torch.cuda.device_count() == 1  # the ipc backend on one GPU: both caches there
+        self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
         self.cycles = self.layer_cycles = 0
         self.prefill_ms = 0.0  # the forward pass's GPU time (`layer` x the layers), measured once here
@@ -459,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also print the CPU time each of D's threads used while a request was timed (Linux)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    if args.transport == "nccl" and torch.cuda.device_count() < 2:
-        print("--transport nccl needs 2 CUDA GPUs (--transport tcp runs on the CPU)", file=sys.stderr)
+    one_gpu_ipc = torch.cuda.device_count() == 1 and os.environ.get("KVBROKER_NCCL_BACKEND") == "ipc"
+    if args.transport == "nccl" and torch.cuda.device_count() < 2 and not one_gpu_ipc:
+        print("--transport nccl needs 2 CUDA GPUs, or 1 with KVBROKER_NCCL_BACKEND=ipc (--transport tcp runs on "
+              "the CPU)", file=sys.stderr)
         return 2
     from nccl_transport import _start_broker  # the same `kvbroker serve` launcher
 

@@ -95,28 +95,48 @@ def test_sizes_that_differ_fail_the_send_naming_both() -> None:
     assert out["D"]["timed_out"] and out["D"]["untouched"]
 
 
-def _block_mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
-    """P sends a staged transfer of 8 blocks; D's receive takes 7 into its cache."""
+def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """P sends a staged transfer of 8 blocks as one block op; D's receive gives up after
+    `cfg["wait_s"]` and reports whether its cache stayed as it was. `cfg["case"]`:
+    "count" (D's receive takes 7 blocks: P's send must refuse it), or "gave_up" (P's
+    kernel waits for gathers marked staged only after D gave up: it must end without
+    writing)."""
     from tests.gpu.test_nccl_staging import _cache
     from workers.gpu_staging import PagedKv, Stager
     from workers.pool import BufferPool
 
     try:
-        device, _, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
         paged = PagedKv(_cache(device, seed=dev))
+        pool = BufferPool(paged.staged_block_nbytes * 8, device=device)
         res: dict[str, Any] = {}
         if role == "P":
-            staged = Stager(paged, BufferPool(paged.staged_block_nbytes * 8, device=device)).stage(list(range(8)))
-            try:
-                transport.send_staged("D", staged).wait(time.monotonic() + 10.0)
-                res["error"] = "the send of the wrong block count went through"
-            except ValueError as exc:
-                res["message"] = str(exc)
-            res["stats"] = cache.statistics().__dict__
+            staged = Stager(paged, pool).stage(list(range(8)))
+            if cfg["case"] == "count":
+                try:
+                    transport.send_staged("D", staged).wait(time.monotonic() + 10.0)
+                    res["error"] = "the send of the wrong block count went through"
+                except ValueError as exc:
+                    res["message"] = str(exc)
+                res["stats"] = cache.statistics().__dict__
+            else:
+                comm = cache.get("D", initiator=True)
+                with comm.lock:
+                    seq = comm.next_send
+                    work = comm.send_blocks(seq, paged, staged.tensor.data_ptr(), 8, keep=[staged.tensor])
+                rdv.receive("D", "test/gave-up")
+                comm.mark_staged(torch.cuda.current_stream(device), seq, 8 * paged.num_layers * paged.pre)
+                res["send_ended"] = wait_until(work.event.query, 30, "P's block send to end after D gave up")
+                rdv.publish("D", "test/ended", b"1")
         else:
             before = torch.stack(paged.rows).clone()
-            lease = BufferPool(paged.staged_block_nbytes * 8, device=device).acquire_nowait(paged.staged_block_nbytes * 7)
-            res["timed_out"] = _times_out(transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:7])), 3.0)
+            n = 7 if cfg["case"] == "count" else 8
+            lease = pool.acquire_nowait(paged.staged_block_nbytes * n)
+            done = transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:n]))
+            res["timed_out"] = _times_out(done, cfg["wait_s"])
+            if cfg["case"] == "gave_up":
+                rdv.publish("P", "test/gave-up", b"1")
+                rdv.receive("P", "test/ended")
             torch.cuda.synchronize(device)
             res["untouched"] = bool(torch.equal(torch.stack(paged.rows), before))
         cache.close()
@@ -128,11 +148,20 @@ def _block_mismatch_worker(role: str, dev: int, outbox: Any, inbox: Any, results
 @pytest.mark.gpu
 @one_gpu
 def test_block_counts_that_differ_fail_the_send_naming_both() -> None:
-    out = _run_pair(_block_mismatch_worker, {"one_gpu": True}, timeout_s=120.0)
+    out = _run_pair(_block_worker, {"one_gpu": True, "case": "count", "wait_s": 3.0}, timeout_s=120.0)
     _report("ipc_block_count_mismatch", out)
     assert "takes 7 blocks, but this send is a staged transfer of 8 blocks" in out["P"]["message"]
     assert out["P"]["stats"]["aborted"] == 1
     assert out["D"]["timed_out"] and out["D"]["untouched"]
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
+    out = _run_pair(_block_worker, {"one_gpu": True, "case": "gave_up", "wait_s": 1.0}, timeout_s=120.0)
+    _report("ipc_block_abort_gate", out)
+    assert out["D"]["timed_out"] and out["P"]["send_ended"]
+    assert out["D"]["untouched"], "the block send wrote into blocks its receiver had given up"
 
 
 @pytest.mark.gpu
@@ -153,51 +182,6 @@ def test_staged_transfers_straight_into_blocks_on_one_gpu(pipelined: bool) -> No
     _report(f"ipc_blocks_one_gpu_unsafe[{'pipelined' if pipelined else 'staged'}]", unsafe)
     assert res["mismatches"] == 0
     assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
-
-
-def _block_gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
-    """P's block send waits for its gathers (never marked staged while D waits); D gives
-    its receive up after 1 s. Marked staged after that, P's kernel must end without
-    writing D's blocks."""
-    from tests.gpu.test_nccl_staging import _cache
-    from workers.gpu_staging import PagedKv, Stager
-    from workers.pool import BufferPool
-
-    try:
-        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
-        paged = PagedKv(_cache(device, seed=dev))
-        res: dict[str, Any] = {}
-        if role == "P":
-            staged = Stager(paged, BufferPool(paged.staged_block_nbytes * 8, device=device)).stage(list(range(8)))
-            comm = cache.get("D", initiator=True)
-            with comm.lock:
-                seq = comm.next_send
-                work = comm.send_blocks(seq, paged, staged.tensor.data_ptr(), 8, keep=[staged.tensor])
-            rdv.receive("D", "test/gave-up")
-            comm.mark_staged(torch.cuda.current_stream(device), seq, 8 * paged.num_layers * paged.pre)
-            res["send_ended"] = wait_until(work.event.query, 30, "P's block send to end after D gave up")
-            rdv.publish("D", "test/ended", b"1")
-        else:
-            before = torch.stack(paged.rows).clone()
-            lease = BufferPool(paged.staged_block_nbytes * 8, device=device).acquire_nowait(paged.staged_block_nbytes * 8)
-            res["timed_out"] = _times_out(transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D)), 1.0)
-            rdv.publish("P", "test/gave-up", b"1")
-            rdv.receive("P", "test/ended")
-            torch.cuda.synchronize(device)
-            res["untouched"] = bool(torch.equal(torch.stack(paged.rows), before))
-        cache.close()
-        results.put((role, res))
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        results.put((role, {"error": traceback.format_exc()}))
-
-
-@pytest.mark.gpu
-@one_gpu
-def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
-    out = _run_pair(_block_gate_worker, {"one_gpu": True}, timeout_s=120.0)
-    _report("ipc_block_abort_gate", out)
-    assert out["D"]["timed_out"] and out["P"]["send_ended"]
-    assert out["D"]["untouched"], "the block send wrote into blocks its receiver had given up"
 
 
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:

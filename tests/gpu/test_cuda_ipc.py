@@ -166,22 +166,29 @@ def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
 
 @pytest.mark.gpu
 @one_gpu
-@pytest.mark.parametrize("pipelined", [True, False], ids=["gathers-beside-the-copy", "staged-first"])
-def test_staged_transfers_straight_into_blocks_on_one_gpu(pipelined: bool) -> None:
+@pytest.mark.parametrize("mode", ["pipelined", "staged", "spilled"])
+def test_staged_transfers_straight_into_blocks_on_one_gpu(mode: str) -> None:
     """P and D in two processes on one GPU: 200 repeated prompts as one block op each,
-    P's blocks overwritten right after the call, zero mismatches; in P's pipeline (its
-    copy kernel waiting for each chunk's gather) and after a whole staging. The same
-    run with the kernel told at once that every row is staged must be able to fail (P
-    then sends without waiting for D's Ready, so its gathers are still queued behind
-    the model's matmuls when the kernel starts)."""
-    cfg = {**_CHUNKED_READY, "iters": 200, "backend": "ipc", "one_gpu": True, "pipelined": pipelined}
-    res = _run_pair(_race_worker, cfg, timeout_s=120.0)["D"]
-    _report(f"ipc_blocks_one_gpu[{'pipelined' if pipelined else 'staged'}]", res)
-    unsafe = _run_pair(_race_worker, {**cfg, "matmuls": 6, "ready": False, "skip_event_wait": True},
-                       timeout_s=120.0)["D"]
-    _report(f"ipc_blocks_one_gpu_unsafe[{'pipelined' if pipelined else 'staged'}]", unsafe)
-    assert res["mismatches"] == 0
-    assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
+    P's blocks overwritten right after the call, zero mismatches: in P's pipeline (its
+    copy kernel waiting for each chunk's gather), after a whole staging, and with P's
+    staging spilled to pinned host memory (the kernel reads it over PCIe). The same run
+    with the kernel told at once that every row is staged must be able to fail (P then
+    sends without waiting for D's Ready, so its gathers are still queued behind the
+    model's matmuls when the kernel starts); in P's pipeline only, where the kernel is
+    launched before the later gathers are even enqueued (after a whole staging, P's host
+    waits for D's receive long enough that the gathers have mostly run: of two runs of
+    200, one raced and one did not)."""
+    cfg = {**_CHUNKED_READY, "iters": 200, "backend": "ipc", "one_gpu": True, "pipelined": mode != "staged",
+           "spill": mode == "spilled"}
+    res = _run_pair(_race_worker, cfg, timeout_s=120.0)
+    _report(f"ipc_blocks_one_gpu[{mode}]", {**res["D"], "spilled": res["P"]["spilled"]})
+    assert res["D"]["mismatches"] == 0
+    assert res["P"]["spilled"] == (cfg["iters"] if mode == "spilled" else 0)
+    if mode == "pipelined":
+        unsafe = _run_pair(_race_worker, {**cfg, "matmuls": 6, "ready": False, "skip_event_wait": True},
+                           timeout_s=120.0)["D"]
+        _report(f"ipc_blocks_one_gpu_unsafe[{mode}]", unsafe)
+        assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
 
 
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:

@@ -179,7 +179,7 @@ def test_staged_transfers_straight_into_blocks_on_one_gpu(mode: str) -> None:
     waits for D's receive long enough that the gathers have mostly run: of two runs of
     200, one raced and one did not)."""
     cfg = {**_CHUNKED_READY, "iters": 200, "backend": "ipc", "one_gpu": True, "pipelined": mode != "staged",
-           "spill": mode == "spilled"}
+           "spill": mode == "spilled", "offset_leases": mode != "spilled"}  # a pinned pool's lease starts at 0
     res = _run_pair(_race_worker, cfg, timeout_s=120.0)
     _report(f"ipc_blocks_one_gpu[{mode}]", {**res["D"], "spilled": res["P"]["spilled"]})
     assert res["D"]["mismatches"] == 0

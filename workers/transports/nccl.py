@@ -303,6 +303,12 @@ class NcclTransport:
         each chunk's gather the compute stream tells the kernel how many rows it may copy
         (`mark_staged`), in place of the event a chunk's send would wait on. Chunk 0's
         gather is already enqueued."""
+        if not staged.on_gpu:  # spilled: every gather, then the whole transfer from a GPU copy
+            for end in ends[1:]:
+                stager.gather_chunk(staged, end)
+            if before_send is not None:
+                before_send()
+            return self._send_blocks_whole(comm, staged, transfer_id)
         per_block = staged.paged.num_layers * staged.paged.pre
         compute = current_stream(self.device)
         with comm.lock:
@@ -329,6 +335,24 @@ class NcclTransport:
                     on_step("gather", ends[k])
         return self._finish(comm, [work], self.stream, "send", transfer_id)
 
+    def _send_blocks_whole(self, comm: IpcCommunicator, staged: StagedTransfer, transfer_id: str) -> Completion:
+        """A staged transfer whose gathers are all enqueued, as one block op (ipc). Spilled
+        staging is first copied back to the GPU, on the current stream after the gathers:
+        the copy kernel reads GPU memory only."""
+        src, keep = staged.tensor, [staged.tensor]
+        if staged.on_gpu:
+            event = None if self.unsafe_skip_event_wait else staged.event_for(staged.num_blocks)
+        else:
+            with torch.cuda.device(self.device):
+                bounce = torch.empty(staged.nbytes, dtype=torch.uint8, device=self.device)
+                bounce.copy_(staged.tensor, non_blocking=True)
+            src, keep, event = bounce, [bounce, staged.tensor], _now(self.device)[0]
+        rows = staged.num_blocks * staged.paged.num_layers * staged.paged.pre
+        with comm.lock:
+            work = comm.send_blocks(comm.next_send, staged.paged, src.data_ptr(), staged.num_blocks, after=[event],
+                                    staged_rows=rows, keep=keep)
+        return self._finish(comm, [work], self.stream, "send", transfer_id)
+
     def send_staged(
         self, peer: str, staged: StagedTransfer, *, first_block: int = 0, last_block: int | None = None,
         bounds: Sequence[int] | None = None, transfer_id: str = "",
@@ -346,12 +370,7 @@ class NcclTransport:
         last = staged.num_blocks if last_block is None else last_block
         if (first_block == 0 and last == staged.num_blocks and isinstance(comm, IpcCommunicator)
                 and comm.takes_blocks(staged.paged, staged.num_blocks)):
-            with comm.lock:  # the whole transfer as one op, once every gather is done
-                event = None if self.unsafe_skip_event_wait else staged.event_for(last)
-                rows = staged.num_blocks * staged.paged.num_layers * staged.paged.pre
-                work = comm.send_blocks(comm.next_send, staged.paged, staged.tensor.data_ptr(), staged.num_blocks,
-                                        after=[event], staged_rows=rows, keep=[staged.tensor])
-            return self._finish(comm, [work], self.stream, "send", transfer_id)
+            return self._send_blocks_whole(comm, staged, transfer_id)
         step = staged.paged.staged_block_nbytes
         data, keep, works = staged.tensor, [], []
         waited: torch.cuda.Event | None = None

@@ -839,9 +839,8 @@ class NcclLink:
                 seq = comm.next_send
                 if comm.receive_kind(seq) != BLOCKS:
                     return None
-                rows = count * blocks.num_layers * blocks.pre
                 work = comm.send_blocks(seq, blocks, lease.base.data_ptr() + start, count, after=[after],
-                                        staged_rows=rows, keep=[lease.base])
+                                        staged=True, keep=[lease.base])
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

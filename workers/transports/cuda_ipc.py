@@ -506,6 +506,11 @@ class _Counters:
     ARENA = 2048  # the peer's block ids, for this side's block sends
     LAYERS = ARENA + _ID_SLOTS * MAX_BLOCKS * 8  # where the peer's layers are mapped here (int64 each)
 
+    @staticmethod
+    def arena(at: int, seq: int) -> int:
+        """Where block send/receive `seq`'s ids go in the arena that starts at `at`."""
+        return at + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+
     def __init__(self, device: torch.device, drv: CudaDriver) -> None:
         self.tensor = torch.zeros(self.LAYERS // 8 + MAX_LAYERS, dtype=torch.int64, device=device)
         self.scratch = self.tensor[192:256]
@@ -637,9 +642,8 @@ class IpcCommunicator(NcclCommunicator):
         if base is None:
             base = self._mapped[desc.handle] = _map_peer(self.drv, desc.handle, self.peer)
         self.sent = seq
-        tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
         self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived,
-                   tally=tally, seq=seq)
+                   tally=self._tally(seq), seq=seq)
 
     # -- a whole staged transfer, straight into the receiver's blocks ----------------------
 
@@ -680,7 +684,7 @@ class IpcCommunicator(NcclCommunicator):
             # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
             # now in this stream's order (every receive waits for its arrival here), and
             # the sender's kernel reads the ids before it tells that arrival.
-            slot = self.peer_arena + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+            slot = _Counters.arena(self.peer_arena, seq)
             self.drv.copy(self._sp, slot, ids.data_ptr(), n * 8)
             box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
                                            kind=BLOCKS, count=n))
@@ -717,6 +721,9 @@ class IpcCommunicator(NcclCommunicator):
     def _progress(self, seq: int) -> int:
         return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
 
+    def _tally(self, seq: int) -> int:
+        return self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
+
     def receive_posted(self, seq: int) -> bool:
         """Whether the peer's receive `seq` is posted (never waits)."""
         return self.page.box.take(self.out, seq) is not None
@@ -728,14 +735,14 @@ class IpcCommunicator(NcclCommunicator):
         return self._descriptor(seq).kind
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
-                    after: Sequence[torch.cuda.Event | None] = (), staged_rows: int | None = None,
+                    after: Sequence[torch.cuda.Event | None] = (), staged: bool = False,
                     keep: Sequence[torch.Tensor] = (), programs: int | None = None) -> Any:
         """Send `num_blocks` staged blocks of `paged`'s shape at address `src` (block-major
         staging, on this GPU or pinned) whole, as send number `seq` (`next_send`, under
         `lock`), straight into the blocks the receiver's BLOCKS receive names. Rows are
         copied as `mark_staged` releases them, so the gathers may still be running (or
-        not yet enqueued) when this returns; or, with `staged_rows`, the first
-        `staged_rows` rows once the events `after` completed (gathers already enqueued).
+        not yet enqueued) when this returns; or, with `staged`, every row once the events
+        `after` completed (gathers already enqueued).
         `keep`: tensors to hold until the send's end.
 
         Raises:
@@ -761,14 +768,13 @@ class IpcCommunicator(NcclCommunicator):
                                  "on both.")
             self.page.box.consume(self.out, seq)
             self._wait_for(after)
-            if staged_rows is not None:
-                self.mark_staged(self.stream, seq, staged_rows)
-            self.sent = seq
             rows = num_blocks * paged.num_layers * paged.pre
-            tally = self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
-            arena = self.counters.addr + _Counters.ARENA + (seq % _ID_SLOTS) * MAX_BLOCKS * 8
+            if staged:
+                self.mark_staged(self.stream, seq, rows)
+            self.sent = seq
+            arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
             args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
-                    self.my_ready, self.peer_arrived, tally, seq, paged.row_nbytes // 8, paged.num_layers, paged.pre)
+                    self.my_ready, self.peer_arrived, self._tally(seq), seq, paged.row_nbytes // 8, paged.num_layers, paged.pre)
             self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             return [*keep, layers]
 

@@ -267,10 +267,7 @@ class NcclTransport:
         with comm.lock:
             for k, end in enumerate(ends):
                 while gathered < min(len(ends), k + 1 + ahead):
-                    programs = None if gathered == 0 else self.gather_programs
-                    if gathered and self.adaptive_gathers:
-                        prev = ends[gathered - 1] - (ends[gathered - 2] if gathered > 1 else 0)
-                        programs = gather_programs_for((ends[gathered] - ends[gathered - 1]) / prev, programs)
+                    programs = None if gathered == 0 else self._later_gather_programs(ends, gathered)
                     stager.gather_chunk(staged, ends[gathered], programs=programs)
                     if on_step is not None:
                         on_step("gather", ends[gathered])
@@ -293,6 +290,15 @@ class NcclTransport:
         assert done is not None
         done.absorb(earlier)  # every chunk's bounce goes once the last send is seen done
         return done
+
+    def _later_gather_programs(self, ends: Sequence[int], k: int) -> int | None:
+        """The grid of chunk k's gather (k >= 1), which runs while earlier chunks move:
+        `gather_programs`, or with `adaptive_gathers` what its size over the previous
+        chunk's needs, at most that."""
+        if not self.adaptive_gathers:
+            return self.gather_programs
+        prev = ends[k - 1] - (ends[k - 2] if k > 1 else 0)
+        return gather_programs_for((ends[k] - ends[k - 1]) / prev, self.gather_programs)
 
     def _gather_and_send_blocks(
         self, comm: IpcCommunicator, stager: Stager, staged: StagedTransfer, ends: list[int],
@@ -318,17 +324,12 @@ class NcclTransport:
             if before_send is not None:
                 before_send()
             # TEST ONLY (`unsafe_skip_event_wait`): every row released at once, gathered or not.
-            everything = staged.num_blocks * per_block if self.unsafe_skip_event_wait else None
             work = comm.send_blocks(seq, staged.paged, staged.tensor.data_ptr(), staged.num_blocks,
-                                    staged_rows=everything, keep=[staged.tensor])
+                                    staged=self.unsafe_skip_event_wait, keep=[staged.tensor])
             if on_step is not None:
                 on_step("send", ends[0])
             for k in range(1, len(ends)):
-                programs = self.gather_programs
-                if self.adaptive_gathers:
-                    prev = ends[k - 1] - (ends[k - 2] if k > 1 else 0)
-                    programs = gather_programs_for((ends[k] - ends[k - 1]) / prev, programs)
-                stager.gather_chunk(staged, ends[k], programs=programs)
+                stager.gather_chunk(staged, ends[k], programs=self._later_gather_programs(ends, k))
                 if not self.unsafe_skip_event_wait:
                     comm.mark_staged(compute, seq, ends[k] * per_block)
                 if on_step is not None:
@@ -347,10 +348,9 @@ class NcclTransport:
                 bounce = torch.empty(staged.nbytes, dtype=torch.uint8, device=self.device)
                 bounce.copy_(staged.tensor, non_blocking=True)
             src, keep, event = bounce, [bounce, staged.tensor], _now(self.device)[0]
-        rows = staged.num_blocks * staged.paged.num_layers * staged.paged.pre
         with comm.lock:
             work = comm.send_blocks(comm.next_send, staged.paged, src.data_ptr(), staged.num_blocks, after=[event],
-                                    staged_rows=rows, keep=keep)
+                                    staged=True, keep=keep)
         return self._finish(comm, [work], self.stream, "send", transfer_id)
 
     def send_staged(

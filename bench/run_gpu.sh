@@ -77,10 +77,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       echo "pytest ($backend backend) skipped: ${left} s left"
     fi
   done
-  # The connector's GPU tests once more over the ipc backend (its own names do not say "ipc").
+  # The connector's GPU tests once more over the ipc backend (its own names do not say "ipc"),
+  # set as a mixed cluster would set it: ipc within a host, direct NCCL between hosts.
   left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
   if [ "$left" -gt 20 ]; then
-    KVBROKER_NCCL_BACKEND=ipc timeout "$left" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
+    KVBROKER_NCCL_BACKEND=ipc,direct timeout "$left" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
       -p no:cacheprovider 2>&1 | tee "$OUT/pytest-connector-ipc.log"
     echo "pytest (the connector over the ipc backend) rc=$?"
   fi

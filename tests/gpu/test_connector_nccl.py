@@ -36,7 +36,9 @@ from tests.connector.test_worker import (
 from tests.support import BrokerProcess, wait_until
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-_ONE_GPU_IPC = _GPUS == 1 and os.environ.get("KVBROKER_NCCL_BACKEND") == "ipc"
+# "ipc" or "ipc,<fallback>": between two workers of one host both build ipc.
+_OVER_IPC = os.environ.get("KVBROKER_NCCL_BACKEND", "").split(",")[0] == "ipc"
+_ONE_GPU_IPC = _GPUS == 1 and _OVER_IPC
 P_GPU, D_GPU = "cuda:0", "cuda:0" if _ONE_GPU_IPC else "cuda:1"
 two_gpus = pytest.mark.skipif(_GPUS < 2 and not _ONE_GPU_IPC, reason="needs 2 CUDA GPUs (or 1 with the ipc backend)")
 pytestmark = [pytest.mark.gpu, two_gpus]
@@ -400,7 +402,7 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
         d.close()
 
 
-@pytest.mark.skipif(os.environ.get("KVBROKER_NCCL_BACKEND") != "ipc", reason="the ipc backend's own path")
+@pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
 def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProcess,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Over the ipc backend D posts each transfer as one receive into its blocks: nothing

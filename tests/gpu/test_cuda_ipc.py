@@ -48,7 +48,7 @@ def test_a_peer_on_another_host_or_without_the_page_is_refused_with_what_to_use(
 
     cache = _cache()
     info = {"backend": "ipc", "page": "/dev/shm/kvbroker-ipc-none", "boot": "another-boot", "nonce": "n", "for": ""}
-    with pytest.raises(RendezvousError, match="another host.*use the direct backend between hosts"):
+    with pytest.raises(RendezvousError, match="different hosts.*use the direct backend between hosts"):
         connect_ipc(cache, "p:0", info)
     with pytest.raises(RendezvousError, match="both workers need the same /dev/shm, or use the direct backend"):
         connect_ipc(cache, "p:0", {**info, "boot": boot_id()})
@@ -236,34 +236,6 @@ def test_a_send_whose_receiver_gave_up_writes_nothing() -> None:
     assert out["P"]["comm_mem_bytes"] == 0 and out["D"]["comm_mem_bytes"] == 0
 
 
-def _one_gpu_side(role: str, outbox: Any, inbox: Any, results: Any) -> None:
-    """50 sends of distinct tensors, P and D both on cuda:0; D counts the exact ones."""
-    try:
-        from workers.transports.nccl import (
-            CommunicatorCache,
-            NcclTransport,
-            QueueRendezvous,
-        )
-
-        torch.cuda.set_device(0)
-        cache = CommunicatorCache(role, "cuda:0", QueueRendezvous(outbox, inbox, timeout_s=30), backend="ipc")
-        transport = NcclTransport(cache)
-        exact = 0
-        for i in range(50):
-            x = torch.arange(1 << 20, device="cuda:0", dtype=torch.int32) * (i + 1)
-            if role == "P":
-                transport.send_tensors("D", [x]).wait(time.monotonic() + 10)
-            else:
-                y = torch.zeros_like(x)
-                transport.recv_tensors("P", [y]).wait(time.monotonic() + 10)
-                exact += bool(torch.equal(y, x))
-        comm = cache.current("D" if role == "P" else "P")
-        results.put((role, {"exact": exact, "same_process": getattr(comm, "same_process", None)}))
-        cache.close()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        results.put((role, {"error": traceback.format_exc()}))
-
-
 @pytest.mark.gpu
 @one_gpu
 @pytest.mark.parametrize("ends", ["two processes", "one process"])
@@ -276,13 +248,95 @@ def test_both_ends_on_one_gpu_in_two_processes_or_in_one(ends: str) -> None:
     ctx = mp.get_context("spawn")
     to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     kind: Any = ctx.Process if ends == "two processes" else threading.Thread
-    workers = [kind(target=_one_gpu_side, args=("P", to_d, to_p, results)),
-               kind(target=_one_gpu_side, args=("D", to_p, to_d, results))]
+    cfg = {"backend": "ipc", "other_host": False, "devices": {"P": 0, "D": 0}, "sends": 50}
+    workers = [kind(target=_pair_side, args=("P", to_d, to_p, results, cfg)),
+               kind(target=_pair_side, args=("D", to_p, to_d, results, cfg))]
     for w in workers:
         w.start()
     out = dict(results.get(timeout=120) for _ in workers)
     for w in workers:
         w.join(30)
     assert "error" not in out["P"] and "error" not in out["D"], out
-    assert out["D"]["exact"] == 50
+    assert out["D"]["exact"] == 50 and out["D"]["backend"] == "ipc"
     assert out["D"]["same_process"] is (ends == "one process")
+
+
+def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """`cfg["sends"]` (20) sends of distinct tensors over `cfg["backend"]`; D counts the
+    exact ones, and may run as if on another host (only where P and D are two processes).
+    Each side reports what it built, or why it could not."""
+    try:
+        from workers.transports import cuda_ipc
+        from workers.transports.nccl import CommunicatorCache, NcclTransport, QueueRendezvous
+
+        if role == "D" and cfg["other_host"]:
+            cuda_ipc.boot_id = lambda: "another-host"  # this process alone: P keeps the real one
+        device = torch.device("cuda", cfg["devices"][role])
+        torch.cuda.set_device(device)
+        cache = CommunicatorCache(role, device, QueueRendezvous(outbox, inbox, timeout_s=60),
+                                  backend=cfg["backend"], connect_timeout_s=60)
+        transport = NcclTransport(cache)
+        res: dict[str, Any] = {"exact": 0}
+        start = time.monotonic()
+        try:
+            for i in range(cfg.get("sends", 20)):
+                x = torch.arange(1 << 20, device=device, dtype=torch.int32) * (i + 1)
+                if role == "P":
+                    transport.send_tensors("D", [x]).wait(time.monotonic() + 30)
+                else:
+                    y = torch.zeros_like(x)
+                    transport.recv_tensors("P", [y]).wait(time.monotonic() + 30)
+                    res["exact"] += bool(torch.equal(y, x))
+        except RendezvousError as exc:
+            res["refused"], res["refused_after_s"] = str(exc), time.monotonic() - start
+        comm = cache.current("D" if role == "P" else "P")
+        res["backend"] = None if comm is None else comm.backend
+        res["same_process"] = getattr(comm, "same_process", None)
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+def _run_choice(cfg: dict[str, Any]) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    workers = [ctx.Process(target=_pair_side, args=("P", to_d, to_p, results, cfg)),
+               ctx.Process(target=_pair_side, args=("D", to_p, to_d, results, cfg))]
+    for w in workers:
+        w.start()
+    out = dict(results.get(timeout=150) for _ in workers)
+    for w in workers:
+        w.join(30)
+    assert "error" not in out["P"] and "error" not in out["D"], out
+    return out
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_ipc_with_a_fallback_builds_ipc_on_one_host() -> None:
+    out = _run_choice({"backend": "ipc,direct", "other_host": False, "devices": {"P": 0, "D": 0}})
+    assert out["P"]["backend"] == out["D"]["backend"] == "ipc"
+    assert out["D"]["exact"] == 20
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_ipc_to_another_host_fails_on_both_sides_at_once_naming_the_fallback() -> None:
+    """D declines, so P fails with D's reason at once, not at its 60 s connect deadline."""
+    out = _run_choice({"backend": "ipc", "other_host": True, "devices": {"P": 0, "D": 0}})
+    for role in ("P", "D"):
+        assert "D and P run on different hosts" in out[role].get("refused", ""), out
+        assert "KVBROKER_NCCL_BACKEND=ipc,direct" in out[role]["refused"]
+        assert out[role]["refused_after_s"] < 30, out
+        assert out[role]["backend"] is None
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_ipc_with_a_fallback_builds_direct_nccl_to_another_host() -> None:
+    out = _run_choice({"backend": "ipc,direct", "other_host": True, "devices": {"P": 0, "D": 1}})
+    assert out["P"]["backend"] == out["D"]["backend"] == "direct"
+    assert out["D"]["exact"] == 20 and "refused" not in out["P"]

@@ -182,7 +182,8 @@ def test_ipc_payloads_parse_and_bad_pages_are_refused() -> None:
     page_path = os.path.join(SHM_DIR, f"{IPC_PAGE_PREFIX}ab12")
     info = parse_payload(json.dumps({"v": 3, "backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n",
                                      "for": "t1"}).encode())
-    assert info == {"backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n", "for": "t1"}
+    assert info == {"backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n", "for": "t1",
+                    "fallback": ""}
     for bad in ("/etc/passwd", os.path.join(SHM_DIR, "other"), f"{SHM_DIR}/../tmp/{IPC_PAGE_PREFIX}x", 7):
         with pytest.raises(RendezvousError, match="unusable"):
             parse_payload(json.dumps({"v": 3, "backend": "ipc", "page": bad, "boot": "b", "nonce": "n"}).encode())

@@ -6,13 +6,22 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 
 from protocols.errors import RendezvousError
 from workers.transports import nccl_lib
 from tests.support import wait_until
-from workers.transports.nccl_setup import TORCH_NCCL_QUIET, parse_payload, quiet_torch_nccl, resolve_backend
+from workers.transports.nccl_setup import (
+    TORCH_NCCL_QUIET,
+    await_join,
+    decline,
+    join,
+    parse_payload,
+    quiet_torch_nccl,
+    resolve_backend,
+)
 
 
 def test_payloads_of_both_backends_parse() -> None:
@@ -23,6 +32,18 @@ def test_payloads_of_both_backends_parse() -> None:
     assert torch_store == {"backend": "torch", "host": "10.0.0.2", "port": 29500, "nonce": "n2", "for": ""}
     built = parse_payload(json.dumps({"v": 2, "backend": "direct", "id": uid.hex(), "nonce": "n3", "for": "t7"}).encode())
     assert built["for"] == "t7"
+    assert parse_payload(ipc_payload("n4", "t8", fallback="direct")) == {
+        "backend": "ipc", "page": "/dev/shm/kvbroker-ipc-n4", "boot": "another-boot", "nonce": "n4", "for": "t8",
+        "fallback": "direct"}
+    assert parse_payload(ipc_payload("n5", "t8"))["fallback"] == "", "an initiator that names no fallback"
+
+
+def ipc_payload(nonce: str, purpose: str, fallback: str | None = None, boot: str = "another-boot") -> bytes:
+    info = {"v": 3, "backend": "ipc", "page": f"/dev/shm/kvbroker-ipc-{nonce}", "boot": boot, "nonce": nonce,
+            "for": purpose}
+    if fallback is not None:
+        info["fallback"] = fallback
+    return json.dumps(info).encode()
 
 
 def direct_payload(nonce: str, purpose: str | None) -> bytes:
@@ -82,6 +103,7 @@ def test_an_acceptor_joins_only_a_build_for_its_own_transfer(monkeypatch: pytest
         json.dumps({"v": 1, "host": "h", "port": "29500", "nonce": "n"}).encode(),  # a port as text
         json.dumps({"v": 1, "host": "h", "port": 1}).encode(),  # no nonce
         json.dumps({"v": 3, "nonce": "n"}).encode(),
+        ipc_payload("n", "", fallback="mpi"),  # a fallback no backend is
     ],
 )
 def test_bad_payloads_are_refused_with_what_was_sent(payload: bytes) -> None:
@@ -104,6 +126,74 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             resolve_backend("direct")
     else:
         assert resolve_backend() == "direct"
+    for choice in ("direct,ipc", "torch,direct", "ipc,ipc", "ipc,mpi"):
+        with pytest.raises(ValueError, match=r"names a fallback that cannot apply: only ipc may be declined.*'ipc,direct'"):
+            resolve_backend(choice)
+    monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "ipc,torch")
+    from workers.transports import cuda_ipc
+
+    if cuda_ipc.driver() is None:  # each backend of the choice must be usable here
+        with pytest.raises(ValueError, match="the ipc backend needs the CUDA driver"):
+            resolve_backend()
+    else:
+        assert resolve_backend() == "ipc,torch"
+
+
+def test_an_acceptor_on_another_host_declines_ipc_and_joins_the_fallback_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P asks for ipc with direct as its fallback; D runs on another host: D answers with
+    the reason (so P need not wait out its connect deadline) and then joins P's direct
+    build for the same transfer. Without a fallback, D's build fails with that reason."""
+    import multiprocessing as mp
+
+    from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
+    from workers.transports.nccl_setup import IpcDeclined
+
+    ctx = mp.get_context("spawn")
+    to_d, to_p = ctx.Queue(), ctx.Queue()
+    cache = CommunicatorCache("d:0", "cpu", QueueRendezvous(to_p, to_d, timeout_s=5), backend="torch")
+    joined: list[str] = []
+    monkeypatch.setattr(cache, "_connect_direct",  # the NCCL init itself needs GPUs
+                        lambda peer, info, cancelled=None, purpose="": joined.append(info["nonce"]) or info["nonce"])
+    key = CommunicatorCache.key("p:0", "d:0")
+    to_d.put((key, ipc_payload("ipc-1", "t1", fallback="direct")))
+    got: list[str] = []
+    acceptor = threading.Thread(target=lambda: got.append(cache._connect("p:0", False, None, None, "t1")))
+    acceptor.start()
+    answer_key, answer = to_p.get(timeout=10)
+    assert answer_key == f"{key}/joined"
+    assert answer.decode().startswith("ipc-1 declined: d:0 and p:0 run on different hosts: ")
+    assert "KVBROKER_NCCL_BACKEND=ipc,direct" in answer.decode()
+    to_d.put((key, direct_payload("direct-1", "t1")))
+    acceptor.join(10)
+    assert got == ["direct-1"] and joined == ["direct-1"]
+    to_d.put((key, ipc_payload("ipc-2", "t2")))  # no fallback named
+    with pytest.raises(IpcDeclined, match="run on different hosts") as info:
+        cache._connect("p:0", False, None, None, "t2")
+    assert isinstance(info.value, RendezvousError) and info.value.fallback == ""
+    assert to_p.get(timeout=10)[1].startswith(b"ipc-2 declined: ")
+    assert joined == ["direct-1"]
+
+
+def test_an_initiator_reads_a_join_or_a_decline_of_its_own_build() -> None:
+    """Answers to older builds of the pair are skipped; a decline carries its reason."""
+    import multiprocessing as mp
+
+    from workers.transports.nccl_comm import QueueRendezvous
+
+    ctx = mp.get_context("spawn")
+    to_p, to_d = ctx.Queue(), ctx.Queue()
+    p_side, d_side = QueueRendezvous(to_d, to_p, timeout_s=0.5), QueueRendezvous(to_p, to_d, timeout_s=5)
+    key = "nccl/p:0>d:0"
+    far = time.monotonic() + 30
+    join(d_side, "p:0", key, "old")
+    join(d_side, "p:0", key, "n1")
+    assert await_join(p_side, "d:0", key, "n1", None, far, "IPC") is None
+    decline(d_side, "p:0", key, "old", "an older build")
+    decline(d_side, "p:0", key, "n2", "d:0 and p:0 run on different hosts.")
+    assert await_join(p_side, "d:0", key, "n2", None, far, "IPC") == "d:0 and p:0 run on different hosts."
+    join(d_side, "p:0", key, "old")
+    with pytest.raises(RendezvousError, match="d:0 did not join IPC rendezvous n3 in time"):
+        await_join(p_side, "d:0", key, "n3", None, time.monotonic(), "IPC")
 
 
 def test_torch_debugging_is_switched_off_unless_the_operator_set_it(monkeypatch: pytest.MonkeyPatch) -> None:

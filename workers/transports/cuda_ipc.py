@@ -52,8 +52,10 @@ How one op pairs:
   check `closed` after an op's end (the connector does).
 
 Set up through the same rendezvous as the NCCL backends: the initiator creates the page
-(a file in /dev/shm) and publishes ``{"v": 3, "backend": "ipc", "page", "boot"}``; the
-acceptor checks it runs on the same host (the boot id), maps the page, answers; each
+(a file in /dev/shm) and publishes ``{"v": 3, "backend": "ipc", "page", "boot", "fallback"}``;
+the acceptor checks it runs on the same host (the boot id), maps the page, answers; or
+it declines, saying why, and the initiator builds its fallback ("ipc,direct": direct
+NCCL between hosts) or fails at once with that reason; each
 side writes where its counters are into the page before it publishes or answers; then
 both map the other's counters and run a small exchange each way, which also proves each
 side can map the other's memory.
@@ -87,7 +89,7 @@ from .ipc_mailbox import (
     group_steps,
 )
 from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
-from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR
+from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR, IpcDeclined, await_join, decline, join
 
 if TYPE_CHECKING:  # pragma: no cover
     from workers.gpu_staging import PagedKv
@@ -888,16 +890,25 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
     `CommunicatorCache._connect_direct` does a direct one.
 
     Raises:
-        RendezvousError: the peer is on another host, cannot share the page, did not
-            answer in time, or the warm-up exchange failed.
+        IpcDeclined: the two cannot share the page (different hosts, no common /dev/shm,
+            no CUDA driver on the acceptor). The acceptor tells the initiator so before it
+            raises, and both raise it with the initiator's fallback, which
+            `CommunicatorCache._connect` then builds ("" none: the error stands, on both
+            sides at once rather than at the initiator's connect deadline).
+        RendezvousError: the peer did not answer in time, or the warm-up exchange failed.
     """
+    key = cache.key(cache.local_id, peer) if info is None else cache.key(peer, cache.local_id)
+    deadline = time.monotonic() + cache.connect_timeout_s
+    if info is not None:  # acceptor: whether it can share the initiator's page at all, before any GPU work
+        page, why = _join_page(info, cache.local_id, peer)
+        if page is None:
+            decline(cache.rendezvous, peer, key, info["nonce"], why)
+            raise IpcDeclined(why, info.get("fallback", ""))
     drv = driver()
-    if drv is None:
+    if drv is None:  # an initiator's (an acceptor's was checked with the page)
         raise RendezvousError(f"the ipc backend with {peer} needs the CUDA driver: {driver_error()}")
     device = cache.device
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    key = cache.key(cache.local_id, peer) if info is None else cache.key(peer, cache.local_id)
-    deadline = time.monotonic() + cache.connect_timeout_s
     torch.cuda.set_device(device)
     ctx = drv.primary_context(ordinal)
     counters = _Counters(device, drv)
@@ -909,14 +920,13 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
         page = _Page(path, create=True)
         try:
             page.box.publish_flags(rank, where)
-            cache.rendezvous.publish(peer, key, json.dumps(
-                {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}).encode())
-            while True:
-                ack = cache.rendezvous.receive(peer, f"{key}/joined", cancelled)
-                if ack.decode(errors="replace") == nonce:
-                    break
-                if time.monotonic() >= deadline:
-                    raise RendezvousError(f"{peer} did not join IPC rendezvous {nonce} in time.")
+            offer = {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}
+            if cache.fallback:
+                offer["fallback"] = cache.fallback
+            cache.rendezvous.publish(peer, key, json.dumps(offer).encode())
+            declined = await_join(cache.rendezvous, peer, key, nonce, cancelled, deadline, "IPC")
+            if declined is not None:
+                raise IpcDeclined(declined, cache.fallback)
         except BaseException:
             page.close()
             raise
@@ -924,16 +934,8 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
             os.unlink(path)  # both sides have it mapped (or it is not needed): no file stays behind
     else:
         nonce = info["nonce"]
-        if info["boot"] != boot_id():
-            raise RendezvousError(f"{peer} runs on another host: the ipc backend moves bytes only between GPUs "
-                                  "of one host; use the direct backend between hosts.")
-        try:
-            page = _Page(info["page"], create=False)
-        except (OSError, MailboxError) as exc:
-            raise RendezvousError(f"cannot share {peer}'s IPC page {info['page']} ({exc}); both workers need the "
-                                  f"same {SHM_DIR}, or use the direct backend.") from exc
         page.box.publish_flags(rank, where)
-        cache.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
+        join(cache.rendezvous, peer, key, nonce)
     theirs = page.box.flags_of(1 - rank)
     try:
         if theirs is None:
@@ -963,6 +965,22 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
         raise RendezvousError(f"the IPC warm-up exchange with {peer} (rendezvous {nonce}) failed: {exc}") from exc
     log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="ipc", mem_mib=0.0)
     return comm
+
+
+def _join_page(info: dict[str, Any], local: str, peer: str) -> tuple[_Page | None, str]:
+    """The acceptor's side of an ipc build: the initiator's page, mapped, or why this
+    worker cannot share it, in one sentence that holds on both sides."""
+    if info["boot"] != boot_id():
+        return None, (f"{local} and {peer} run on different hosts: the ipc backend moves bytes only between "
+                      "GPUs of one host; use the direct backend between hosts, or KVBROKER_NCCL_BACKEND=ipc,direct "
+                      "on the prefill side for ipc within a host and direct between hosts.")
+    if driver() is None:
+        return None, f"{local} cannot use the ipc backend ({driver_error()}); use the direct backend."
+    try:
+        return _Page(info["page"], create=False), ""
+    except (OSError, MailboxError) as exc:
+        return None, (f"{local} cannot share {peer}'s IPC page {info['page']} ({exc}); both workers need the "
+                      f"same {SHM_DIR}, or use the direct backend.")
 
 
 def _warm_up(comm: Any, deadline: float) -> None:

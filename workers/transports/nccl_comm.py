@@ -23,7 +23,17 @@ import torch
 
 from protocols.errors import KvBrokerError, RecvTimeout, RendezvousError, SendTimeout
 
-from .nccl_setup import HIGH_PRIORITY, init_direct, master_store, new_torch_group, parse_payload, resolve_backend
+from .nccl_setup import (
+    HIGH_PRIORITY,
+    IpcDeclined,
+    await_join,
+    init_direct,
+    join,
+    master_store,
+    new_torch_group,
+    parse_payload,
+    resolve_backend,
+)
 
 log = structlog.get_logger()
 
@@ -502,7 +512,9 @@ class CommunicatorCache:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, not {capacity}.")
-        self.backend = resolve_backend(backend)
+        # What this side builds as initiator, and what instead when the peer declines it
+        # ("ipc,direct": ipc within a host, direct between hosts).
+        self.backend, _, self.fallback = resolve_backend(backend).partition(",")
         self.local_id, self.device, self.rendezvous = local_id, torch.device(device), rendezvous
         self.capacity, self.advertise_host = capacity, advertise_host
         self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
@@ -656,13 +668,31 @@ class CommunicatorCache:
     def _connect(
         self, peer: str, initiator: bool, payload: bytes | None, cancelled: threading.Event | None, purpose: str = "",
     ) -> NcclCommunicator:
-        info = None
-        if not initiator:
-            key = self.key(peer, self.local_id)
-            info = None if payload is None else parse_payload(payload)
-            while info is None or not _built_for(info, purpose):  # builds for other transfers are left
-                info = parse_payload(self.rendezvous.receive(peer, key, cancelled))
-        backend = info["backend"] if info is not None else self.backend
+        info = None if initiator else self._build_for(peer, payload, cancelled, purpose)
+        try:
+            return self._connect_over(info["backend"] if info is not None else self.backend, peer, info, cancelled,
+                                      purpose)
+        except IpcDeclined as exc:
+            if not exc.fallback:
+                raise
+            log.info("nccl.ipc_declined", peer=peer, reason=str(exc), fallback=exc.fallback, initiator=initiator)
+            if initiator:
+                return self._connect_over(exc.fallback, peer, None, cancelled, purpose)
+            info = self._build_for(peer, None, cancelled, purpose)  # the initiator's fallback build
+            return self._connect_over(info["backend"], peer, info, cancelled, purpose)
+
+    def _build_for(self, peer: str, payload: bytes | None, cancelled: threading.Event | None,
+                   purpose: str) -> dict[str, Any]:
+        """Acceptor: the initiator's rendezvous data for a build this side may join
+        (`payload`, if given and usable); builds for other transfers are left."""
+        key = self.key(peer, self.local_id)
+        info = None if payload is None else parse_payload(payload)
+        while info is None or not _built_for(info, purpose):
+            info = parse_payload(self.rendezvous.receive(peer, key, cancelled))
+        return info
+
+    def _connect_over(self, backend: str, peer: str, info: dict[str, Any] | None,
+                      cancelled: threading.Event | None, purpose: str) -> NcclCommunicator:
         if backend == "direct":
             return self._connect_direct(peer, info, cancelled, purpose)
         if backend == "ipc":
@@ -688,16 +718,13 @@ class CommunicatorCache:
             self.rendezvous.publish(peer, key, json.dumps(
                 {"v": 2, "backend": "direct", "id": uid.hex(), "nonce": nonce, "for": purpose}).encode())
             # ncclCommInitRank blocks until the peer joins: start it once the peer is there.
-            while True:
-                ack = self.rendezvous.receive(peer, f"{key}/joined", cancelled)
-                if ack.decode(errors="replace") == nonce:
-                    break
-                if time.monotonic() >= deadline:  # only stale acks of older generations
-                    raise RendezvousError(f"{peer} did not join NCCL rendezvous {nonce} in time.")
+            declined = await_join(self.rendezvous, peer, key, nonce, cancelled, deadline, "NCCL")
+            if declined is not None:
+                raise RendezvousError(f"{peer} declined NCCL rendezvous {nonce}: {declined}")
             rank = 0
         else:
             uid, nonce, rank = info["id"], info["nonce"], 1
-            self.rendezvous.publish(peer, f"{key}/joined", nonce.encode())
+            join(self.rendezvous, peer, key, nonce)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         handle = init_direct(lib, uid, rank, self.device, deadline, peer, nonce)
         mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])

@@ -21,6 +21,8 @@ from protocols.errors import RendezvousError
 log = structlog.get_logger()
 
 BACKENDS = ("direct", "torch", "ipc")
+FALLBACKS = ("direct", "torch")  # what "ipc,<fallback>" may build with a peer that declines ipc
+_DECLINED = " declined: "  # an acceptor's answer that refuses a build: "<nonce> declined: <reason>"
 
 # Where the ipc backend's shared page lives while two workers set up (`cuda_ipc`).
 SHM_DIR = "/dev/shm"
@@ -35,14 +37,33 @@ def resolve_backend(backend: str | None = None) -> str:
     """The communicator backend to use: `backend`, else `KVBROKER_NCCL_BACKEND`, else
     "direct" when the NCCL library loads, else "torch".
 
-    Raises:
-        ValueError: an unknown name, or "direct" asked for without a loadable library.
-    """
-    from workers.transports import nccl_lib
+    "ipc,direct" (or "ipc,torch") asks for ipc and names what to build instead with a
+    peer that declines it: one on another host, or one that cannot map this host's
+    shared page. Only ipc can be declined, so only ipc may name a fallback.
 
+    Raises:
+        ValueError: an unknown name, a fallback after anything but ipc, or a backend
+            asked for whose library or driver is missing here.
+    """
     name = backend or os.environ.get("KVBROKER_NCCL_BACKEND", "") or None
     if name is None:
+        from workers.transports import nccl_lib
+
         return "direct" if nccl_lib.load() is not None else "torch"
+    first, _, fallback = name.replace(" ", "").partition(",")
+    if fallback and (first != "ipc" or fallback not in FALLBACKS):
+        raise ValueError(
+            f"NCCL backend {name!r} names a fallback that cannot apply: only ipc may be declined by a peer, "
+            "so use one backend, or 'ipc,direct' (or 'ipc,torch') for ipc within a host and NCCL between hosts."
+        )
+    for each in (first, fallback) if fallback else (first,):
+        _check_backend(each)
+    return f"{first},{fallback}" if fallback else first
+
+
+def _check_backend(name: str) -> None:
+    from workers.transports import nccl_lib
+
     if name not in BACKENDS:
         raise ValueError(f"unknown NCCL backend {name!r}; use one of {BACKENDS}.")
     if name == "direct" and nccl_lib.load() is None:
@@ -52,7 +73,47 @@ def resolve_backend(backend: str | None = None) -> str:
 
         if cuda_ipc.driver() is None:
             raise ValueError(f"the ipc backend needs the CUDA driver: {cuda_ipc.driver_error()}")
-    return name
+
+
+class IpcDeclined(RendezvousError):
+    """The peer cannot share an ipc communicator (another host, no shared page): the
+    message says why; `fallback` names the backend the initiator builds instead ("" none)."""
+
+    def __init__(self, reason: str, fallback: str) -> None:
+        super().__init__(reason)
+        self.fallback = fallback
+
+
+def await_join(rendezvous: Any, peer: str, key: str, nonce: str, cancelled: threading.Event | None,
+               deadline: float, what: str) -> str | None:
+    """The initiator's wait for the acceptor's answer to build `nonce` under `key`: None
+    once it joined, else the reason it declined (`decline`). Answers to older builds of
+    the pair (their acks come late) are skipped until `deadline`.
+
+    Raises:
+        RendezvousError: no answer to this build by `deadline`, or the wait was cancelled.
+    """
+    declined = f"{nonce}{_DECLINED}"
+    while True:
+        answer = rendezvous.receive(peer, f"{key}/joined", cancelled).decode(errors="replace")
+        if answer == nonce:
+            return None
+        if answer.startswith(declined):
+            return answer[len(declined):]
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"{peer} did not join {what} rendezvous {nonce} in time.")
+
+
+def join(rendezvous: Any, peer: str, key: str, nonce: str) -> None:
+    """The acceptor's answer to build `nonce`: it joins."""
+    rendezvous.publish(peer, f"{key}/joined", nonce.encode())
+
+
+def decline(rendezvous: Any, peer: str, key: str, nonce: str, reason: str) -> None:
+    """The acceptor's answer to build `nonce`: it cannot, and `reason` says why in one
+    sentence; the initiator then builds its fallback, or fails at once with `reason`
+    instead of at its connect deadline."""
+    rendezvous.publish(peer, f"{key}/joined", f"{nonce}{_DECLINED}{reason}".encode()[:2000])
 
 
 def init_direct(lib: Any, uid: bytes, rank: int, device: torch.device, deadline: float, peer: str,
@@ -135,8 +196,9 @@ def master_store(host: str, timeout: timedelta) -> Any:
 
 def parse_payload(payload: bytes) -> dict[str, Any]:
     """A rendezvous payload: v1 a torch store address, v2 a direct NCCL unique id, v3 an
-    ipc page (its path and the host's boot id). Each may name the transfer it was built
-    for ("for"; "" any, as older peers send)."""
+    ipc page (its path, the host's boot id, and the backend the initiator builds instead
+    if the acceptor declines: "fallback", "" none). Each may name the transfer it was
+    built for ("for"; "" any, as older peers send)."""
     try:
         info = json.loads(payload)
         if not isinstance(info.get("nonce"), str) or not isinstance(info.get("for", ""), str):
@@ -153,7 +215,11 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
                 raise ValueError("bad ipc fields")
             if os.path.dirname(page) != SHM_DIR or not os.path.basename(page).startswith(IPC_PAGE_PREFIX):
                 raise ValueError(f"an ipc page lies in {SHM_DIR} and is named {IPC_PAGE_PREFIX}*, not {page!r}")
-            return {"backend": "ipc", "page": page, "boot": boot, "nonce": info["nonce"], "for": purpose}
+            fallback = info.get("fallback", "")
+            if fallback not in ("", *FALLBACKS):
+                raise ValueError(f"an ipc build falls back to one of {FALLBACKS}, not {fallback!r}")
+            return {"backend": "ipc", "page": page, "boot": boot, "nonce": info["nonce"], "for": purpose,
+                    "fallback": fallback}
         if info.get("v") != 1 or not isinstance(info["port"], int):
             raise ValueError("bad fields")
         return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"],

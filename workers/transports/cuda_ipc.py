@@ -351,6 +351,30 @@ def _blocks_kernel() -> Any:
     return _KERNEL[1]
 
 
+def copy_shape(src: int, dst: int, nbytes: int, programs: int) -> tuple[int, int, bool]:
+    """`ipc_copy`'s grid, count and width for `nbytes` from `src` to `dst`: 8-byte words
+    where the size and both addresses allow, else bytes; at most `programs` programs, and
+    no more than there are steps of `_COPY_BLOCK` to copy."""
+    wide = src % 8 == 0 and dst % 8 == 0 and nbytes % 8 == 0
+    count = nbytes // 8 if wide else nbytes
+    return max(1, min(programs, -(-count // _COPY_BLOCK))), count, wide
+
+
+def block_grid(programs: int, args: tuple[int, ...]) -> int:
+    """`ipc_blocks`' programs: at most `programs`, and none without a row (args[4]) to copy."""
+    return max(1, min(programs, args[4]))
+
+
+def block_args(seq: int, *, src: int, layers: int, ids: int, num_cache_blocks: int, progress: int, ready: int,
+               arrived: int, tally: int, shape: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """`ipc_blocks`' run-time arguments for send `seq`, in its order: addresses (staging,
+    the receiver's layer addresses, its block ids, this send's progress word, the
+    counters) and `shape`, the transfer's (blocks, layers, rows a block, bytes a row)."""
+    num_blocks, num_layers, pre, row_nbytes = shape
+    return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, progress, seq << 32, ready, arrived,
+            tally, seq, row_nbytes // 8, num_layers, pre)
+
+
 class _Copier:
     """Launches the copy kernel on a given stream. The first launch of each variant goes
     through Triton (which compiles it); later ones call the compiled kernel directly,
@@ -364,9 +388,7 @@ class _Copier:
 
     def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, *, ready: int, arrived: int,
                  tally: int, seq: int) -> None:
-        wide = src % 8 == 0 and dst % 8 == 0 and nbytes % 8 == 0
-        count = nbytes // 8 if wide else nbytes
-        grid = max(1, min(COPY_PROGRAMS, -(-count // _COPY_BLOCK)))
+        grid, count, wide = copy_shape(src, dst, nbytes, COPY_PROGRAMS)
         kernel = self.compiled.get(wide)
         if kernel is not None and self.fast:
             kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
@@ -432,7 +454,7 @@ class _BlockCopier:
         self.compiled: Any = None
 
     def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, programs: int, fast: bool) -> None:
-        grid = max(1, min(programs, args[4]))  # args[4]: the rows
+        grid = block_grid(programs, args)
         kernel = self.compiled
         if kernel is not None and fast:
             kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
@@ -452,7 +474,8 @@ class _BlockCopier:
             scratch.zero_()
             scratch[0] = 1  # `ready` for send 1
             torch.cuda.current_stream(self.device).synchronize()
-            self(stream, (word, word, word, 1, 0, word + 8, 1 << 32, word, word + 16, word + 24, 1, 8, 1, 1),
+            self(stream, block_args(1, src=word, layers=word, ids=word, num_cache_blocks=1, progress=word + 8,
+                                    ready=word, arrived=word + 16, tally=word + 24, shape=(0, 1, 1, 64)),
                  programs=1, fast=False)
             stream.synchronize()
             scratch.zero_()
@@ -775,8 +798,9 @@ class IpcCommunicator(NcclCommunicator):
                 self.mark_staged(self.stream, seq, rows)
             self.sent = seq
             arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
-            args = (src, layers.data_ptr(), arena, table.num_blocks, rows, self._progress(seq), seq << 32,
-                    self.my_ready, self.peer_arrived, self._tally(seq), seq, paged.row_nbytes // 8, paged.num_layers, paged.pre)
+            args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
+                              progress=self._progress(seq), ready=self.my_ready, arrived=self.peer_arrived,
+                              tally=self._tally(seq), shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
             self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             return [*keep, layers]
 

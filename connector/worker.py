@@ -94,6 +94,27 @@ def compat_hash(fields: dict[str, str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def allow_amx_tiles(attention: str) -> bool:
+    """Ask Linux for the AMX tile state when vLLM's CPU attention runs its AMX kernel
+    (`attention` is `EngineInfo.backend`, "CPU_ATTN/amx"); whether it was granted.
+
+    vLLM picks that kernel when the CPU has AMX tiles, but its check does not ask the
+    kernel for the tiles' state (arch_prctl ARCH_REQ_XCOMP_PERM); until something in the
+    process does (oneDNN does at its first AMX matmul, in a long prefill), the first tile
+    instruction kills the process with SIGILL. A decode instance fed by this connector
+    starts with the one-token queries of loaded prompts and got there first: asked here,
+    before the first step. Asking again changes nothing.
+    """
+    if attention != "CPU_ATTN/amx":
+        return False
+    granted = bool(torch.cpu._init_amx())
+    if not granted:
+        structlog.get_logger("kvbroker.connector").warning(
+            "connector.amx_denied", attention=attention,
+            hint="Linux refused the AMX tile state, and vLLM's AMX attention will fail; serve with --dtype float32")
+    return granted
+
+
 class ConnectorWorker:
     """One worker process's half of the connector (see the module docstring)."""
 
@@ -169,6 +190,8 @@ class ConnectorWorker:
         self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport)
         if nccl:
             self.paged = self._triton_copies(first)
+        else:
+            allow_amx_tiles(self.info.backend)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes
         # nccl: the pool lives on the caches' GPU, so gathers, sends, receives and
         # scatters never leave it.

@@ -1215,3 +1215,37 @@ def test_a_cache_the_transport_cannot_move_is_refused_before_registering() -> No
     with pytest.raises(ConfigError, match='the "nccl" transport moves GPU KV caches: set transport "tcp"'):
         ConnectorWorker(config, info).register_kv_caches(make_caches())
     assert tcp.client is None
+
+
+_AMX_PROBE = """
+import ctypes, json, sys
+from connector.worker import allow_amx_tiles
+
+def tiles_allowed():
+    state = ctypes.c_ulong(0)
+    ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(state))  # arch_prctl(ARCH_GET_XCOMP_PERM)
+    return bool(state.value & (1 << 18))  # XTILEDATA
+
+steps = [tiles_allowed(), allow_amx_tiles("CPU_ATTN/vec"), tiles_allowed(), allow_amx_tiles("CPU_ATTN/amx"),
+         tiles_allowed()]
+print(json.dumps(steps))
+"""
+
+
+def test_a_cpu_worker_asks_for_amx_tile_state_when_vllm_attends_with_amx() -> None:
+    """vLLM's CPU attention runs AMX tiles when the CPU has them, without asking Linux for
+    their state; a decode worker whose first steps are loaded prompts' one-token queries
+    was killed by SIGILL (the end-to-end tests, on such a CPU). The worker asks, in a
+    fresh process, only for the AMX kernel."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64" or not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _AMX_PROBE], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, vec, after_vec, amx, after_amx = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not before and not vec and not after_vec, "tile state asked for without the AMX kernel"
+    assert amx and after_amx

@@ -242,21 +242,8 @@ def test_a_send_whose_receiver_gave_up_writes_nothing() -> None:
 def test_both_ends_on_one_gpu_in_two_processes_or_in_one(ends: str) -> None:
     """In one process CUDA cannot open its own IPC handles: the backend then uses the
     peer's addresses as they are (the vLLM connector's GPU tests run P and D so)."""
-    import multiprocessing as mp
-    import threading
-
-    ctx = mp.get_context("spawn")
-    to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    kind: Any = ctx.Process if ends == "two processes" else threading.Thread
     cfg = {"backend": "ipc", "other_host": False, "devices": {"P": 0, "D": 0}, "sends": 50}
-    workers = [kind(target=_pair_side, args=("P", to_d, to_p, results, cfg)),
-               kind(target=_pair_side, args=("D", to_p, to_d, results, cfg))]
-    for w in workers:
-        w.start()
-    out = dict(results.get(timeout=120) for _ in workers)
-    for w in workers:
-        w.join(30)
-    assert "error" not in out["P"] and "error" not in out["D"], out
+    out = _run_pair_sides(cfg, in_threads=ends == "one process")
     assert out["D"]["exact"] == 50 and out["D"]["backend"] == "ipc"
     assert out["D"]["same_process"] is (ends == "one process")
 
@@ -298,13 +285,16 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
         results.put((role, {"error": traceback.format_exc()}))
 
 
-def _run_choice(cfg: dict[str, Any]) -> dict[str, Any]:
+def _run_pair_sides(cfg: dict[str, Any], *, in_threads: bool = False) -> dict[str, Any]:
+    """`_pair_side` for P and D, in two processes (or two threads of this one)."""
     import multiprocessing as mp
+    import threading
 
     ctx = mp.get_context("spawn")
     to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    workers = [ctx.Process(target=_pair_side, args=("P", to_d, to_p, results, cfg)),
-               ctx.Process(target=_pair_side, args=("D", to_p, to_d, results, cfg))]
+    kind: Any = threading.Thread if in_threads else ctx.Process
+    workers = [kind(target=_pair_side, args=("P", to_d, to_p, results, cfg)),
+               kind(target=_pair_side, args=("D", to_p, to_d, results, cfg))]
     for w in workers:
         w.start()
     out = dict(results.get(timeout=150) for _ in workers)
@@ -317,7 +307,7 @@ def _run_choice(cfg: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.gpu
 @one_gpu
 def test_ipc_with_a_fallback_builds_ipc_on_one_host() -> None:
-    out = _run_choice({"backend": "ipc,direct", "other_host": False, "devices": {"P": 0, "D": 0}})
+    out = _run_pair_sides({"backend": "ipc,direct", "other_host": False, "devices": {"P": 0, "D": 0}})
     assert out["P"]["backend"] == out["D"]["backend"] == "ipc"
     assert out["D"]["exact"] == 20
 
@@ -326,7 +316,7 @@ def test_ipc_with_a_fallback_builds_ipc_on_one_host() -> None:
 @one_gpu
 def test_ipc_to_another_host_fails_on_both_sides_at_once_naming_the_fallback() -> None:
     """D declines, so P fails with D's reason at once, not at its 60 s connect deadline."""
-    out = _run_choice({"backend": "ipc", "other_host": True, "devices": {"P": 0, "D": 0}})
+    out = _run_pair_sides({"backend": "ipc", "other_host": True, "devices": {"P": 0, "D": 0}})
     for role in ("P", "D"):
         assert "D and P run on different hosts" in out[role].get("refused", ""), out
         assert "KVBROKER_NCCL_BACKEND=ipc,direct" in out[role]["refused"]
@@ -337,6 +327,6 @@ def test_ipc_to_another_host_fails_on_both_sides_at_once_naming_the_fallback() -
 @pytest.mark.gpu
 @two_gpus
 def test_ipc_with_a_fallback_builds_direct_nccl_to_another_host() -> None:
-    out = _run_choice({"backend": "ipc,direct", "other_host": True, "devices": {"P": 0, "D": 1}})
+    out = _run_pair_sides({"backend": "ipc,direct", "other_host": True, "devices": {"P": 0, "D": 1}})
     assert out["P"]["backend"] == out["D"]["backend"] == "direct"
     assert out["D"]["exact"] == 20 and "refused" not in out["P"]

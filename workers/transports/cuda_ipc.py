@@ -440,8 +440,10 @@ class _Copier:
         if not torch.equal(outs[0], want) or not counted:
             raise RuntimeError("the IPC copy kernel copied other bytes than asked, or did not count its programs.")
         self.fast = torch.equal(outs[1], want)
-        if not self.fast:
-            log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes")
+        if not self.fast:  # where the bytes differ says which launch went wrong (words: before n - 64)
+            wrong = (outs[1] != want).nonzero().flatten()
+            log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes", wrong_bytes=wrong.numel(),
+                        first_wrong=int(wrong[0]), last_wrong=int(wrong[-1]), words_end=n - 64)
 
 
 class _BlockCopier:

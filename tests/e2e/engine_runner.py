@@ -83,6 +83,11 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's CPU backend otherwise pins each engine, every thread of it (the connector's
+    # too), to the cores it would pick alone: the same for all five engines here. On a
+    # 2-core host a decode engine then went 15 s without CPU while the others computed,
+    # missed its heartbeats, and the broker evicted it (as `api_servers.py` found).
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 
 

@@ -8,6 +8,7 @@ and D on one GPU."""
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 from typing import Any
@@ -260,6 +261,9 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
             cuda_ipc.boot_id = lambda: "another-host"  # this process alone: P keeps the real one
         device = torch.device("cuda", cfg["devices"][role])
         torch.cuda.set_device(device)
+        stepping = threading.Event()
+        if cfg.get("busy") == role:  # an engine steps on the same stream while the pair is built
+            threading.Thread(target=_engine_steps, args=(device, stepping), daemon=True).start()
         cache = CommunicatorCache(role, device, QueueRendezvous(outbox, inbox, timeout_s=60),
                                   backend=cfg["backend"], connect_timeout_s=60)
         transport = NcclTransport(cache)
@@ -267,6 +271,8 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
         start = time.monotonic()
         try:
             for i in range(cfg.get("sends", 20)):
+                if i == 1:
+                    stepping.set()  # built: the engine stops
                 x = torch.arange(1 << 20, device=device, dtype=torch.int32) * (i + 1)
                 if role == "P":
                     transport.send_tensors("D", [x]).wait(time.monotonic() + 30)
@@ -279,16 +285,24 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
         comm = cache.current("D" if role == "P" else "P")
         res["backend"] = None if comm is None else comm.backend
         res["same_process"] = getattr(comm, "same_process", None)
+        res["fast_launch"] = comm._copy.fast if comm is not None and comm.backend == "ipc" else None
         cache.close()
         results.put((role, res))
     except BaseException:  # noqa: BLE001 - reported to the test
         results.put((role, {"error": traceback.format_exc()}))
 
 
+def _engine_steps(device: torch.device, stop: threading.Event) -> None:
+    """1 ms steps of GPU work on the current stream, each waited for, until `stop`."""
+    torch.cuda.set_device(device)
+    while not stop.is_set():
+        torch.cuda._sleep(2_000_000)
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _run_pair_sides(cfg: dict[str, Any], *, in_threads: bool = False) -> dict[str, Any]:
     """`_pair_side` for P and D, in two processes (or two threads of this one)."""
     import multiprocessing as mp
-    import threading
 
     ctx = mp.get_context("spawn")
     to_d, to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -307,9 +321,13 @@ def _run_pair_sides(cfg: dict[str, Any], *, in_threads: bool = False) -> dict[st
 @pytest.mark.gpu
 @one_gpu
 def test_ipc_with_a_fallback_builds_ipc_on_one_host() -> None:
-    out = _run_pair_sides({"backend": "ipc,direct", "other_host": False, "devices": {"P": 0, "D": 0}})
+    """Also: D's GPU is busy with an engine step while the pair is built. The copy
+    kernel's launch check must not race that step's stream (it once zeroed its output
+    there, after the copy, and turned D's fast launches off)."""
+    out = _run_pair_sides({"backend": "ipc,direct", "other_host": False, "devices": {"P": 0, "D": 0}, "busy": "D"})
     assert out["P"]["backend"] == out["D"]["backend"] == "ipc"
     assert out["D"]["exact"] == 20
+    assert out["D"]["fast_launch"] == out["P"]["fast_launch"], "the busy side's launch check came out otherwise"
 
 
 @pytest.mark.gpu

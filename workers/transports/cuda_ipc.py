@@ -399,7 +399,7 @@ class _Copier:
                                         BLOCK=_COPY_BLOCK, num_warps=8)
         self.compiled.setdefault(wide, kernel)
 
-    def check(self, scratch: torch.Tensor) -> None:
+    def check(self, scratch: torch.Tensor, peer: str = "") -> None:
         """Compile both variants, check Triton's copy, and switch the direct launch on
         if it copies the same bytes (`scratch`: zeroed int64 words this may use as
         counters).
@@ -418,11 +418,12 @@ class _Copier:
             want[n - 63 : n - 63 + tail] = src[n - 63 : n - 63 + tail]
             scratch.zero_()
             scratch[0] = 5  # `ready`: send 5 may copy
+            outs = [torch.zeros_like(src), torch.zeros_like(src)]
+            # Every buffer made on the current stream, done before the copies on `stream`:
+            # a zeroing still queued there (behind an engine's step) would land after them.
             torch.cuda.current_stream(self.device).synchronize()
-            outs = []
-            for fast in (False, True):
+            for fast, out in zip((False, True), outs):
                 self.fast = fast
-                out = torch.zeros_like(src)
                 try:
                     self(stream, src.data_ptr(), out.data_ptr(), n - 64, ready=ready, arrived=arrived, tally=tally,
                          seq=5)  # whole words
@@ -431,8 +432,7 @@ class _Copier:
                 except Exception as exc:  # another Triton's launcher: keep Triton's path
                     if not fast:
                         raise
-                    log.info("ipc.fast_launch_off", reason=repr(exc))
-                outs.append(out)
+                    log.info("ipc.fast_launch_off", peer=peer, reason=repr(exc))
             stream.synchronize()
             # The last program told `arrived`, and set the tally back to zero for its next use.
             counted = int(scratch[1].item()) == 5 and int(scratch[2].item()) == 0
@@ -442,7 +442,7 @@ class _Copier:
         self.fast = torch.equal(outs[1], want)
         if not self.fast:  # where the bytes differ says which launch went wrong (words: before n - 64)
             wrong = (outs[1] != want).nonzero().flatten()
-            log.warning("ipc.fast_launch_off", reason="the direct launch copied other bytes", wrong_bytes=wrong.numel(),
+            log.warning("ipc.fast_launch_off", peer=peer, reason="the direct launch copied other bytes", wrong_bytes=wrong.numel(),
                         first_wrong=int(wrong[0]), last_wrong=int(wrong[-1]), words_end=n - 64)
 
 
@@ -981,7 +981,7 @@ def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None
     comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, counters=counters,
                            peer_counters=peer_counters, nonce=nonce, cache=cache)
     try:
-        comm._copy.check(counters.scratch)
+        comm._copy.check(counters.scratch, peer)
         comm._blocks.load(counters.scratch)
         _warm_up(comm, deadline)
     except BaseException as exc:

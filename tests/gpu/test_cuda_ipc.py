@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,9 +100,10 @@ def test_sizes_that_differ_fail_the_send_naming_both() -> None:
 def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     """P sends a staged transfer of 8 blocks as one block op; D's receive gives up after
     `cfg["wait_s"]` and reports whether its cache stayed as it was. `cfg["case"]`:
-    "count" (D's receive takes 7 blocks: P's send must refuse it), or "gave_up" (P's
+    "count" (D's receive takes 7 blocks: P's send must refuse it), "gave_up" (P's
     kernel waits for gathers marked staged only after D gave up: it must end without
-    writing)."""
+    writing), or "int32_ids" (D's block ids are int32 on its GPU, made behind a step of
+    GPU work: they must land where they say, converted before they are read)."""
     from tests.gpu.test_nccl_staging import _cache
     from workers.gpu_staging import PagedKv, Stager
     from workers.pool import BufferPool
@@ -113,7 +115,10 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
         res: dict[str, Any] = {}
         if role == "P":
             staged = Stager(paged, pool).stage(list(range(8)))
-            if cfg["case"] == "count":
+            if cfg["case"] == "int32_ids":
+                transport.send_staged("D", staged).wait(time.monotonic() + 30.0)
+                res["sent"] = [r[:, :8].cpu().numpy() for r in paged.rows]
+            elif cfg["case"] == "count":
                 try:
                     transport.send_staged("D", staged).wait(time.monotonic() + 10.0)
                     res["error"] = "the send of the wrong block count went through"
@@ -133,8 +138,15 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
             before = torch.stack(paged.rows).clone()
             n = 7 if cfg["case"] == "count" else 8
             lease = pool.acquire_nowait(paged.staged_block_nbytes * n)
-            done = transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:n]))
+            if cfg["case"] == "int32_ids":
+                torch.cuda._sleep(200_000_000)  # an engine step the ids are queued behind
+                ids = torch.tensor(REQ_D[:n], dtype=torch.int32, device=device)
+            else:
+                ids = paged.block_ids(REQ_D[:n])
+            done = transport.recv_staged("P", lease, paged, ids)
             res["timed_out"] = _times_out(done, cfg["wait_s"])
+            if cfg["case"] == "int32_ids":
+                res["landed"] = [r[:, REQ_D[:n]].cpu().numpy() for r in paged.rows]
             if cfg["case"] == "gave_up":
                 rdv.publish("P", "test/gave-up", b"1")
                 rdv.receive("P", "test/ended")
@@ -144,6 +156,16 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
         results.put((role, res))
     except BaseException:  # noqa: BLE001 - reported to the test process
         results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_block_ids_of_another_dtype_on_the_gpu_land_where_they_say() -> None:
+    out = _run_pair(_block_worker, {"one_gpu": True, "case": "int32_ids", "wait_s": 30.0}, timeout_s=120.0)
+    assert not out["D"]["timed_out"]
+    assert len(out["D"]["landed"]) == len(out["P"]["sent"]) > 0
+    for layer, (sent, got) in enumerate(zip(out["P"]["sent"], out["D"]["landed"])):
+        assert np.array_equal(got, sent), f"layer {layer}: the blocks hold other bytes"
 
 
 @pytest.mark.gpu

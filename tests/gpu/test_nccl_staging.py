@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import time
 import traceback
 from typing import Any
@@ -260,7 +261,9 @@ def test_a_cache_registered_from_another_gpus_thread_compiles_for_its_own_gpu() 
 
 def _run_pair(target: Any, cfg: dict[str, Any], timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """P on cuda:0 and D on cuda:1 (or both on cuda:0 with ``cfg["one_gpu"]``), each in a
-    spawned process; returns each side's result."""
+    spawned process; returns each side's result. Results are plain values (arrays, not
+    tensors: a tensor travels as a handle to its sender's memory, unreadable once the
+    sender exits); one that cannot be read fails the test with its cause."""
     ctx = mp.get_context("spawn")
     p_to_d, d_to_p, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     procs = [
@@ -276,7 +279,7 @@ def _run_pair(target: Any, cfg: dict[str, Any], timeout_s: float = 300.0) -> dic
             try:
                 role, res = results.get(timeout=1.0)
                 out[role] = res
-            except Exception:
+            except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
                     break
     finally:

@@ -695,6 +695,10 @@ class IpcCommunicator(NcclCommunicator):
         """
         if isinstance(block_ids, torch.Tensor) and block_ids.is_cuda:
             ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous()
+            if ids is not block_ids:  # converted on the current stream just now: the ids' copy waits for it
+                made = torch.cuda.Event()
+                made.record(torch.cuda.current_stream(self.device))
+                after = [*after, made]
         else:  # copied from pageable memory at once (into the driver's staging), then sent on: no host wait
             ids = torch.as_tensor(block_ids, dtype=torch.int64).contiguous()
         n = ids.numel()

@@ -102,8 +102,8 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
     `cfg["wait_s"]` and reports whether its cache stayed as it was. `cfg["case"]`:
     "count" (D's receive takes 7 blocks: P's send must refuse it), "gave_up" (P's
     kernel waits for gathers marked staged only after D gave up: it must end without
-    writing), or "int32_ids" (D's block ids are int32 on its GPU, made behind a step of
-    GPU work: they must land where they say, converted before they are read)."""
+    writing), or "int32_ids" (D's block ids are int32 on its GPU and a step of GPU work
+    follows them: the blocks must land where the ids say)."""
     from tests.gpu.test_nccl_staging import _cache
     from workers.gpu_staging import PagedKv, Stager
     from workers.pool import BufferPool
@@ -139,14 +139,19 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
             n = 7 if cfg["case"] == "count" else 8
             lease = pool.acquire_nowait(paged.staged_block_nbytes * n)
             if cfg["case"] == "int32_ids":
-                torch.cuda._sleep(200_000_000)  # an engine step the ids are queued behind
+                # The receive waits for what made the ids, and converts them to int64 after
+                # that, not behind the step queued on the current stream meanwhile.
+                comm = cache.get("P", initiator=False)
                 ids = torch.tensor(REQ_D[:n], dtype=torch.int32, device=device)
-            else:
-                ids = paged.block_ids(REQ_D[:n])
-            done = transport.recv_staged("P", lease, paged, ids)
-            res["timed_out"] = _times_out(done, cfg["wait_s"])
-            if cfg["case"] == "int32_ids":
+                made = torch.cuda.Event()
+                made.record()
+                torch.cuda._sleep(200_000_000)  # an engine step, about 0.1 s
+                work = comm.post_blocks(paged, ids, after=[made])
+                wait_until(work.event.query, cfg["wait_s"], "D's block receive to end")
                 res["landed"] = [r[:, REQ_D[:n]].cpu().numpy() for r in paged.rows]
+            else:
+                done = transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:n]))
+                res["timed_out"] = _times_out(done, cfg["wait_s"])
             if cfg["case"] == "gave_up":
                 rdv.publish("P", "test/gave-up", b"1")
                 rdv.receive("P", "test/ended")
@@ -161,8 +166,9 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
 @pytest.mark.gpu
 @one_gpu
 def test_block_ids_of_another_dtype_on_the_gpu_land_where_they_say() -> None:
+    """The receive converts them on the current stream behind an engine step; the ids'
+    copy to P must wait for that conversion, not only for what made them."""
     out = _run_pair(_block_worker, {"one_gpu": True, "case": "int32_ids", "wait_s": 30.0}, timeout_s=120.0)
-    assert not out["D"]["timed_out"]
     assert len(out["D"]["landed"]) == len(out["P"]["sent"]) > 0
     for layer, (sent, got) in enumerate(zip(out["P"]["sent"], out["D"]["landed"])):
         assert np.array_equal(got, sent), f"layer {layer}: the blocks hold other bytes"

@@ -693,14 +693,11 @@ class IpcCommunicator(NcclCommunicator):
         when given as a list), then the sender's `ready` says they are there; the
         sender's kernel reads them before it copies.
         """
-        if isinstance(block_ids, torch.Tensor) and block_ids.is_cuda:
-            ids = block_ids.to(device=self.device, dtype=torch.int64).contiguous()
-            if ids is not block_ids:  # converted on the current stream just now: the ids' copy waits for it
-                made = torch.cuda.Event()
-                made.record(torch.cuda.current_stream(self.device))
-                after = [*after, made]
-        else:  # copied from pageable memory at once (into the driver's staging), then sent on: no host wait
-            ids = torch.as_tensor(block_ids, dtype=torch.int64).contiguous()
+        on_gpu = isinstance(block_ids, torch.Tensor) and block_ids.is_cuda
+        # From host memory: copied from pageable memory at once (into the driver's
+        # staging), then sent on, no host wait. On a GPU: converted below, on this
+        # communicator's stream after `after`, so the ids' copy follows it in stream order.
+        ids = block_ids if on_gpu else torch.as_tensor(block_ids, dtype=torch.int64).contiguous()
         n = ids.numel()
         if not self.takes_blocks(paged, n):
             raise ValueError(f"{n} blocks of this cache cannot go as one IPC op (at most {MAX_BLOCKS} blocks, rows "
@@ -712,17 +709,21 @@ class IpcCommunicator(NcclCommunicator):
             seq = self.received + 1
             self._wait_room(seq)
             self._wait_for(after)
+            held = ids
+            if on_gpu:
+                with torch.cuda.stream(self.stream):
+                    held = ids.to(device=self.device, dtype=torch.int64).contiguous()
             # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
             # now in this stream's order (every receive waits for its arrival here), and
             # the sender's kernel reads the ids before it tells that arrival.
             slot = _Counters.arena(self.peer_arena, seq)
-            self.drv.copy(self._sp, slot, ids.data_ptr(), n * 8)
+            self.drv.copy(self._sp, slot, held.data_ptr(), n * 8)
             box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
                                            kind=BLOCKS, count=n))
             self.received = seq
             self.drv.write_value(self._sp, self.peer_ready, seq)
             self.drv.wait_value(self._sp, self.my_arrived, seq)
-            return [ids]
+            return [ids, held]  # the caller's ids too: this stream reads them after `after`
 
         return self._posted("a block receive", steps)
 

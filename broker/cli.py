@@ -119,10 +119,41 @@ def status(
         raise click.ClickException(
             f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
         ) from None
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(msgspec.json.encode(snap).decode())
     else:
         click.echo(render_status(snap))
+
+
+@main.command()
+@click.argument("transfer_id")
+@click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
+@click.option("--reason", default="", help="Why, for the peers' logs.")
+@click.option("--timeout", type=float, default=3.0, show_default=True)
+@click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
+@click.option(
+    "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+    help="This client's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
+)
+def cancel(
+    transfer_id: str, broker: str, reason: str, timeout: float, curve_server_key: str | None,
+    curve_client_secret_file: str | None,
+) -> None:
+    """Say that the request behind TRANSFER_ID was given up: its KV is freed on both sides now."""
+    from .status import cancel_transfer
+
+    client_secret = Path(curve_client_secret_file).read_bytes() if curve_client_secret_file else None
+    try:
+        got = anyio.run(cancel_transfer, broker, transfer_id, reason, timeout, curve_server_key, client_secret)
+    except TimeoutError:
+        raise click.ClickException(
+            f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
+        ) from None
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{transfer_id}: ended {got.ended}, already moving {got.left}")
 
 
 @main.command()

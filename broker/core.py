@@ -32,6 +32,10 @@ Invariants this module keeps (each one has a test):
   there (again): until the transfer is granted, that claim takes it and the peer that
   claimed it before is told; once granted, the claim waits behind the holder (one at a
   time), and gets the transfer if the holder is lost, the transfer's ending otherwise.
+- A front end's Cancel (it gave up on the request: the client left, no decode instance
+  took it) ends each rank's transfer that nothing moves for yet (`cancellable`), with an
+  Abort to its peers, and is answered like an ending for a rank that has none yet; a
+  transfer already moving, or delivered, goes on as if no Cancel had come.
 - A bad message gets an `Error` reply and changes nothing.
 - P and D are paired only when their compatibility hashes match.
 """
@@ -45,6 +49,8 @@ from typing import Literal, TypeVar, get_args
 from protocols.errors import RemoteProtocolError
 from protocols.messages import (
     Abort,
+    Cancel,
+    Cancelled,
     Done,
     Error,
     Expect,
@@ -74,6 +80,7 @@ from .transfers import (
     Transfer,
     TransferKey,
     TransferState,
+    cancellable,
     check_transition,
 )
 
@@ -204,7 +211,7 @@ class Broker:
         self.counters: dict[str, int] = {
             k: 0
             for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames",
-                      "claims_moved", "claims_waited", "stalls")
+                      "claims_moved", "claims_waited", "stalls", "cancelled")
         }
 
     # -- entry points -------------------------------------------------------------
@@ -217,6 +224,8 @@ class Broker:
                 self._register(now, identity, msg, out)
             elif isinstance(msg, StatusRequest):
                 out.append(Send(identity, self.status(now)))
+            elif isinstance(msg, Cancel):  # from a front end, which does not register
+                self._cancel(now, identity, msg, out)
             else:
                 peer = self._peer_for(identity, msg)
                 self._dispatch(now, peer, msg, out)
@@ -626,6 +635,27 @@ class Broker:
         out.append(Send(peer.identity, reply))
         out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": ended[1]}))
         return True
+
+    def _cancel(self, now: float, identity: bytes, msg: Cancel, out: list[Effect]) -> None:
+        """End what nothing moves for yet of every rank's transfer `msg.transfer_id`; a rank
+        with none gets the ending remembered, so its Offer or Expect is answered at once."""
+        tid = msg.transfer_id
+        reason = f"the request was cancelled ({msg.reason or 'its front end gave up on it'})"
+        ended = left = 0
+        for rank in sorted({p.reg.rank for p in self.peers.values()} | {0}):  # every transfer has a peer of its rank
+            key = (tid, rank)
+            t = self.transfers.get(key)
+            if t is None:
+                if key not in self.delivered and key not in self.aborted:
+                    _remember(self.aborted, key, now + self.config.transfer_lease_s, reason)
+            elif cancellable(t.state, t.expected_by is not None):
+                self._abort(now, t, reason, out)
+                ended += 1
+            else:
+                left += 1
+        self.counters["cancelled"] += ended
+        out.append(Send(identity, Cancelled(transfer_id=tid, ended=ended, left=left)))
+        out.append(Note("transfer.cancelled", {"transfer_id": tid, "ended": ended, "left": left, "reason": reason}))
 
     # -- routing and credit ---------------------------------------------------------
 

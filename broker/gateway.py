@@ -19,6 +19,10 @@ When things go wrong:
   instance failed. Otherwise D would wait out its load timeout for KV that never comes.
 - A D answer of 4xx is the client's: it is passed on as it is, and P's request is
   cancelled.
+- Whenever no decode instance answered the request (it refused it, none could be
+  reached, P failed, the client left, the deadline passed), the broker is told
+  (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
+  deadlines.
 
 HTTP is spoken through `broker.http` (h11 over anyio streams), one upstream
 connection per upstream request. The broker's status (registered instances, free pool
@@ -50,7 +54,7 @@ from .http import (
     upstream_request,
 )
 from .routes import Route, Router, Upstream, check_upstreams
-from .status import fetch_status
+from .status import cancel_transfer, fetch_status
 
 log = structlog.get_logger("kvbroker.gateway")
 
@@ -130,6 +134,7 @@ class _Exchange:
 
     conn: HttpConn
     committed: bool = False  # a response head went to the client: no retry from here
+    decoded: bool = False  # a decode instance answered 2xx: it took the request, and its KV
 
 
 class Gateway:
@@ -142,12 +147,14 @@ class Gateway:
         # Answers by status code, and events: decode_retries, prefill_retries, clients_gone.
         self.answers: Counter[int] = Counter()
         self.events: Counter[str] = Counter()
+        self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         async with listener, anyio.create_task_group() as tg:
+            self._tasks = tg
             tg.start_soon(self._watch_broker)
             if cfg.port_file:
                 tmp = anyio.Path(f"{cfg.port_file}.tmp")
@@ -163,7 +170,7 @@ class Gateway:
         while True:
             try:
                 status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key, cfg.curve_client_secret)
-            except (TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError, RuntimeError) as exc:
                 if self._broker_ok is not False:
                     log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
                 self._broker_ok = False
@@ -358,13 +365,16 @@ class Gateway:
                 self.router.finished(up, self.clock(), failed=failed and not p_scope.cancel_called)
 
         d_result: list[int | HttpError] = []
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(prefill)
-            with d_scope:
-                d_result.append(await self._decode(ex, target, d_raw, hdrs, route))
-                loaded = isinstance(d_result[0], int) and d_result[0] < 300
-                if not loaded and "reply" not in p_result:
-                    p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(prefill)
+                with d_scope:
+                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route))
+                    if not ex.decoded and "reply" not in p_result:
+                        p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
+        finally:  # also when the client left or the deadline passed (this task is cancelled then)
+            if not ex.decoded:
+                self._cancel_soon(route.transfer_id, _given_up(d_result, p_result))
 
         if d_result and isinstance(d_result[0], HttpError):
             raise d_result[0]
@@ -400,6 +410,7 @@ class Gateway:
                         last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
                     else:
                         failed = False
+                        ex.decoded = reply.status < 300
                         await self._relay(ex, reply)
                         log.info("gateway.decoded", phase="decode", decode=up.instance_id, status=reply.status,
                                  attempt=len(tried))
@@ -416,6 +427,23 @@ class Gateway:
             up = self.router.pick("decode", self.clock(), exclude=tried)
         return HttpError(502, f"no decode instance answered ({last}).")
 
+    def _cancel_soon(self, transfer_id: str, reason: str) -> None:
+        """Tell the broker, beside the client's answer, that the request was given up."""
+        if self._tasks is not None:
+            self.events["transfers_cancelled"] += 1
+            self._tasks.start_soon(self._cancel, transfer_id, reason)
+
+    async def _cancel(self, transfer_id: str, reason: str) -> None:
+        cfg = self.config
+        with structlog.contextvars.bound_contextvars(transfer_id=transfer_id, role="gateway"):
+            try:
+                got = await cancel_transfer(cfg.broker, transfer_id, reason, cfg.connect_timeout_s,
+                                            cfg.curve_server_key, cfg.curve_client_secret)
+            except (TimeoutError, OSError, RuntimeError) as exc:  # the transfer's own deadlines end it then
+                log.warning("gateway.cancel_failed", phase="cancel", error=str(exc) or "timed out")
+            else:
+                log.info("gateway.cancelled", phase="cancel", reason=reason, ended=got.ended, left=got.left)
+
     async def _relay(self, ex: _Exchange, reply: UpstreamReply) -> None:
         ctype = reply.content_type
         if reply.header(b"content-length") is not None or not ctype.startswith("text/event-stream"):
@@ -428,6 +456,19 @@ class Gateway:
         async for chunk in reply.chunks():
             await ex.conn.send(h11.Data(data=chunk))
         await ex.conn.send(h11.EndOfMessage())
+
+
+def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
+    """Why a request no decode instance answered was given up, for the peers' logs."""
+    if d_result and isinstance(d_result[0], HttpError):
+        return d_result[0].message
+    if d_result:
+        return f"the decode instance answered {d_result[0]}"
+    if "failed" in p_result:
+        return str(p_result["failed"])
+    if "reply" in p_result and p_result["reply"][0] >= 300:
+        return f"the prefill instance answered {p_result['reply'][0]}"
+    return "the client left, or --request-timeout passed"
 
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:

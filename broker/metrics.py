@@ -82,7 +82,7 @@ class GatewayCollector:
         for status, n in sorted(gw.answers.items()):
             answers.add_metric([str(status)], n)
         yield answers
-        for key in ("decode_retries", "prefill_retries", "clients_gone"):
+        for key in ("decode_retries", "prefill_retries", "clients_gone", "transfers_cancelled"):
             yield CounterMetricFamily(f"kvbroker_gateway_{key}", f"Gateway counter {key}", value=gw.events[key])
         in_flight = GaugeMetricFamily("kvbroker_gateway_in_flight", "The gateway's requests in flight on an instance",
                                       labels=["role", "instance"])

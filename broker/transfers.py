@@ -9,7 +9,8 @@ shard to the same rank of D. States, in order::
     PREPARING       credit reserved on D; Prepare sent; waiting for Ready.
     SENDING         Go sent to P; waiting for D's Done (remote visibility).
 
-Done and Abort end a transfer: it leaves the table and its credit returns.
+Done and Abort end a transfer: it leaves the table and its credit returns. So does a
+front end's Cancel, while the transfer is `cancellable`.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def check_transition(state: TransferState, msg_type: type, role: str, transfer_i
 
 
 TransferKey = tuple[str, int]
+
+
+def cancellable(state: TransferState, claimed: bool) -> bool:
+    """Whether a front end's Cancel ends a transfer in `state` (`claimed`: a decode peer
+    that holds its request expects it). Not once the Go is sent, nor once a decode peer
+    holding the request has its credit: then its receive may be posted (over NCCL, only
+    an aborted communicator would end it), and it ends within moments on its own."""
+    return state in (S.EXPECTED, S.UNROUTED, S.WAITING_CREDIT) or (state is S.PREPARING and not claimed)
 
 
 @dataclass

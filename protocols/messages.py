@@ -11,6 +11,11 @@ One transfer, as the broker sees it (P = prefill peer, D = decode peer, B = brok
     B -> P  Release(transfer_id)                  P frees its staging buffer.
     any     Abort(transfer_id, reason)            the broker tells both sides.
 
+A front end (the gateway, a proxy) that gives up on a request says so, unregistered::
+
+    F -> B  Cancel(transfer_id, reason)           nobody will decode it: end what has not moved.
+    B -> F  Cancelled(transfer_id, ended, left)   how many ranks' transfers it ended, how many move on.
+
 Fields are keyword-only and checked at decode time with `Meta` limits, so a peer
 cannot make the broker hold an unbounded string or a negative size.
 """
@@ -177,6 +182,20 @@ class StatusRequest(_Msg, kw_only=True, tag="status_request"):
     pass
 
 
+class Cancel(_Msg, kw_only=True, tag="cancel"):
+    """The request behind `transfer_id` was given up (its client left, no decode instance
+    took it): P's staged copy and D's credit for it are freed now, not at a deadline."""
+
+    transfer_id: Id
+    reason: Text = ""
+
+
+class Cancelled(_Msg, kw_only=True, tag="cancelled"):
+    transfer_id: Id
+    ended: Count = 0  # ranks whose transfer the Cancel ended
+    left: Count = 0  # ranks whose bytes already move: those end on their own
+
+
 class PeerInfo(msgspec.Struct, frozen=True, kw_only=True):
     peer_id: str
     role: str
@@ -244,6 +263,8 @@ Message = Union[
     Relay,
     StatusRequest,
     Status,
+    Cancel,
+    Cancelled,
 ]
 
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]

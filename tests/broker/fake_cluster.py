@@ -20,6 +20,7 @@ from broker.transfers import HOLDS_CREDIT, TransferState
 from protocols import codec
 from protocols.messages import (
     Abort,
+    Cancelled,
     Done,
     Error,
     Expect,
@@ -193,7 +194,7 @@ class FakeCluster:
     def deliver(self, identity: bytes, msg: Message) -> list[Send | Note]:
         effects = self.broker.handle(self.now, identity, msg)
         for e in effects:
-            if isinstance(e, Send) and not isinstance(e.msg, (Error, Heartbeat, Registered, Status)):
+            if isinstance(e, Send) and not isinstance(e.msg, (Error, Heartbeat, Registered, Status, Cancelled)):
                 assert e.identity == identity or e.identity in self.broker.by_identity, e
         self._route(effects)
         return effects

@@ -18,9 +18,19 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from broker.core import Broker, BrokerConfig, Send
 from broker.latency import quantile_bound
 from broker.status import render_status
-from broker.transfers import HOLDS_CREDIT, TRANSITIONS, ProtocolViolation, Transfer, TransferState, check_transition
+from broker.transfers import (
+    HOLDS_CREDIT,
+    TRANSITIONS,
+    ProtocolViolation,
+    Transfer,
+    TransferState,
+    cancellable,
+    check_transition,
+)
 from protocols.messages import (
     Abort,
+    Cancel,
+    Cancelled,
     Done,
     Error,
     Expect,
@@ -931,6 +941,96 @@ def test_status_request_needs_no_registration(c: FakeCluster) -> None:
     assert st_ == c.status()
 
 
+# -- a front end cancels a request --------------------------------------------------
+
+
+def cancel(c: FakeCluster, tid: str, reason: str = "the client left") -> Cancelled:
+    """A Cancel from a front end that never registered; its one answer."""
+    c.deliver(b"gateway", Cancel(transfer_id=tid, reason=reason))
+    [answer] = c.inboxes.pop(b"gateway")
+    assert isinstance(answer, Cancelled)
+    return answer
+
+
+def aborts(peer: FakePeer) -> list[str]:
+    """The transfer ids of the Aborts a peer received; it received nothing else."""
+    msgs = peer.take()
+    assert all(isinstance(m, Abort) for m in msgs), msgs
+    return [m.transfer_id for m in msgs if isinstance(m, Abort)]
+
+
+def test_a_cancel_frees_p_and_d_at_once_wherever_nothing_moves_yet(c: FakeCluster) -> None:
+    """The gateway gave up on requests that no decode instance took (it refused them, the
+    client left): P's staged copies and D's credit come back now, not at D's load deadline
+    or the transfer lease, and D's waiting loads fail now."""
+    p, d = c.prefill(), c.decode(pool=100, claims_only=True)
+    d2 = c.decode("d2", pool=100, claims_only=True)
+    d.expect("expected")  # D holds the request; no Offer yet
+    p.offer("unrouted", 10)  # names no instance, and two could hold it
+    p.offer("parked", 60, decode="d")  # granted on the Offer's word: D has no request for it
+    d.expect("waiting")
+    p.offer("waiting", 60)  # D's pool is full: it waits for credit
+    assert prepared(d) == ["parked"] and c.pool(d) == (100, 60, 1)
+    assert (c.state("expected"), c.state("unrouted"), c.state("waiting")) == (S.EXPECTED, S.UNROUTED, S.WAITING_CREDIT)
+
+    assert cancel(c, "expected") == Cancelled(transfer_id="expected", ended=1, left=0)
+    assert aborts(d) == ["expected"] and p.take() == []
+    assert cancel(c, "unrouted") == Cancelled(transfer_id="unrouted", ended=1)
+    assert aborts(p) == ["unrouted"] and d.take() == [] and d2.take() == []
+    assert cancel(c, "waiting") == Cancelled(transfer_id="waiting", ended=1)
+    assert aborts(p) == ["waiting"] and aborts(d) == ["waiting"] and c.pool(d) == (100, 60, 0)
+    assert cancel(c, "parked", "decode instance d answered 400").ended == 1
+    [abort] = [m for m in d.take() if isinstance(m, Abort)]
+    assert abort.reason == "the request was cancelled (decode instance d answered 400)"
+    assert aborts(p) == ["parked"]
+    assert c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
+    assert c.status().counters["cancelled"] == 4
+
+
+def test_a_cancel_leaves_a_transfer_that_moves_or_is_granted_to_its_claimant(c: FakeCluster) -> None:
+    """Once its Go is out, or once the decode peer holding the request has its credit (its
+    receive may be posted), a transfer ends within moments on its own: a Cancel leaves it
+    alone, and it completes as if no Cancel had come."""
+    p, d = c.prefill(), c.decode(pool=100)
+    d.expect("claimed")
+    p.offer("claimed", 10)
+    p.offer("sending", 10, decode="d")
+    assert prepared(d) == ["claimed", "sending"]
+    d.ready("sending")
+    p.take()
+    before = snapshot(c.broker, c.now)
+    assert cancel(c, "claimed") == Cancelled(transfer_id="claimed", ended=0, left=1)
+    assert cancel(c, "sending") == Cancelled(transfer_id="sending", ended=0, left=1)
+    assert p.take() == [] and d.take() == [] and snapshot(c.broker, c.now) == before
+    d.ready("claimed")
+    d.done("claimed")
+    d.done("sending")
+    assert [type(m) for m in p.take()] == [Go, Release, Release] and c.broker.transfers == {}
+
+
+def test_a_cancel_before_the_offer_or_the_expect_answers_them_at_once(c: FakeCluster) -> None:
+    """P refused the prompt, or the client left before either instance got far: a later
+    Offer (P saved the KV after all) gets the Abort at once, so P frees it; so does a
+    later Expect. Every rank's, with a tensor-parallel pair. A delivered transfer keeps its
+    ending: P's Offer sent again still gets its Release."""
+    p0, p1 = c.prefill(world_size=2), c.prefill(rank=1, world_size=2)
+    d0, d1 = c.decode(world_size=2), c.decode(rank=1, world_size=2)
+    assert cancel(c, "t1", "prefill instance p answered 400") == Cancelled(transfer_id="t1")
+    p0.offer("t1", 10)
+    assert aborts(p0) == ["t1"] and d0.take() == [] and c.state("t1") is None
+    d1.expect("t1")
+    assert aborts(d1) == ["t1"] and c.state("t1", rank=1) is None
+    p0.offer("t2", 10)
+    assert prepared(d0) == ["t2"]
+    d0.ready("t2")
+    d0.done("t2")
+    p0.take()
+    cancel(c, "t2")
+    p0.offer("t2", 10)
+    assert p0.take_one(Release) == Release(transfer_id="t2")
+    assert p1.take() == [] and d0.take() == []
+
+
 def test_abort_for_a_finished_transfer_is_harmless(c: FakeCluster) -> None:
     p, d = c.prefill(), c.decode()
     before = snapshot(c.broker, c.now)
@@ -1247,6 +1347,20 @@ class BrokerMachine(RuleBasedStateMachine):
             parts = [self.b.peers[x].identity for x in (t.prefill, t.decode, t.expected_by) if x]
             identity = data.draw(st.sampled_from(parts)) if data.draw(st.integers(0, 3)) else self.who(data)
             self.send(identity, Abort(transfer_id=t.transfer_id, reason="gave up"))
+
+    @rule(data=st.data(), identity=st.sampled_from([b"gateway", *IDENTITIES]))
+    def cancel(self, data: st.DataObject, identity: bytes) -> None:
+        """A front end gives up on a request, from any socket: what nothing moves for ends;
+        what moves, or is granted to the peer holding its request, goes on untouched."""
+        t = self.pick(data, list(S))
+        tid = t.transfer_id if t is not None and data.draw(st.booleans()) else data.draw(tids)
+        before = {k: (x.state, x.decode, x.expected_by) for k, x in self.b.transfers.items() if k[0] == tid}
+        effects = self.c.deliver(identity, Cancel(transfer_id=tid))
+        [answer] = [e.msg for e in effects if isinstance(e, Send) and e.identity == identity and isinstance(e.msg, Cancelled)]
+        after = {k: (x.state, x.decode, x.expected_by) for k, x in self.b.transfers.items() if k[0] == tid}
+        assert after == {k: v for k, v in before.items() if not cancellable(v[0], v[2] is not None)}
+        assert (answer.ended, answer.left) == (len(before) - len(after), len(after))
+        self.c.inboxes.clear()
 
     @rule(data=st.data(), msg=garbage, goodbye=st.integers(0, 7))
     def noise(self, data: st.DataObject, msg: Message, goodbye: int) -> None:

@@ -87,6 +87,24 @@ def test_serve_and_status(broker: BrokerProcess) -> None:
     assert table.returncode == 0 and "peers (0)" in table.stdout and "transfers in flight (0)" in table.stdout
 
 
+def test_cancel_from_the_command_line(broker: BrokerProcess) -> None:
+    """`kvbroker cancel` for a proxy of one's own: the broker answers what it ended; a dead
+    broker is named."""
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "cancel", "req-7f3a", "--broker", broker.endpoint, "--reason", "client left"],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "req-7f3a: ended 0, already moving 0", out.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "cancel", "x", "--broker", f"tcp://127.0.0.1:{port}", "--timeout", "0.5"],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert out.returncode != 0 and "did not answer" in out.stderr
+
+
 def test_status_names_a_dead_broker() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,8 +25,9 @@ from anyio.abc import SocketStream
 
 from broker.gateway import Gateway, GatewayConfig
 from broker.routes import Upstream
+from broker.status import fetch_status
 from protocols.channel import curve_client_keys
-from protocols.messages import Register
+from protocols.messages import Abort, Register
 from tests.support import ROOT, BrokerProcess, env
 from workers.client import BrokerClient, ClientConfig, NullHandler
 
@@ -271,6 +272,53 @@ async def test_a_decode_5xx_is_retried_and_a_decode_4xx_is_the_clients(broker: B
         assert len(c.servers["d0"].seen) == 1 and len(c.servers["d1"].seen) == 1
 
 
+class Aborts(NullHandler):
+    """A peer's handler that keeps the Aborts the broker sends it."""
+
+    def __init__(self) -> None:
+        self.got: list[Abort] = []
+        self.came = anyio.Event()
+
+    async def on_abort(self, msg: Abort) -> None:
+        self.got.append(msg)
+        self.came.set()
+
+
+async def test_a_request_no_decode_instance_took_frees_prefills_staged_kv_at_once(broker: BrokerProcess) -> None:
+    """P staged and offered the prompt's KV, naming d0; d0 refused the request. Without a
+    word from the gateway, P's copy would wait for d0's load deadline; the gateway's
+    Cancel ends it now, whichever of Offer and Cancel reaches the broker first."""
+    aborts, offered = Aborts(), anyio.Event()
+    p0 = BrokerClient(ClientConfig(broker=broker.endpoint, register_timeout_s=10),
+                      Register(role="prefill", instance_id="p0", compat_hash="h"), aborts)
+
+    async def stage_then_answer(seen: Seen) -> tuple[int, bytes]:
+        kv = seen.body["kv_transfer_params"]
+        await p0.offer(kv["transfer_id"], 4096, decode=kv["decode_instance_id"])
+        offered.set()
+        return await echo(seen)
+
+    async def refuse_once_offered(seen: Seen) -> tuple[int, bytes]:
+        with anyio.fail_after(10):
+            await offered.wait()
+        return 400, msgspec.json.encode({"error": "bad"})
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(p0.run)
+        async with cluster(broker, {"p0": stage_then_answer, "d0": refuse_once_offered}, registered=("d0",)) as c:
+            r = await c.post({"prompt": [1], "max_tokens": 4})
+            assert r.status_code == 400 and r.json() == {"error": "bad"}
+            tid = c.servers["p0"].seen[0].body["kv_transfer_params"]["transfer_id"]
+            with anyio.fail_after(10):  # well inside the 30 s that d0's load deadline would take
+                await aborts.came.wait()
+            assert [m.transfer_id for m in aborts.got] == [tid]
+            assert aborts.got[0].reason == "the request was cancelled (the decode instance answered 400)"
+            status = await fetch_status(broker.endpoint)
+            assert status.transfers == [] and all(pool.reserved == 0 for pool in status.pools)
+            assert c.gateway.events["transfers_cancelled"] == 1
+        tg.cancel_scope.cancel()
+
+
 async def test_an_unreachable_prefill_instance_sends_the_request_to_another_pair(broker: BrokerProcess) -> None:
     async with cluster(broker, {"p1": echo, "d0": never, "d1": echo}, dead=("p0",)) as c:
         router = c.gateway.router
@@ -389,6 +437,9 @@ async def test_a_client_that_hangs_up_ends_both_upstream_requests(broker: Broker
             await c.servers["p0"].seen[0].gone.wait()
             await c.servers["d0"].seen[0].gone.wait()
         assert c.gateway.router.in_flight(c.gateway.router.upstreams[0]) == 0
+        with anyio.fail_after(10):  # and the broker is told, once the request's task has unwound
+            while c.gateway.events["transfers_cancelled"] < 1:
+                await anyio.sleep(0.01)
         assert (await c.post({"prompt": [1]}, path="/v1/embeddings")).status_code == 404  # still serving
 
 

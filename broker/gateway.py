@@ -144,7 +144,8 @@ class Gateway:
         self.router = Router(config.upstreams, stale_s=max(5.0, 5 * config.poll_s))
         self.port: int | None = None
         self._broker_ok: bool | None = None
-        # Answers by status code, and events: decode_retries, prefill_retries, clients_gone.
+        # Answers by status code, and events: decode_retries, prefill_retries, clients_gone,
+        # transfers_cancelled (Cancels sent).
         self.answers: Counter[int] = Counter()
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request

@@ -191,6 +191,34 @@ def test_corrupted_transfer_changes_decode_output(cluster: dict[str, Any]) -> No
     assert all(a != b for a, b in zip(got, ref)), (got, ref)
 
 
+def test_a_request_given_up_before_decode_had_it_frees_the_prefill_servers_kv_at_once(cluster: dict[str, Any]) -> None:
+    """The proxy sent the prompt to prefill-0, naming decode-0, then gave the request up
+    before decode-0 had it (its client left, decode-0 refused it). P's KV is staged and
+    granted to decode-0, which holds no request for it and would keep the Prepare, and its
+    room, until its load_timeout_s (30 s). `kvbroker cancel` (what the gateway sends
+    itself) frees P's copy and decode-0's room at once."""
+    p, d, broker = cluster["prefill-0"], cluster["decode-0"], cluster["broker"]
+    (prompt,) = make_prompts([150], salt=97)
+    tid = "given-up-1"
+    completion(p, prompt, 1, {"transfer_id": tid, "decode_instance_id": d.instance_id})
+
+    def granted() -> list[dict[str, Any]]:
+        return [t for t in broker.status()["transfers"] if t["transfer_id"] == tid and t["state"] == "preparing"]
+
+    wait_until(granted, 20, "P's Offer to be granted to decode-0")
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "cancel", tid, "--broker", broker.endpoint, "--reason", "the client left"],
+        capture_output=True, text=True, env=env(), cwd=ROOT, timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"{tid}: ended 1, already moving 0", out.stdout + out.stderr
+    freed = wait_until(lambda: [r for r in log_events(p, "transfer.aborted") if r["transfer_id"] == tid], 10,
+                       "prefill-0 to free the staged copy")
+    assert freed[0]["reason"] == "the request was cancelled (the client left)", timeline(cluster, [tid])
+    status = broker.status()
+    assert [t for t in status["transfers"] if t["transfer_id"] == tid] == []
+    assert [pool["reserved"] for pool in status["pools"] if pool["peer_id"].startswith("decode-0")] == [0]
+
+
 @pytest.fixture(scope="module")
 def gateway(cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """`kvbroker gateway` as a real process in front of prefill-0 and decode-0."""

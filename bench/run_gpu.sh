@@ -30,12 +30,16 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# BENCH_ARGS: extra benchmark flags (e.g. --diag, --backends torch, --ipc 132); SKIP_TESTS=1: no pytest.
+# BENCH_ARGS: the benchmark's flags (e.g. --diag, --backends torch, --ipc 132); by default the
+# direct and ipc backends side by side, each row timed twice (--variants dup), which is the
+# comparison docs/RESULTS.md still lacks on two GPUs; BENCH_ARGS="" for the benchmark's own
+# defaults. SKIP_TESTS=1: no pytest.
 # The timeouts keep one run under 9 minutes: the benchmark (about 100 s) gets BENCH_TIMEOUT,
 # the connector's (about 25 s, and 20-25 s for each run with 8 in flight) CONNECTOR_TIMEOUT each, the direct backend's tests TEST_TIMEOUT,
 # torch's whatever is left of TOTAL_BUDGET.
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" \
+  ${BENCH_ARGS---backends direct,ipc --variants dup} 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 # The connector's own path (worker halves in two processes, a real broker) against raw NCCL.
 timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --json "$OUT/connector_nccl.json" \

@@ -1,4 +1,4 @@
-"""`kvbroker serve | gateway | status | trace`: the operator's commands."""
+"""`kvbroker serve | gateway | status | cancel | trace`: the operator's commands."""
 
 from __future__ import annotations
 
@@ -97,30 +97,43 @@ def _client_keys(folder: Path) -> frozenset[bytes]:
     return frozenset(keys)
 
 
-@main.command()
-@click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-@click.option("--timeout", type=float, default=3.0, show_default=True)
-@click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
-@click.option(
-    "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
-    help="This client's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
-)
-def status(
-    broker: str, as_json: bool, timeout: float, curve_server_key: str | None, curve_client_secret_file: str | None
-) -> None:
-    """Show peers, pools and transfers in flight."""
-    from .status import fetch_status, render_status
+def _asks_broker(command: Any) -> Any:
+    """The options of a command that asks the broker one thing: where, how long, which keys."""
+    for option in reversed([
+        click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address."),
+        click.option("--timeout", type=float, default=3.0, show_default=True),
+        click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one."),
+        click.option(
+            "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+            help="This client's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
+        ),
+    ]):
+        command = option(command)
+    return command
 
+
+def _ask(call: Any, *args: Any, broker: str, timeout: float, curve_server_key: str | None,
+         curve_client_secret_file: str | None) -> Any:
+    """`call(broker, *args, timeout, keys)` run once, its failure one sentence."""
     client_secret = Path(curve_client_secret_file).read_bytes() if curve_client_secret_file else None
     try:
-        snap = anyio.run(fetch_status, broker, timeout, curve_server_key, client_secret)
+        return anyio.run(call, broker, *args, timeout, curve_server_key, client_secret)
     except TimeoutError:
         raise click.ClickException(
             f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
         ) from None
     except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@_asks_broker
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def status(as_json: bool, **where: Any) -> None:
+    """Show peers, pools and transfers in flight."""
+    from .status import fetch_status, render_status
+
+    snap = _ask(fetch_status, **where)
     if as_json:
         click.echo(msgspec.json.encode(snap).decode())
     else:
@@ -129,30 +142,13 @@ def status(
 
 @main.command()
 @click.argument("transfer_id")
-@click.option("--broker", default="tcp://127.0.0.1:7100", show_default=True, help="Broker address.")
+@_asks_broker
 @click.option("--reason", default="", help="Why, for the peers' logs.")
-@click.option("--timeout", type=float, default=3.0, show_default=True)
-@click.option("--curve-server-key", default=None, help="The broker's Z85 CURVE public key, if it serves with one.")
-@click.option(
-    "--curve-client-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
-    help="This client's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
-)
-def cancel(
-    transfer_id: str, broker: str, reason: str, timeout: float, curve_server_key: str | None,
-    curve_client_secret_file: str | None,
-) -> None:
+def cancel(transfer_id: str, reason: str, **where: Any) -> None:
     """Say that the request behind TRANSFER_ID was given up: its KV is freed on both sides now."""
     from .status import cancel_transfer
 
-    client_secret = Path(curve_client_secret_file).read_bytes() if curve_client_secret_file else None
-    try:
-        got = anyio.run(cancel_transfer, broker, transfer_id, reason, timeout, curve_server_key, client_secret)
-    except TimeoutError:
-        raise click.ClickException(
-            f"the broker at {broker} did not answer within {timeout:g} s; is `kvbroker serve --bind {broker}` running?"
-        ) from None
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from None
+    got = _ask(cancel_transfer, transfer_id, reason, **where)
     click.echo(f"{transfer_id}: ended {got.ended}, already moving {got.left}")
 
 

@@ -286,11 +286,21 @@ class FakeCluster:
         return t.state if t else None
 
 
+def received(peer: FakePeer, kind: type[Prepare] | type[Abort]) -> list[str]:
+    """The transfer ids of the messages of `kind` a peer received; it received nothing else."""
+    msgs = peer.take()
+    assert all(isinstance(m, kind) for m in msgs), msgs
+    return [m.transfer_id for m in msgs if isinstance(m, kind)]
+
+
 def prepared(peer: FakePeer) -> list[str]:
     """The transfer ids of the Prepares a peer received; it received nothing else."""
-    msgs = peer.take()
-    assert all(isinstance(m, Prepare) for m in msgs), msgs
-    return [m.transfer_id for m in msgs if isinstance(m, Prepare)]
+    return received(peer, Prepare)
+
+
+def aborted(peer: FakePeer) -> list[str]:
+    """The transfer ids of the Aborts a peer received; it received nothing else."""
+    return received(peer, Abort)
 
 
 def refused(c: FakeCluster, identity: bytes, msg: Message, code: str, *, contains: str = "") -> Error:

@@ -50,7 +50,16 @@ from protocols.messages import (
     Status,
     StatusRequest,
 )
-from tests.broker.fake_cluster import CONFIG, FakeCluster, FakePeer, check_invariants, prepared, refused, snapshot
+from tests.broker.fake_cluster import (
+    CONFIG,
+    FakeCluster,
+    FakePeer,
+    aborted,
+    check_invariants,
+    prepared,
+    refused,
+    snapshot,
+)
 
 S = TransferState
 
@@ -952,13 +961,6 @@ def cancel(c: FakeCluster, tid: str, reason: str = "the client left") -> Cancell
     return answer
 
 
-def aborts(peer: FakePeer) -> list[str]:
-    """The transfer ids of the Aborts a peer received; it received nothing else."""
-    msgs = peer.take()
-    assert all(isinstance(m, Abort) for m in msgs), msgs
-    return [m.transfer_id for m in msgs if isinstance(m, Abort)]
-
-
 def test_a_cancel_frees_p_and_d_at_once_wherever_nothing_moves_yet(c: FakeCluster) -> None:
     """The gateway gave up on requests that no decode instance took (it refused them, the
     client left): P's staged copies and D's credit come back now, not at D's load deadline
@@ -974,15 +976,15 @@ def test_a_cancel_frees_p_and_d_at_once_wherever_nothing_moves_yet(c: FakeCluste
     assert (c.state("expected"), c.state("unrouted"), c.state("waiting")) == (S.EXPECTED, S.UNROUTED, S.WAITING_CREDIT)
 
     assert cancel(c, "expected") == Cancelled(transfer_id="expected", ended=1, left=0)
-    assert aborts(d) == ["expected"] and p.take() == []
+    assert aborted(d) == ["expected"] and p.take() == []
     assert cancel(c, "unrouted") == Cancelled(transfer_id="unrouted", ended=1)
-    assert aborts(p) == ["unrouted"] and d.take() == [] and d2.take() == []
+    assert aborted(p) == ["unrouted"] and d.take() == [] and d2.take() == []
     assert cancel(c, "waiting") == Cancelled(transfer_id="waiting", ended=1)
-    assert aborts(p) == ["waiting"] and aborts(d) == ["waiting"] and c.pool(d) == (100, 60, 0)
+    assert aborted(p) == ["waiting"] and aborted(d) == ["waiting"] and c.pool(d) == (100, 60, 0)
     assert cancel(c, "parked", "decode instance d answered 400").ended == 1
     [abort] = [m for m in d.take() if isinstance(m, Abort)]
     assert abort.reason == "the request was cancelled (decode instance d answered 400)"
-    assert aborts(p) == ["parked"]
+    assert aborted(p) == ["parked"]
     assert c.broker.transfers == {} and c.pool(d) == (100, 0, 0)
     assert c.status().counters["cancelled"] == 4
 
@@ -1017,9 +1019,9 @@ def test_a_cancel_before_the_offer_or_the_expect_answers_them_at_once(c: FakeClu
     d0, d1 = c.decode(world_size=2), c.decode(rank=1, world_size=2)
     assert cancel(c, "t1", "prefill instance p answered 400") == Cancelled(transfer_id="t1")
     p0.offer("t1", 10)
-    assert aborts(p0) == ["t1"] and d0.take() == [] and c.state("t1") is None
+    assert aborted(p0) == ["t1"] and d0.take() == [] and c.state("t1") is None
     d1.expect("t1")
-    assert aborts(d1) == ["t1"] and c.state("t1", rank=1) is None
+    assert aborted(d1) == ["t1"] and c.state("t1", rank=1) is None
     p0.offer("t2", 10)
     assert prepared(d0) == ["t2"]
     d0.ready("t2")

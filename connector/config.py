@@ -18,6 +18,10 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
     tcp_host            address the decode side's TCP receiver binds AND advertises
                         (default 127.0.0.1; use a routable address across hosts).
     instance_id         this engine's name at the broker (default: vLLM's engine_id).
+    grant_key_file      a file holding a secret shared by P and D (16 bytes or more, e.g.
+                        `openssl rand -hex 32`): P signs each transfer it stages into the
+                        kv_transfer_params it returns, and D loads only transfers whose
+                        grant verifies (see `protocols.grants`).
     fault_injection     FOR TESTS ONLY: "flip_sign_bits" makes the decode side flip the
                         sign bit of every received KV element before scattering it, to
                         prove that corrupted KV changes the output (the values stay finite);
@@ -35,10 +39,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from protocols.errors import KvBrokerError
+from protocols.grants import GrantKeyError, read_key
 
 __all__ = ["ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "parse_config"]
 
@@ -74,6 +79,8 @@ class ConnectorConfig:
     curve_client_secret_file: str | None = None
     fault_injection: str | None = None
     fault_injection_prefix: str = ""
+    # The secret of grant_key_file (None: grants are neither made nor required).
+    grant_key: bytes | None = field(default=None, repr=False)
 
     @property
     def staging_ttl_s(self) -> float:
@@ -99,6 +106,7 @@ _KEYS = (
     "curve_client_secret_file",
     "fault_injection",
     "fault_injection_prefix",
+    "grant_key_file",
 )
 
 
@@ -202,6 +210,7 @@ def parse_config(
     prefix = extra.get("fault_injection_prefix", "")
     if not isinstance(prefix, str):
         raise ConfigError(f"{_PREFIX}.fault_injection_prefix must be a string, not {prefix!r}.")
+    grant_key = _grant_key(extra.get("grant_key_file"))
     return ConnectorConfig(
         broker=broker,
         role=role,
@@ -216,7 +225,19 @@ def parse_config(
         curve_client_secret_file=client_secret,
         fault_injection=fault,
         fault_injection_prefix=prefix,
+        grant_key=grant_key,
     )
+
+
+def _grant_key(path: object) -> bytes | None:
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{_PREFIX}.grant_key_file must be the path of a file holding the secret P and D share.")
+    try:
+        return read_key(path, what=f"{_PREFIX}.grant_key_file")
+    except GrantKeyError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _valid_address(address: str) -> bool:

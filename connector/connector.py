@@ -68,7 +68,11 @@ class KVBrokerConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(config, int(kv_cache_spec_of(kv_cache_config).block_size))
+            self._scheduler = ConnectorScheduler(
+                config,
+                int(kv_cache_spec_of(kv_cache_config).block_size),
+                tp_size=int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)),
+            )
         else:
             self._worker = ConnectorWorker(config, engine_info_from_vllm(vllm_config, kv_cache_config))
 

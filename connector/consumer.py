@@ -171,6 +171,11 @@ class ConsumerSide:
         with w.lock:
             for tid, spec in meta.loads.items():
                 load = _Load(tid, spec, now + w.config.load_timeout_s, allocated=allocated)
+                if spec.refused:  # the scheduler half refused it: fail it now, the broker never hears of it
+                    load.transfer_id = ""
+                    load.state, load.settled, load.reason = "failed", True, spec.refused
+                    self._rejected.append(load)
+                    continue
                 if tid in self._loads:
                     load.state, load.settled = "failed", True
                     load.reason = "another request on this instance is already loading this transfer_id"

@@ -25,17 +25,36 @@ Consumer (decode instance, ``kv_consumer``)
     are never written, and the worker asks the producer only for the blocks after
     them.
 
-A request without a transfer id (or with a malformed one) runs as a plain request.
+Router protocols (what `kv_transfer_params` may say; see README "Behind other routers")
+    native      P and D both get ``{"transfer_id": ...}`` (the gateway adds the other
+                instance's id).
+    sequential  NixlConnector's, spoken by vLLM's toy proxy, llm-d's sidecar, vllm-router
+                and Dynamo: P gets ``{"do_remote_decode": true, ...}`` without an id, makes
+                one, and returns in its response the params the router forwards to D
+                unchanged (``do_remote_prefill: true``, ``transfer_id``,
+                ``remote_engine_id`` = this instance, ...).
+    concurrent  Mooncake's: P gets ``{"do_remote_decode": true, "transfer_id": ...}``, D
+                gets ``{"do_remote_prefill": true, "transfer_id": ..., "remote_engine_id":
+                ...}`` at the same time.
+    On D, ``do_remote_prefill: true`` without a usable transfer id, a grant that does not
+    verify (with ``grant_key_file``), or a transfer id another request here is loading
+    already, is a load failure at once (`LoadSpec.refused`): vLLM then recomputes or
+    fails the request per ``kv_load_failure_policy``. A request without a transfer id,
+    or a native one with a malformed id, runs as a plain request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import structlog
+
+from protocols import grants
 
 from .config import ConnectorConfig
 
@@ -69,6 +88,10 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     tokens: str = ""
     # The prefill instance the proxy sent the request to, when it said so.
     prefill: str = ""
+    # Why this request may not load (one sentence): the worker fails it at once, so vLLM
+    # applies kv_load_failure_policy. Keyed in `KvBrokerMetadata.loads` by
+    # `refusal_key(req_id)`, never by a transfer id.
+    refused: str = ""
 
 
 class KvBrokerMetadata(msgspec.Struct, kw_only=True):
@@ -90,13 +113,27 @@ def tokens_digest(request: Any) -> str:
     return hashlib.blake2b(array("q", ids).tobytes(), digest_size=12).hexdigest()
 
 
+def refusal_key(req_id: str) -> str:
+    """The key of a refused load in `KvBrokerMetadata.loads` (longer than any transfer id)."""
+    return "refused:" + "_" * MAX_TRANSFER_ID + req_id
+
+
+def _usable_id(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value.encode()) <= MAX_TRANSFER_ID else None
+
+
+def _params(request: Any) -> dict[str, Any] | None:
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else None
+
+
 def transfer_id_of(request: Any) -> str | None:
     """The request's transfer id, or None when it has none or an unusable one."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
+    params = _params(request)
+    if params is None:
         return None
     tid = params.get("transfer_id")
-    if isinstance(tid, str) and 0 < len(tid.encode()) <= MAX_TRANSFER_ID:
+    if _usable_id(tid) is not None:
         return tid
     if tid is not None:
         log.warning(
@@ -108,10 +145,47 @@ def transfer_id_of(request: Any) -> str | None:
     return None
 
 
-def _instance_param(params: dict[str, Any], key: str) -> str:
-    """An instance id the proxy put in kv_transfer_params ("" when absent or unusable)."""
-    value = params.get(key, "")
-    return value if isinstance(value, str) and len(value) <= MAX_TRANSFER_ID else ""
+def _instance_param(params: dict[str, Any], *keys: str) -> str:
+    """The first instance id the proxy put under one of `keys` ("" when absent or unusable)."""
+    for key in keys:
+        value = params.get(key)
+        if isinstance(value, str) and 0 < len(value) <= MAX_TRANSFER_ID:
+            return value
+    return ""
+
+
+class _Ask(msgspec.Struct, kw_only=True):
+    """What a decode request's kv_transfer_params ask for: a load, or a refused one."""
+
+    transfer_id: str  # "" when refused for want of a usable one
+    prefill: str
+    grant: Any = None
+    refused: str = ""
+
+
+def _consumer_ask(request: Any) -> _Ask | None:
+    """Read a decode request's params (any protocol); None: a plain request."""
+    params = _params(request)
+    if params is None:
+        return None
+    remote = params.get("do_remote_prefill")
+    if remote is True:
+        tid = _usable_id(params.get("transfer_id"))
+        prefill = _instance_param(params, "remote_engine_id", "prefill_instance_id")
+        if tid is None:
+            return _Ask(
+                transfer_id="",
+                prefill=prefill,
+                refused="do_remote_prefill came without a usable transfer_id (a string of 1 to "
+                f"{MAX_TRANSFER_ID} bytes): the router must forward the prefill's kv_transfer_params unchanged",
+            )
+        return _Ask(transfer_id=tid, prefill=prefill, grant=params.get(grants.GRANT_PARAM))
+    if remote is not None:
+        return None  # do_remote_prefill false (or garbage): nothing to load
+    tid = transfer_id_of(request)
+    if tid is None:
+        return None
+    return _Ask(transfer_id=tid, prefill=_instance_param(params, "prefill_instance_id"), grant=params.get(grants.GRANT_PARAM))
 
 
 class _Producing(msgspec.Struct, kw_only=True):
@@ -119,6 +193,8 @@ class _Producing(msgspec.Struct, kw_only=True):
     num_tokens: int
     decode: str
     tokens: str = ""
+    # Asked in the router protocols' form (do_remote_decode): answer in that form too.
+    remote_decode: bool = False
     block_ids: list[int] = []
     staged: bool = False
 
@@ -126,18 +202,24 @@ class _Producing(msgspec.Struct, kw_only=True):
 class ConnectorScheduler:
     """The scheduler-side state of one engine; every method is called on the scheduler thread."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(
+        self, config: ConnectorConfig, block_size: int, *, tp_size: int = 1, wall: Callable[[], float] = time.time
+    ) -> None:
+        """`tp_size` is only reported to routers; `wall` (Unix time) signs and checks grants."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.config = config
         self.block_size = block_size
+        self.tp_size = tp_size
+        self._wall = wall
         self.is_producer = config.role == "producer"
         self._log = log.bind(role=config.role, instance=config.instance_id)
         # Producer: requests with a transfer id, from allocation until they finish.
         self._producing: dict[str, _Producing] = {}
-        # Consumer: local prefix hit seen by the last claim (req_id -> tokens), and the
-        # requests whose load was handed to the worker (claimed once, never again).
-        self._claims: dict[str, int] = {}
+        # Consumer: the last claim's local prefix hit (tokens) and what the request asks
+        # for, by req_id; and the requests whose load was handed to the worker (claimed
+        # once, never again).
+        self._claims: dict[str, tuple[int, _Ask]] = {}
         self._loading: set[str] = set()
         # Pending instructions for the next metadata, drained by build_connector_meta.
         self._saves: dict[str, SaveSpec] = {}
@@ -152,58 +234,88 @@ class ConnectorScheduler:
         """Consumer: claim the prompt past the local hit, asynchronously, once per request."""
         if self.is_producer:
             return 0, False
-        tid = transfer_id_of(request)
-        if tid is None:
-            return 0, False
         rid = request.request_id
         if rid in self._loading:
             # A recompute after a failed load (or a preemption): compute locally.
             return 0, False
+        ask = _consumer_ask(request)
+        if ask is None:
+            return 0, False
         num = int(request.num_prompt_tokens) - num_computed_tokens
         if num <= 0:
             return 0, False
+        if not ask.refused and self.config.grant_key is not None:
+            why = grants.verify(
+                self.config.grant_key,
+                ask.grant,
+                transfer_id=ask.transfer_id,
+                prefill=ask.prefill,
+                prompt=tokens_digest(request),
+                now=self._wall(),
+            )
+            if why is not None:
+                ask.refused = f"transfer_id {ask.transfer_id!r} is refused: {why}"
         # Remembered per call: if allocation fails, vLLM asks again next step.
-        self._claims[rid] = num_computed_tokens
+        self._claims[rid] = (num_computed_tokens, ask)
         return num, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record what the worker must stage (producer) or load (consumer) for this request."""
-        tid = transfer_id_of(request)
-        if tid is None:
-            return
         rid = request.request_id
         if self.is_producer:
             if rid not in self._producing:
-                self._producing[rid] = _Producing(
-                    transfer_id=tid,
-                    num_tokens=int(request.num_prompt_tokens),
-                    decode=_instance_param(request.kv_transfer_params, "decode_instance_id"),
-                    tokens=tokens_digest(request),
-                )
+                self._start_producing(request)
             return
         if num_external_tokens <= 0 or rid in self._loading or rid not in self._claims:
             return  # not ours, or the second call after the load finished
-        local = self._claims.pop(rid)
+        local, ask = self._claims.pop(rid)
         num_tokens = int(request.num_prompt_tokens)
         (block_ids,) = blocks.get_block_ids()[:1]
         needed = self.blocks_for(num_tokens)
         self._loading.add(rid)
-        self._loads[tid] = LoadSpec(
+        refused = ask.refused
+        if not refused and ask.transfer_id in self._loads:
+            refused = f"transfer_id {ask.transfer_id!r} is refused: another request on this instance is loading it"
+        spec = LoadSpec(
             req_id=rid,
             block_ids=list(block_ids[:needed]),
             num_cached_blocks=local // self.block_size,
             num_tokens=num_tokens,
             tokens=tokens_digest(request),
-            prefill=_instance_param(request.kv_transfer_params, "prefill_instance_id"),
+            prefill=ask.prefill,
+            refused=refused,
         )
+        if refused:
+            self._loads[refusal_key(rid)] = spec
+            return  # the worker's transfer.load_failed line says why
+        self._loads[ask.transfer_id] = spec
         self._log.info(
             "transfer.claimed",
-            transfer_id=tid,
+            transfer_id=ask.transfer_id,
             req_id=rid,
             phase="claim",
             tokens=num_external_tokens,
             local_hit_tokens=local,
             blocks=needed,
+        )
+
+    def _start_producing(self, request: Any) -> None:
+        """Producer: follow this request if it carries a transfer id, or asks for one."""
+        params = _params(request)
+        if params is None:
+            return
+        remote_decode = params.get("do_remote_decode") is True
+        tid = transfer_id_of(request)
+        if tid is None:
+            if not remote_decode:
+                return
+            tid = grants.new_transfer_id("kv")  # the sequential protocol: P names the transfer
+        self._producing[request.request_id] = _Producing(
+            transfer_id=tid,
+            num_tokens=int(request.num_prompt_tokens),
+            decode=_instance_param(params, "decode_instance_id"),
+            tokens=tokens_digest(request),
+            remote_decode=remote_decode,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KvBrokerMetadata:
@@ -230,7 +342,36 @@ class ConnectorScheduler:
                 phase="stage",
                 reason="the request finished before its prompt was computed",
             )
-        return False, {"transfer_id": prod.transfer_id, "prefill_instance_id": self.config.instance_id}
+        return False, self._answer(rid, prod)
+
+    def _answer(self, rid: str, prod: _Producing) -> dict[str, Any]:
+        """The kv_transfer_params P returns: what a router forwards to D (never the client's values)."""
+        inst = self.config.instance_id
+        out: dict[str, Any] = {"transfer_id": prod.transfer_id, "prefill_instance_id": inst}
+        if prod.remote_decode:
+            out.update(
+                # Nothing staged (the request ended before its prompt was computed): D
+                # computes at once instead of waiting for KV that never comes.
+                do_remote_prefill=prod.staged,
+                do_remote_decode=False,
+                remote_engine_id=inst,
+                remote_request_id=rid[:MAX_TRANSFER_ID],
+                # NixlConnector's keys, which some routers expect to find: KV moves by
+                # transfer_id through the broker, so no block ids or address are needed.
+                remote_block_ids=[],
+                remote_host="",
+                remote_port=0,
+                tp_size=self.tp_size,
+            )
+        if self.config.grant_key is not None:
+            out[grants.GRANT_PARAM] = grants.sign(
+                self.config.grant_key,
+                transfer_id=prod.transfer_id,
+                prefill=inst,
+                prompt=prod.tokens,
+                expires=self._wall() + self.config.staging_ttl_s,
+            )
+        return out
 
     # -- producer bookkeeping --------------------------------------------------------------
 

@@ -56,8 +56,9 @@ class GrantKeyError(KvBrokerError, ValueError):
     """The grant key file cannot be used; the message says what to change."""
 
 
-def read_key(path: str | os.PathLike[str]) -> bytes:
-    """The shared secret in `path` (surrounding whitespace stripped).
+def read_key(path: str | os.PathLike[str], what: str = "grant key file") -> bytes:
+    """The shared secret in `path` (surrounding whitespace stripped); `what` names the
+    setting in the error message.
 
     Raises:
         GrantKeyError: the file cannot be read or holds fewer than 16 bytes.
@@ -66,10 +67,10 @@ def read_key(path: str | os.PathLike[str]) -> bytes:
         with open(path, "rb") as f:
             key = f.read(MAX_KEY_BYTES + 1).strip()
     except OSError as exc:
-        raise GrantKeyError(f"grant key file {str(path)!r} cannot be read ({exc.strerror}); point it at the shared secret.") from None
+        raise GrantKeyError(f"{what} {str(path)!r} cannot be read ({exc.strerror}); point it at the shared secret.") from None
     if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
         raise GrantKeyError(
-            f"grant key file {str(path)!r} must hold a secret of {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, "
+            f"{what} {str(path)!r} must hold a secret of {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes, "
             f"e.g. the output of `openssl rand -hex 32`; it holds {len(key)}."
         )
     return key

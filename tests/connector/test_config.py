@@ -161,3 +161,19 @@ def test_curve_client_secret_file(tmp_path: Path) -> None:
     missing = refused({"broker": BROKER, "curve_server_key": server, "curve_client_secret_file": str(tmp_path / "no")})
     assert key in missing and "cannot be read" in missing
     assert "40-character" in refused({"broker": BROKER, "curve_server_key": server, "curve_client_secret_file": str(bad)})
+
+
+def test_grant_key_file_is_read_at_startup_and_kept_out_of_reprs(tmp_path: Path) -> None:
+    key = tmp_path / "grant.key"
+    key.write_text("s3cr3t-s3cr3t-s3cr3t-s3cr3t\n")
+    cfg = parse({"broker": BROKER, "grant_key_file": str(key)})
+    assert cfg.grant_key == b"s3cr3t-s3cr3t-s3cr3t-s3cr3t"
+    assert "s3cr3t" not in repr(cfg)
+    assert parse({"broker": BROKER}).grant_key is None
+    short = tmp_path / "short.key"
+    short.write_text("abc")
+    assert refused({"broker": BROKER, "grant_key_file": str(short)}).startswith(
+        f"kv_connector_extra_config.grant_key_file {str(short)!r} must hold a secret of 16 to 4096 bytes"
+    )
+    assert "cannot be read" in refused({"broker": BROKER, "grant_key_file": str(tmp_path / "absent")})
+    assert "grant_key_file must be the path" in refused({"broker": BROKER, "grant_key_file": 5})

@@ -6,16 +6,24 @@ vLLM 0.32's scheduler (tests/e2e checks the real thing).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from connector.config import ConnectorConfig
 from connector.scheduler import (
+    MAX_TRANSFER_ID,
     ConnectorScheduler,
+    KvBrokerMetadata,
     LoadSpec,
     SaveSpec,
+    refusal_key,
     tokens_digest,
 )
+from protocols import grants
 
 BS = 32
 
@@ -63,8 +71,9 @@ class FakeSchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
 
 
-def scheduler(role: str) -> ConnectorScheduler:
-    return ConnectorScheduler(ConnectorConfig(broker="tcp://127.0.0.1:7100", role=role, instance_id="inst"), BS)  # type: ignore[arg-type]
+def scheduler(role: str, instance: str = "inst", key: bytes | None = None, now: float = 1e9) -> ConnectorScheduler:
+    config = ConnectorConfig(broker="tcp://127.0.0.1:7100", role=role, instance_id=instance, grant_key=key)  # type: ignore[arg-type]
+    return ConnectorScheduler(config, BS, tp_size=2, wall=lambda: now)
 
 
 def req(rid: str, n: int, tid: str | None = "t-1", **params: Any) -> FakeRequest:
@@ -216,3 +225,227 @@ def test_producer_ignores_plain_requests_and_unfinished_ones_report_nothing() ->
     r = req("r", 40)
     s.update_state_after_alloc(r, FakeBlocks([5, 6]), 0)
     assert s.request_finished(r, [5, 6]) == (False, {"transfer_id": "t-1", "prefill_instance_id": "inst"})
+
+
+# -- router protocols -------------------------------------------------------------------------
+
+# What vLLM's toy proxy, llm-d's sidecar (nixlv2), vllm-router and Dynamo send P.
+NIXL_P = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_once(s: ConnectorScheduler, r: FakeRequest, blocks: list[int]) -> KvBrokerMetadata:
+    """P allocates and computes the whole prompt in one step."""
+    s.update_state_after_alloc(r, FakeBlocks(blocks), 0)
+    out = FakeSchedulerOutput(scheduled_new_reqs=[NewReq(r.request_id, (blocks,), 0)],
+                              num_scheduled_tokens={r.request_id: r.num_prompt_tokens})
+    return s.build_connector_meta(out)
+
+
+def decode_claim(s: ConnectorScheduler, r: FakeRequest, blocks: list[int]) -> KvBrokerMetadata:
+    """D claims the whole prompt and gets its blocks."""
+    assert s.get_num_new_matched_tokens(r, 0) == (r.num_prompt_tokens, True)
+    s.update_state_after_alloc(r, FakeBlocks(blocks), r.num_prompt_tokens)
+    return s.build_connector_meta(FakeSchedulerOutput())
+
+
+def test_sequential_protocol_p_names_the_transfer_and_d_loads_what_the_router_forwards() -> None:
+    p, d = scheduler("producer", "prefill-0"), scheduler("consumer", "decode-0")
+    r = FakeRequest("cmpl-1-0", 70, dict(NIXL_P))
+    meta = prefill_once(p, r, [3, 4, 5])
+    ((tid, save),) = meta.saves.items()
+    assert tid.startswith("kv-") and len(tid) == 35
+    assert save == SaveSpec(req_id="cmpl-1-0", block_ids=[3, 4, 5], num_tokens=70, tokens=tokens_digest(r))
+    freed, params = p.request_finished(r, [3, 4, 5])
+    assert freed is False
+    assert params == {
+        "do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+        "prefill_instance_id": "prefill-0", "remote_engine_id": "prefill-0", "remote_request_id": "cmpl-1-0",
+        "remote_block_ids": [], "remote_host": "", "remote_port": 0, "tp_size": 2,
+    }
+    # The router forwards them unchanged (through JSON) with the full request.
+    rd = FakeRequest("cmpl-2-0", 70, json.loads(json.dumps(params)))
+    assert decode_claim(d, rd, [9, 10, 11]).loads == {
+        tid: LoadSpec(req_id="cmpl-2-0", block_ids=[9, 10, 11], num_cached_blocks=0, num_tokens=70,
+                      tokens=tokens_digest(rd), prefill="prefill-0")
+    }
+
+
+def test_each_sequential_request_gets_its_own_transfer_id_kept_across_a_preemption() -> None:
+    p = scheduler("producer")
+    rs = [FakeRequest(f"r{i}", 40, dict(NIXL_P)) for i in range(20)]
+    for r in rs:
+        p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+        p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)  # allocated again after a preemption
+    tids = [p.request_finished(r, [1, 2])[1]["transfer_id"] for r in rs]  # type: ignore[index]
+    assert len(set(tids)) == 20
+
+
+def test_a_sequential_request_that_ended_before_its_prompt_ran_tells_d_to_compute() -> None:
+    p, d = scheduler("producer"), scheduler("consumer")
+    r = FakeRequest("r1", 40, dict(NIXL_P))
+    p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    _, params = p.request_finished(r, [1, 2])  # aborted before its step
+    assert params is not None and params["do_remote_prefill"] is False
+    assert d.get_num_new_matched_tokens(FakeRequest("r2", 40, params), 0) == (0, False)
+
+
+def test_concurrent_protocol_p_and_d_get_one_transfer_id_at_once() -> None:
+    p, d = scheduler("producer", "prefill-0"), scheduler("consumer", "decode-0")
+    rp = FakeRequest("p1", 70, {"do_remote_decode": True, "transfer_id": "mc-1"})
+    rd = FakeRequest("d1", 70, {"do_remote_prefill": True, "transfer_id": "mc-1", "remote_engine_id": "prefill-0",
+                                "remote_bootstrap_addr": "10.0.0.1:8998"})
+    assert list(decode_claim(d, rd, [1, 2, 3]).loads) == ["mc-1"]
+    assert list(prefill_once(p, rp, [4, 5, 6]).saves) == ["mc-1"]
+    assert p.request_finished(rp, [4, 5, 6])[1]["transfer_id"] == "mc-1"  # type: ignore[index]
+    assert d.request_finished(rd, [1, 2, 3]) == (False, None)
+
+
+def test_do_remote_prefill_without_a_usable_transfer_id_is_a_load_failure_at_once() -> None:
+    d = scheduler("consumer")
+    for i, params in enumerate((
+        {"do_remote_prefill": True, "remote_engine_id": "prefill-0"},  # a router that dropped the id
+        {"do_remote_prefill": True, "transfer_id": ""},
+        {"do_remote_prefill": True, "transfer_id": "x" * (MAX_TRANSFER_ID + 1)},
+        {"do_remote_prefill": True, "transfer_id": ["t-1"]},
+    )):
+        r = FakeRequest(f"r{i}", 40, params)
+        loads = decode_claim(d, r, [1, 2]).loads
+        spec = loads[refusal_key(f"r{i}")]
+        assert spec.refused.startswith("do_remote_prefill came without a usable transfer_id") and spec.block_ids == [1, 2]
+        assert len(refusal_key(f"r{i}").encode()) > MAX_TRANSFER_ID  # never mistaken for a transfer id
+        # vLLM then recomputes (policy "recompute") and asks again: computed locally.
+        assert d.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_do_remote_prefill_false_or_garbage_is_a_plain_request() -> None:
+    d = scheduler("consumer")
+    for params in ({"do_remote_prefill": False, "transfer_id": "t"}, {"do_remote_prefill": "yes", "transfer_id": "t"},
+                   {"do_remote_decode": True}, {"do_remote_prefill": None}):
+        assert d.get_num_new_matched_tokens(FakeRequest("r", 40, params), 0) == (0, False)
+
+
+def test_two_requests_loading_one_transfer_in_one_step_the_second_fails() -> None:
+    d = scheduler("consumer")
+    a, b = req("a", 40), req("b", 40)
+    for r in (a, b):
+        d.get_num_new_matched_tokens(r, 0)
+    d.update_state_after_alloc(a, FakeBlocks([1, 2]), 40)
+    d.update_state_after_alloc(b, FakeBlocks([3, 4]), 40)
+    loads = d.build_connector_meta(FakeSchedulerOutput()).loads
+    assert loads["t-1"].req_id == "a"
+    assert loads[refusal_key("b")].refused == "transfer_id 't-1' is refused: another request on this instance is loading it"
+
+
+# -- signed grants ---------------------------------------------------------------------------
+
+KEY = b"grant-key-0123456789"
+
+
+def granted_params(now: float = 1e9, key: bytes = KEY) -> tuple[str, dict[str, Any], FakeRequest]:
+    p = scheduler("producer", "prefill-0", key=key, now=now)
+    r = FakeRequest("p1", 70, dict(NIXL_P))
+    (tid,) = prefill_once(p, r, [1, 2, 3]).saves
+    params = p.request_finished(r, [1, 2, 3])[1]
+    assert params is not None
+    return tid, params, r
+
+
+def test_a_granted_transfer_loads_and_every_bad_grant_is_a_load_failure() -> None:
+    tid, params, rp = granted_params()
+    ttl = ConnectorConfig(broker="", role="producer", instance_id="").staging_ttl_s
+    assert params["grant"].startswith(f"v1.{int(1e9 + ttl)}.{tokens_digest(rp)}.")
+
+    def outcome(p: dict[str, Any], now: float = 1e9 + 5, key: bytes | None = KEY, prompt: list[int] | None = None) -> str:
+        d = scheduler("consumer", "decode-0", key=key, now=now)
+        r = FakeRequest("d1", 70, p, prompt_token_ids=prompt)
+        loads = decode_claim(d, r, [7, 8, 9]).loads
+        return "loaded" if tid in loads else loads[refusal_key("d1")].refused
+
+    assert outcome(params) == "loaded"
+    version, until, digest, mac = params["grant"].split(".")
+    bad = {
+        "tampered": {**params, "grant": f"{version}.{int(until) + 999}.{digest}.{mac}"},
+        "another id": {**params, "transfer_id": "kv-guessed"},
+        "another prefill": {**params, "remote_engine_id": "prefill-9"},
+        "missing": {k: v for k, v in params.items() if k != "grant"},
+    }
+    reasons = {name: outcome(p) for name, p in bad.items()}
+    reasons["expired"] = outcome(params, now=1e9 + ttl + 2)
+    reasons["wrong key"] = outcome(params, key=b"another-key-0123456789")
+    reasons["another prompt"] = outcome(params, prompt=[8] * 70)
+    assert all(r != "loaded" for r in reasons.values()), reasons
+    assert reasons["missing"].endswith("the request carries no grant, and this instance loads only granted transfers")
+    assert reasons["expired"].endswith("its grant expired 2 s ago")
+    assert reasons["another prompt"].endswith("its grant was made for another prompt")
+    assert reasons["wrong key"].startswith(f"transfer_id {tid!r} is refused: its grant does not verify")
+    # Without a key of its own, D ignores grants (and a producer without one makes none).
+    assert outcome(bad["missing"], key=None) == "loaded"
+
+
+def test_native_requests_are_granted_too() -> None:
+    p = scheduler("producer", "prefill-0", key=KEY)
+    r = req("p1", 40, decode_instance_id="decode-0")
+    prefill_once(p, r, [1, 2])
+    params = p.request_finished(r, [1, 2])[1]
+    assert params is not None and set(params) == {"transfer_id", "prefill_instance_id", "grant"}
+    assert grants.verify(KEY, params["grant"], transfer_id="t-1", prefill="prefill-0", prompt=tokens_digest(r),
+                         now=1e9) is None
+
+
+# -- whatever a client sends ----------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+KNOWN = ("transfer_id", "do_remote_decode", "do_remote_prefill", "remote_engine_id", "prefill_instance_id",
+         "decode_instance_id", "remote_block_ids", "remote_host", "remote_port", "grant", "tp_size")
+VALUES = st.one_of(
+    JSON, st.sampled_from(["t-1", "", "x" * 100_000, "prefill-0"]), st.just(True), st.just(list(range(100_000))),
+    st.integers(min_value=-(2**70), max_value=2**70),
+)
+PARAMS = st.one_of(
+    st.none(), JSON, st.dictionaries(st.one_of(st.sampled_from(KNOWN), st.text(max_size=12)), VALUES, max_size=8),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(params=PARAMS, key=st.sampled_from([None, KEY]), n=st.integers(1, 200), hit=st.integers(0, 200))
+def test_any_kv_transfer_params_run_plain_or_load_or_fail_at_once_and_never_raise(
+    params: Any, key: bytes | None, n: int, hit: int
+) -> None:
+    """Every hook with whatever params a client can put in a request: no exception, a
+    claim is always followed by exactly one load or refusal (so the request cannot wait
+    forever), and P returns only values it made itself, small and JSON-safe."""
+    hit = min(hit, n) // BS * BS
+    p, d = scheduler("producer", "prefill-0", key=key), scheduler("consumer", "decode-0", key=key)
+    r = FakeRequest("r", n, params)
+    blocks = list(range(-(-n // BS) + 1))
+    num, load_async = d.get_num_new_matched_tokens(r, hit)
+    assert (num, load_async) in ((0, False), (n - hit, True))
+    d.update_state_after_alloc(r, FakeBlocks(blocks), num or 0)
+    loads = d.build_connector_meta(FakeSchedulerOutput()).loads
+    assert len(loads) == (1 if num else 0)
+    for k, spec in loads.items():
+        assert spec.req_id == "r" and (spec.refused != "") == (k == refusal_key("r"))
+        assert len(k.encode()) <= MAX_TRANSFER_ID or spec.refused
+        assert len(spec.prefill) <= MAX_TRANSFER_ID and len(spec.refused) < 1024
+    assert d.request_finished(r, blocks) == (False, None)
+
+    p.update_state_after_alloc(r, FakeBlocks(blocks), 0)
+    saves = p.build_connector_meta(FakeSchedulerOutput(scheduled_new_reqs=[NewReq("r", (blocks,), 0)],
+                                                      num_scheduled_tokens={"r": n})).saves
+    _, answer = p.request_finished(r, blocks)
+    assert (answer is None) == (not saves)
+    if answer is not None:
+        assert len(json.dumps(answer)) < 1024
+        assert answer["transfer_id"] in saves and answer["prefill_instance_id"] == "prefill-0"
+        assert set(answer) <= {*KNOWN, "remote_request_id"}

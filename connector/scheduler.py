@@ -25,7 +25,7 @@ Consumer (decode instance, ``kv_consumer``)
     are never written, and the worker asks the producer only for the blocks after
     them.
 
-Router protocols (what `kv_transfer_params` may say; see README "Behind other routers")
+Router protocols (what `kv_transfer_params` may say; README "Behind the P/D routers you already run")
     native      P and D both get ``{"transfer_id": ...}`` (the gateway adds the other
                 instance's id).
     sequential  NixlConnector's, spoken by vLLM's toy proxy, llm-d's sidecar, vllm-router
@@ -58,7 +58,7 @@ from protocols import grants
 
 from .config import ConnectorConfig
 
-__all__ = ["ConnectorScheduler", "KvBrokerMetadata", "LoadSpec", "SaveSpec", "transfer_id_of"]
+__all__ = ["ConnectorScheduler", "KvBrokerMetadata", "LoadSpec", "SaveSpec", "refusal_key", "transfer_id_of"]
 
 log = structlog.get_logger("kvbroker.connector")
 

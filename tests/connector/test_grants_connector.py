@@ -9,6 +9,7 @@ stays for the request that holds the valid grant, which loads it.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from connector.config import ConnectorConfig
@@ -16,6 +17,8 @@ from connector.scheduler import ConnectorScheduler, refusal_key
 from tests.connector.test_scheduler import NIXL_P, FakeBlocks, FakeRequest, FakeSchedulerOutput, NewReq
 from tests.connector.test_worker import LAYERS, make_caches, make_worker, run_steps
 from tests.support import BrokerProcess, wait_until
+
+pytestmark = pytest.mark.slow
 
 KEY = b"0123456789abcdef-shared"
 BS = 32

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed")]
 
 BLOCK = 32
 NUM_BLOCKS = 64

@@ -26,6 +26,7 @@ from connector import consumer, nccl_link
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
+from tests.connector.test_save_race import Blocks, defer_gathers, save_race
 from tests.connector.test_worker import (
     LAYERS,
     FakeSpec,
@@ -126,6 +127,44 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
         assert p.nccl is not None and d.nccl is not None
         assert p.nccl.cache.statistics().created == 1 and d.nccl.cache.statistics().created == 1
         print("nccl connector transfer ms, median:", round(sorted(times)[len(times) // 2] * 1e3, 2))
+    finally:
+        p.close()
+        d.close()
+
+
+GPU_BLOCKS = Blocks(take=lambda t, ids: t[:, ids], put=lambda t, ids, v: t.__setitem__((slice(None), ids), v))
+
+
+@pytest.mark.parametrize("twin", ["shipped", "unsafe"])
+def test_a_thousand_transfers_are_exact_whatever_p_writes_after_each_save(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
+) -> None:
+    """The seed's race on the connector's path (tests/connector/test_save_race.py): 1,000
+    transfers, eight a step on the same block ids of P, each layer's blocks overwritten
+    on the compute stream right after its `save_kv_layer` returns; D's blocks hold what
+    P's held at the call, every one. The unsafe twin (P's copies deferred to
+    `wait_for_save`, injected here) corrupts every transfer."""
+    if twin == "unsafe":
+        defer_gathers(monkeypatch)
+    pc, dc = gpu_caches(P_GPU, 15), gpu_caches(D_GPU, 16)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    transfers = 1000 if twin == "shipped" else 80
+    try:
+        t0 = time.monotonic()
+        mismatched = save_race(p, d, pc, dc, blocks=GPU_BLOCKS, block_size=FakeSpec().block_size, transfers=transfers,
+                               per_step=8, blocks_per=4, d_blocks=BLOCKS, decode="d0", tag=twin,
+                               sync=lambda: torch.cuda.synchronize(D_GPU))
+        assert p.nccl is not None
+        backends = sorted({c.backend for c in p.nccl.cache._comms.values()})
+        print(f"save race, {twin}: {transfers} transfers, {mismatched} mismatched, "
+              f"{time.monotonic() - t0:.1f} s, over {backends}")
+        if twin == "shipped":
+            assert mismatched == 0
+            assert d.statistics()["loaded"] == transfers and d.statistics()["failed"] == 0
+        else:
+            assert mismatched == transfers, "the deferred copies read the overwritten blocks: the race test can fail"
+        leases_come_back(p, d)
     finally:
         p.close()
         d.close()

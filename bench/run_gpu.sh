@@ -8,7 +8,9 @@
 #   bash bench/run_gpu.sh
 # On one GPU the backend is ipc (both caches on cuda:0); with two, BACKEND (default
 # "ipc,direct" for the tests, direct for the benchmark) picks it.
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -n "${WHEELS_INSTALLED:-}" ]; then  # the caller installed them already (PYTHONPATH set)
+  :
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit
   export PYTHONPATH=$PWD:/tmp/site

@@ -50,10 +50,11 @@ gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
 
-Over the ipc backend a D with the Triton copies (`into`) posts a transfer as one receive
-straight into its blocks (`IpcCommunicator.post_blocks`), after the point its blocks
-may be written (`start_load_kv`); P sees that kind of receive and sends its staged
-blocks whole into them (`send_blocks`). One op each way, nothing to land: the
+Over a backend that writes into blocks (`Communicator.writes_into_blocks`: ipc) a D with
+the Triton copies (`into`) posts a transfer as one receive straight into its blocks
+(`post_blocks`), after the point its blocks may be written (`start_load_kv`); P sees
+that kind of receive (`next_receive_takes_blocks`) and sends its staged blocks whole
+into them (`send_blocks`). One op each way, nothing to land: the
 receive's end is the load's. The lease is still taken (it is the broker's credit) but
 not written.
 """
@@ -91,7 +92,7 @@ Into = tuple[Any, list[int], "torch.cuda.Event | None"]
 # between polls. A spin holds the GIL (an event query does not release it), so the
 # client's loop thread, which carries the next Ready or Go and posts the next transfer,
 # waits as long as the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost
-# 10-15% of their rate (docs/RESULTS.md).
+# 10-15% of their rate (docs/PERFORMANCE.md, "Figures the code quotes").
 WAIT_SPIN_S = 50e-6
 # The longest pause between polls once the poller has spun: it bounds how late an op's
 # end is seen (the pauses double up to it).
@@ -332,7 +333,7 @@ class Poller:
     loop) once, when the transfer has landed or been sent. With eight in flight, waking
     a thread per chunk to launch its landing cost the landing 1.3-2.5 ms at the median,
     waiting for D's GIL; launched here, by the thread that just saw the end, 0.44-0.73
-    ms (docs/RESULTS.md). A carried watch whose deadline passes is handed back to its
+    ms (docs/PERFORMANCE.md). A carried watch whose deadline passes is handed back to its
     waiter (`_Ended.expired`), which aborts the op: an abort blocks for up to a second,
     and done here it would stall every other watch.
     """

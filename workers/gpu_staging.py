@@ -232,7 +232,7 @@ class PagedKv:
         )
         self._launch = _Launcher(self.device) if self.use_triton else None
         # Triton copies with streaming cache hints (`_copy_rows_kernel`'s STREAM): a gather
-        # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
+        # that overlaps NCCL's send then slows it less (docs/PERFORMANCE.md).
         self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
             self._launch.check(self._one_block_args(to_staging=True))
@@ -414,7 +414,7 @@ def pipeline_bounds(
     copies' streaming cache hints, against first chunks of 64, 80, 112 and 128 MiB, front
     growth 2, 4 and 5, last chunks of 24 MiB and back ramps of 2 and 4: a larger first
     chunk gives the gather behind it longer to run at a lower rate, which slows the wire
-    it overlaps less (the runs in docs/RESULTS.md).
+    it overlaps less (docs/PERFORMANCE.md, "Figures the code quotes").
     """
     if num_blocks <= 0:
         return []

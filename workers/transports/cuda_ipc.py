@@ -14,7 +14,7 @@ written by the hosts only) and each side's two GPU counters in its own GPU memor
 written) and `arrived` (the peer's send k landed). Each GPU waits on and reads only its
 own memory. (A first version kept the counters in the host page: the copy kernel's
 read of `ready` from host memory cost about 8 us a program, serialized, so a 32-program
-copy took 0.25 ms longer; measured with `bench/ipc_ops.py`.)
+copy took 0.25 ms longer; docs/PERFORMANCE.md says where this was measured.)
 
 How one op pairs:
 

@@ -2,9 +2,10 @@
 # Everything that needs a GPU, in one call: the GPU tests, the connector's own path
 # (bench/connector_path.py) and, if NIXL is importable, NIXL's transfer on the same GPU(s)
 # (bench/nixl_peer.py), which docs/PERFORMANCE.md tabulates. Run from the project root;
-# wheels in .whl/ (pyzmq, msgspec, structlog, ..., and nixl-cu13 for the peer) are installed
-# first when present. Outputs go to $OUT (default /tmp/kvbroker-gpu); with PACK=1 into one
-# archive there, $OUT/gpu-run.tar.gz.
+# wheels in .whl/ (pyzmq, msgspec, structlog, ..., and nixl-cu13==1.5.1 for the peer, whose
+# own needs, torch and numpy, a CUDA host has) are installed first when present. Outputs
+# go to $OUT (default /tmp/kvbroker-gpu); with PACK=1 into one archive there,
+# $OUT/gpu-run.tar.gz.
 #   bash bench/run_gpu.sh
 # On one GPU the backend is ipc (both caches on cuda:0); with two, BACKEND (default
 # "ipc,direct" for the tests, direct for the benchmark) picks it.
@@ -48,10 +49,16 @@ EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# The tests: every gpu-marked test, over the ipc backend on one GPU (the two-GPU ones skip).
+# The tests: every gpu-marked test, over the ipc backend on one GPU (the two-GPU ones skip);
+# with two GPUs over TEST_BACKEND, then the connector's over direct NCCL as well.
 KVBROKER_NCCL_BACKEND=$TEST_BACKEND timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -s \
   -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest.log"
 echo "pytest (KVBROKER_NCCL_BACKEND=$TEST_BACKEND) rc=$?"
+if [ "$GPUS" -ge 2 ]; then  # the connector's tests (the race among them) over direct NCCL too
+  KVBROKER_NCCL_BACKEND=direct timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
+    -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest-direct.log"
+  echo "pytest connector (KVBROKER_NCCL_BACKEND=direct) rc=$?"
+fi
 
 # The connector's path: one request, after a 20 ms prefill, and eight of one step at once.
 bench() {  # NAME ARGS...: one run of bench/connector_path.py, its table on stdout, JSON and log in $OUT

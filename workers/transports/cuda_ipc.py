@@ -97,8 +97,8 @@ log = structlog.get_logger()
 __all__ = ["IpcCommunicator", "connect_ipc"]
 
 # Programs of the copy kernel: NVLink's ~0.45 TB/s a direction needs a few dozen SMs of
-# stores; the rest stay with the gathers and scatters beside it (KVBROKER_IPC_PROGRAMS).
-COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
+# stores; the rest stay with the gathers and scatters beside it.
+COPY_PROGRAMS = 32
 _COPY_BLOCK = 2048  # words a program copies per step
 # A staged transfer of at most this many blocks goes as one op, straight into the
 # receiver's blocks (`IpcCommunicator.send_blocks`); its ids take an arena slot.

@@ -1,16 +1,17 @@
 """The vLLM connector's own path, timed end to end against its transport's raw ceiling.
 
-`bench/nccl_transport.py` and `bench/tcp_transport.py` time the transports alone. This
-times what a request costs on the connector's path: the worker halves as vLLM drives
+This times what a request costs on the connector's path: the worker halves as vLLM drives
 them (bind, save_kv_layer, wait_for_save on P; bind, start_load_kv, get_finished on D),
 P and D in processes of their own, Llama-3-8B-shaped KV (32 layers, 8 KV heads, head
 128, bf16, block 16), through a real `kvbroker serve` (Offer, Prepare, Ready, Go, Done,
 Release, and for nccl the communicators' rendezvous). No vLLM and no model: P's forward
 pass is only its 32 per-layer gathers, unless `--prefill-ms` gives it GPU time of its own.
 
-`--transport nccl` (2 GPUs): P's KV on cuda:0, D's on cuda:1, flash-attn shaped (with
-KVBROKER_NCCL_BACKEND=ipc on a host of one GPU, both on cuda:0: the copies then stay in
-its memory, so only the host's part of the path compares with two GPUs).
+`--transport nccl`: P's KV on cuda:0, D's on cuda:1, flash-attn shaped, over the
+communicator backend `--backend` names (the connector's `nccl_backend`; default: the
+connector's own choice). On a host of one GPU both caches live on cuda:0 and the backend
+is ipc (the copies then stay in that GPU's memory, so only the host's part of the path
+compares with two GPUs).
 `--transport tcp`: both on the CPU, vLLM CPU backend shaped (``[blocks, H, bs, 2D]``).
 
 * raw          the transfer's bytes moved once with nothing else: one NCCL send/recv over
@@ -37,8 +38,8 @@ its memory, so only the host's part of the path compares with two GPUs).
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
 
-Usage: python bench/connector_path.py [--transport nccl|tcp] [--tokens 512,2048,8192] [--iters 20]
-       [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--thread-cpu] [--json PATH]
+Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--thread-cpu] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
 while a request was timed, and how long each sat runnable without a CPU: what D's host
@@ -52,9 +53,12 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -203,28 +207,11 @@ class _ThreadCpu:
 
 
 def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
-    import connector.nccl_link
-
-    if cfg.get("one_op"):  # every transfer as one NCCL op, D scattering it whole once it is in
-        connector.nccl_link.chunks = lambda nbytes, block_nbytes: [(0, nbytes // block_nbytes)]
-    if cfg.get("wait_spin_us") is not None:
-        connector.nccl_link.WAIT_SPIN_S = cfg["wait_spin_us"] * 1e-6
-    if cfg.get("land_each"):
-        connector.nccl_link.COALESCE_LANDINGS = False
-    if cfg.get("poller_lands") is not None:
-        connector.nccl_link.POLLER_LANDS = bool(cfg["poller_lands"])
-    if cfg.get("post_on_loop") is not None:
-        connector.nccl_link.POST_ON_LOOP = cfg["post_on_loop"]
-    if cfg.get("into_blocks") is not None:
-        connector.nccl_link.INTO_BLOCKS = bool(cfg["into_blocks"])
-    if cfg.get("hold_gil") is not None:
-        import workers.transports.nccl_comm
-
-        workers.transports.nccl_comm.HOLD_GIL_POSTS = bool(cfg["hold_gil"])
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
-         "staging_bytes": cfg["pool"], "load_timeout_s": DEADLINE_S},
+         "staging_bytes": cfg["pool"], "load_timeout_s": DEADLINE_S,
+         **({"nccl_backend": cfg["backend"]} if cfg["backend"] and cfg["transport"] == "nccl" else {})},
         kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
     )
     backend = "FLASH_ATTN/bench" if engine.gpu else "CPU_ATTN/bench"
@@ -422,14 +409,36 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         d.close()
 
 
+def _start_broker(log_level: str = "warning") -> tuple[subprocess.Popen, str]:
+    """`kvbroker serve` on a free loopback port, logging JSON lines at `log_level` to this
+    process's standard error; (process, endpoint)."""
+    folder = tempfile.mkdtemp(prefix="kvbroker-bench-")
+    port_file = os.path.join(folder, "endpoint")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH", "")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0",
+                             "--port-file", port_file, "--log-level", log_level, "--log-format", "json"],
+                            cwd=ROOT, env=env)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("the broker did not start; run `python -m broker.cli serve` to see why")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        endpoint = f.read().strip()
+    shutil.rmtree(folder, ignore_errors=True)
+    return proc, endpoint
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--transport", choices=("nccl", "tcp"), default="nccl")
     ap.add_argument("--tokens", default="", help="default: 512,2048,8192 (nccl), 512,2048 (tcp)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--wait-spin-us", type=float, default=None,
-                    help="nccl: how long the link's waits spin before sleeping (default: connector.nccl_link's)")
+    ap.add_argument("--backend", default="", choices=("", "direct", "torch", "ipc", "ipc,direct"),
+                    help="nccl: the connector's nccl_backend (default: ipc on a host of one GPU, else the "
+                         "connector's own choice)")
     ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
     ap.add_argument("--prefill-ms", type=float, default=0.0,
@@ -442,38 +451,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--broker-log-level", default="warning", choices=("debug", "info", "warning"),
                     help="the broker's log level (debug: also when it sent each Prepare and relayed each Go, "
                          "for `kvbroker phases`)")
-    ap.add_argument("--post-on-loop", type=int, choices=(0, 1), default=None,
-                    help="nccl: D posts a receive on its client's loop thread when its communicator is built "
-                         "(default: connector.nccl_link's)")
-    ap.add_argument("--poller-lands", type=int, choices=(0, 1), default=None,
-                    help="nccl: D's poller lands each chunk as it sees its op end (1), or wakes the receiving "
-                         "thread to do it (0) (default: connector.nccl_link's)")
-    ap.add_argument("--hold-gil", type=int, choices=(0, 1), default=None,
-                    help="nccl: keep the GIL while enqueueing an op on a connected pair (1), or let go of it for "
-                         "every NCCL call (0) (default: workers.transports.nccl_comm's)")
-    ap.add_argument("--into-blocks", type=int, choices=(0, 1), default=None,
-                    help="nccl over the ipc backend (KVBROKER_NCCL_BACKEND=ipc): each transfer as one op straight "
-                         "into D's blocks (1), or in chunks landed by scatters (0) (default: connector.nccl_link's)")
-    ap.add_argument("--land-each", action="store_true",
-                    help="nccl: D lands every chunk on its own, even those that ended while it was busy")
-    ap.add_argument("--one-op", action="store_true",
-                    help="nccl: each transfer as one op (not the pipeline's chunks), for comparison")
     ap.add_argument("--thread-cpu", action="store_true",
                     help="also print the CPU time each of D's threads used while a request was timed (Linux)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    one_gpu_ipc = torch.cuda.device_count() == 1 and os.environ.get("KVBROKER_NCCL_BACKEND") == "ipc"
-    if args.transport == "nccl" and torch.cuda.device_count() < 2 and not one_gpu_ipc:
-        print("--transport nccl needs 2 CUDA GPUs, or 1 with KVBROKER_NCCL_BACKEND=ipc (--transport tcp runs on "
-              "the CPU)", file=sys.stderr)
+    gpus = torch.cuda.device_count() if args.transport == "nccl" else 0
+    backend = args.backend or (os.environ.get("KVBROKER_NCCL_BACKEND", "") if gpus else "")
+    if gpus == 1 and not backend:
+        backend = "ipc"  # the one backend that moves KV between two caches of one GPU
+    if args.transport == "nccl" and (gpus == 0 or (gpus == 1 and not backend.startswith("ipc"))):
+        print("--transport nccl needs 2 CUDA GPUs, or 1 with --backend ipc (--transport tcp runs on the CPU)",
+              file=sys.stderr)
         return 2
-    from nccl_transport import _start_broker  # the same `kvbroker serve` launcher
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "one_op": args.one_op, "land_each": args.land_each, "post_on_loop": args.post_on_loop, "into_blocks": args.into_blocks, "inflight": args.inflight, "thread_cpu": args.thread_cpu,
-           "poller_lands": args.poller_lands, "hold_gil": args.hold_gil,
-           "wait_spin_us": args.wait_spin_us,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "inflight": args.inflight,
+           "thread_cpu": args.thread_cpu, "backend": backend,
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

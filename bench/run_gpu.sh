@@ -1,95 +1,88 @@
 #!/usr/bin/env bash
-# The NCCL transport's GPU checks on one host with 2 GPUs: the end-to-end benchmark (both
-# communicator backends), the connector's path, then the gpu-marked tests (the direct backend's first, then the ipc backend's and torch's). Run from the project root with the wheels of `.whl/` present
-# (pyzmq, msgspec, structlog, ...); logs and JSON go to $OUT (default /tmp/kvbroker-gpu), and with
-# PACK=1 into one archive there instead, $OUT/gpu-run.tar.gz (one file to move or keep).
+# Everything that needs a GPU, in one call: the GPU tests, the connector's own path
+# (bench/connector_path.py) and, if NIXL is importable, NIXL's transfer on the same GPU(s)
+# (bench/nixl_peer.py), which docs/PERFORMANCE.md tabulates. Run from the project root;
+# wheels in .whl/ (pyzmq, msgspec, structlog, ..., and nixl-cu13==1.5.1 for the peer, whose
+# own needs, torch and numpy, a CUDA host has) are installed first when present. Outputs
+# go to $OUT (default /tmp/kvbroker-gpu); with PACK=1 into one archive there,
+# $OUT/gpu-run.tar.gz.
 #   bash bench/run_gpu.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PWD:/tmp/site || exit
+# On one GPU the backend is ipc (both caches on cuda:0); with two, BACKEND (default
+# "ipc,direct" for the tests, direct for the benchmark) picks it.
+if [ -n "${WHEELS_INSTALLED:-}" ]; then  # the caller installed them already (PYTHONPATH set)
+  :
+elif ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit
+  export PYTHONPATH=$PWD:/tmp/site
+else
+  export PYTHONPATH=$PWD
+fi
 OUT=${OUT:-/tmp/kvbroker-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 KVB_TEST_OUT="$OUT"
 set -o pipefail
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$GPUS" = 1 ]; then
+  TEST_BACKEND=ipc BENCH_BACKEND=ipc
+else
+  TEST_BACKEND=${BACKEND:-ipc,direct} BENCH_BACKEND=${BACKEND:-direct}
+fi
 
 {
+  date -u +%Y-%m-%dT%H:%MZ
+  git log -1 --format='commit %h %s' 2>/dev/null || echo "commit: not a git checkout"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  nvidia-smi topo -m
   python3 - <<'EOF'
-import datetime, torch, torch.distributed as dist
-print("torch", torch.__version__, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())
-pg = dist.ProcessGroupNCCL
-print("pg api:", {n: hasattr(pg, n) for n in ("abort", "_shutdown", "_start_coalescing", "_end_coalescing",
-                                               "eager_connect_single_device", "bound_device_id")})
-s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-print("tcpstore port 0 ->", s.port)
+import torch
 from workers.transports import nccl_lib
-from workers.transports.nccl import resolve_backend
+from workers.transports.nccl_setup import resolve_backend
 lib = nccl_lib.load()
-print("nccl_lib:", (lib.path, lib.version) if lib else nccl_lib.load_error(), "default backend:", resolve_backend())
+print("torch", torch.__version__, "gpus", torch.cuda.device_count(), "nccl_lib",
+      (lib.path, lib.version) if lib else nccl_lib.load_error(), "default backend", resolve_backend())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError:
+    print("triton: not installed")
 EOF
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# BENCH_ARGS: the benchmark's flags (e.g. --diag, --backends torch, --ipc 132); by default the
-# direct and ipc backends side by side, each row timed twice (--variants dup), which is the
-# comparison docs/RESULTS.md still lacks on two GPUs; BENCH_ARGS="" for the benchmark's own
-# defaults. SKIP_TESTS=1: no pytest.
-# The timeouts keep one run under 9 minutes: the benchmark (about 100 s) gets BENCH_TIMEOUT,
-# the connector's (about 25 s, and 20-25 s for each run with 8 in flight) CONNECTOR_TIMEOUT each, the direct backend's tests TEST_TIMEOUT,
-# torch's whatever is left of TOTAL_BUDGET.
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-160}" python3 bench/nccl_transport.py --json "$OUT/nccl_transport.json" \
-  ${BENCH_ARGS---backends direct,ipc --variants dup} 2>&1 | tee "$OUT/bench.log"
-echo "bench rc=$?"
-# The connector's own path (worker halves in two processes, a real broker) against raw NCCL.
-timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --json "$OUT/connector_nccl.json" \
-  > "$OUT/connector_nccl.log" 2>&1
-echo "connector bench rc=$?"
-grep -v '^20\|^{' "$OUT/connector_nccl.log" | tail -5
-# Eight requests of one step to one decode peer at once: a pair's transfers overlapping.
-timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --inflight 8 --tokens 2048,8192 \
-  --iters 10 --json "$OUT/connector_nccl_inflight8.json" > "$OUT/connector_nccl_inflight8.log" 2>&1
-echo "connector bench (8 in flight) rc=$?"
-grep -v '^20\|^{' "$OUT/connector_nccl_inflight8.log" | tail -3
-# The same eight after a 10 ms forward pass: what the transfers add once the prefill is done.
-# JSON logs with each landing's wait for its load's lock and the broker's Prepare and Go (`kvbroker phases` reads them).
-timeout "${CONNECTOR_TIMEOUT:-90}" python3 bench/connector_path.py --transport nccl --inflight 8 --tokens 512,2048 \
-  --iters 10 --prefill-ms 10 --log-format json --log-level debug --broker-log-level debug --thread-cpu --json "$OUT/connector_nccl_inflight8_prefill10.json" \
-  > "$OUT/connector_nccl_inflight8_prefill10.log" 2>&1
-echo "connector bench (8 in flight, after a prefill) rc=$?"
-grep -v '^20\|^{' "$OUT/connector_nccl_inflight8_prefill10.log" | tail -3
-# BENCH_TORCH_DEBUG_ARGS: if set, a second run with torch's NCCL debug defaults left on
-# (KVBROKER_NCCL_TORCH_DEBUG=1), to compare against the transport's quiet settings.
-if [ -n "${BENCH_TORCH_DEBUG_ARGS:-}" ]; then
-  # shellcheck disable=SC2086
-  KVBROKER_NCCL_TORCH_DEBUG=1 timeout "${BENCH_TIMEOUT:-90}" python3 bench/nccl_transport.py \
-    --json "$OUT/nccl_transport-torchdebug.json" $BENCH_TORCH_DEBUG_ARGS 2>&1 | tee "$OUT/bench-torchdebug.log"
-  echo "bench (torch debug defaults) rc=$?"
+# The tests: every gpu-marked test, over the ipc backend on one GPU (the two-GPU ones skip);
+# with two GPUs over TEST_BACKEND, then the connector's over direct NCCL as well.
+KVBROKER_NCCL_BACKEND=$TEST_BACKEND timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -s \
+  -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest.log"
+echo "pytest (KVBROKER_NCCL_BACKEND=$TEST_BACKEND) rc=$?"
+if [ "$GPUS" -ge 2 ]; then  # the connector's tests (the race among them) over direct NCCL too
+  KVBROKER_NCCL_BACKEND=direct timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
+    -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest-direct.log"
+  echo "pytest connector (KVBROKER_NCCL_BACKEND=direct) rc=$?"
 fi
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "not torch and not ipc" 2>&1 \
-    | tee "$OUT/pytest.log"
-  echo "pytest (CPU and direct backend) rc=$?"
-  # Then the ipc backend's and torch's, each in what is left of TOTAL_BUDGET.
-  for backend in ipc torch; do
-    left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
-    if [ "$left" -gt 20 ]; then
-      timeout "$left" python3 -m pytest tests/gpu -v -s -p no:cacheprovider -k "$backend" 2>&1 \
-        | tee "$OUT/pytest-$backend.log"
-      echo "pytest ($backend backend) rc=$?"
-    else
-      echo "pytest ($backend backend) skipped: ${left} s left"
-    fi
-  done
-  # The connector's GPU tests once more over the ipc backend (its own names do not say "ipc"),
-  # set as a mixed cluster would set it: ipc within a host, direct NCCL between hosts.
-  left=$(( ${TOTAL_BUDGET:-520} - SECONDS ))
-  if [ "$left" -gt 20 ]; then
-    KVBROKER_NCCL_BACKEND=ipc,direct timeout "$left" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
-      -p no:cacheprovider 2>&1 | tee "$OUT/pytest-connector-ipc.log"
-    echo "pytest (the connector over the ipc backend) rc=$?"
-  fi
+
+# The connector's path: one request, after a 20 ms prefill, and eight of one step at once.
+bench() {  # NAME ARGS...: one run of bench/connector_path.py, its table on stdout, JSON and log in $OUT
+  local name=$1
+  shift
+  timeout "${BENCH_TIMEOUT:-150}" python3 bench/connector_path.py --transport nccl --backend "$BENCH_BACKEND" \
+    --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name ($*) rc=$?"
+  grep -v '^20[0-9][0-9]-\|^{' "$OUT/$name.log" | tail -5
+}
+bench connector --tokens 512,2048,8192 --iters 20
+bench connector_prefill20 --tokens 512,2048,8192 --iters 20 --prefill-ms 20
+bench connector_inflight8 --tokens 512,2048 --iters 20 --inflight 8
+bench connector_inflight8_prefill20 --tokens 512,2048 --iters 20 --inflight 8 --prefill-ms 20
+
+# The peer, on the same GPU(s), beside the connector's rows of this run.
+if python3 -c 'import sys; sys.path.insert(0, "bench"); import nixl_peer; sys.exit(nixl_peer.nixl_module() is None)'; then
+  timeout "${NIXL_TIMEOUT:-300}" python3 bench/nixl_peer.py --tokens 512,2048,8192 --iters 20 \
+    --against "$OUT/connector.json" --json "$OUT/nixl.json" 2>&1 | grep -v '^20[0-9][0-9]-' | tee "$OUT/nixl.log"
+  echo "nixl_peer rc=$?"
+else
+  echo "nixl is not importable here: bench/nixl_peer.py skipped (carry the nixl-cu13 wheel in .whl/)" | tee "$OUT/nixl.log"
 fi
+
 if [ "${PACK:-0}" = 1 ]; then
   ( cd "$OUT" && files=$(ls -A | grep -v '^gpu-run.tar.gz$') \
       && tar -czf gpu-run.tar.gz $files && rm -rf $files ) && echo "packed into $OUT/gpu-run.tar.gz"

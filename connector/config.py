@@ -11,6 +11,15 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
     broker              ZMQ address of the kvbroker daemon, e.g. "tcp://127.0.0.1:7100".
     transport           "tcp" (default; CPU caches, any host) or "nccl" (CUDA caches: the
                         staging and receive pools live on the GPU, KV moves over NCCL).
+    nccl_backend        transport "nccl": the communicators this side builds as the
+                        initiator (P): "direct" (NCCL's C API; the default where libnccl
+                        loads, else "torch"), "torch" (ProcessGroupNCCL), "ipc" (copy kernels
+                        over CUDA IPC, GPUs of one host), or "ipc,direct" / "ipc,torch" (ipc
+                        within a host, NCCL with a peer on another). D builds what P names.
+                        The environment variable KVBROKER_NCCL_BACKEND overrides it.
+    nccl_communicators  transport "nccl": communicators kept at once, least recently used
+                        evicted when idle (default 8; an NCCL one holds 0.3-1 GB of GPU
+                        memory, an ipc one none).
     pool_bytes          decode side: receive pool size (default 1 GiB, allocated lazily).
     staging_bytes       prefill side: staging pool size (default 1 GiB).
     load_timeout_s      longest a decode request waits for its KV (default 30).
@@ -37,6 +46,7 @@ so the worker half itself never imports vLLM and can be tested with plain values
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +61,10 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PREFIX = "kv_connector_extra_config"
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 FAULTS = ("flip_sign_bits", "refuse_send")
+# What `nccl_backend` may name (`workers.transports.nccl_setup.resolve_backend` checks the
+# libraries when the first communicator is built; this module imports no torch).
+NCCL_BACKENDS = ("direct", "torch", "ipc", "ipc,direct", "ipc,torch")
+NCCL_BACKEND_ENV = "KVBROKER_NCCL_BACKEND"
 # An instance id travels as "<instance>:<rank>" in fields of at most 128 characters.
 MAX_INSTANCE_ID = 100
 
@@ -81,6 +95,8 @@ class ConnectorConfig:
     fault_injection_prefix: str = ""
     # The secret of grant_key_file (None: grants are neither made nor required).
     grant_key: bytes | None = field(default=None, repr=False)
+    nccl_backend: str = ""  # "": the environment's, else direct where libnccl loads, else torch
+    nccl_communicators: int = 8
 
     @property
     def staging_ttl_s(self) -> float:
@@ -107,6 +123,8 @@ _KEYS = (
     "fault_injection",
     "fault_injection_prefix",
     "grant_key_file",
+    "nccl_backend",
+    "nccl_communicators",
 )
 
 
@@ -211,6 +229,7 @@ def parse_config(
     if not isinstance(prefix, str):
         raise ConfigError(f"{_PREFIX}.fault_injection_prefix must be a string, not {prefix!r}.")
     grant_key = _grant_key(extra.get("grant_key_file"))
+    nccl_backend, nccl_communicators = _nccl_settings(extra, transport)
     return ConnectorConfig(
         broker=broker,
         role=role,
@@ -226,6 +245,8 @@ def parse_config(
         fault_injection=fault,
         fault_injection_prefix=prefix,
         grant_key=grant_key,
+        nccl_backend=nccl_backend,
+        nccl_communicators=nccl_communicators,
     )
 
 
@@ -238,6 +259,25 @@ def _grant_key(path: object) -> bytes | None:
         return read_key(path, what=f"{_PREFIX}.grant_key_file")
     except GrantKeyError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _nccl_settings(extra: Mapping[str, Any], transport: str) -> tuple[str, int]:
+    """`nccl_backend` (KVBROKER_NCCL_BACKEND overrides it) and `nccl_communicators`."""
+    given = [k for k in ("nccl_backend", "nccl_communicators") if k in extra]
+    if given and transport != "nccl":
+        raise ConfigError(f'{_PREFIX}.{given[0]} applies to transport "nccl" only; remove it or set transport "nccl".')
+    env = os.environ.get(NCCL_BACKEND_ENV, "").replace(" ", "")
+    backend = extra.get("nccl_backend", "")
+    if env:
+        if env not in NCCL_BACKENDS:
+            raise ConfigError(f"{NCCL_BACKEND_ENV}={env!r} names no NCCL backend; use one of {', '.join(NCCL_BACKENDS)}.")
+        backend = env
+    elif not isinstance(backend, str) or backend.replace(" ", "") not in ("", *NCCL_BACKENDS):
+        raise ConfigError(f"{_PREFIX}.nccl_backend must be one of {', '.join(NCCL_BACKENDS)}, not {backend!r}.")
+    count = extra.get("nccl_communicators", _DEFAULTS.nccl_communicators)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
+        raise ConfigError(f"{_PREFIX}.nccl_communicators must be a whole number from 1 to 1024, not {count!r}.")
+    return backend.replace(" ", ""), count
 
 
 def _valid_address(address: str) -> bool:

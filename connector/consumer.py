@@ -53,10 +53,13 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
 from workers.layout import scatter_layers_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
-from workers.transports.nccl import SCATTER_PROGRAMS
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
 from .scheduler import KvBrokerMetadata, LoadSpec
+
+# Programs (CTAs) of a scatter that overlaps later chunks' receives: at full width (about
+# 3.8 TB/s of HBM traffic) it slows the receive of the next chunk it overlaps.
+SCATTER_PROGRAMS = 64
 
 if TYPE_CHECKING:
     from .nccl_link import Waited
@@ -625,9 +628,8 @@ class ConsumerSide:
         """Blocks ``[b0, b1)`` of the load's transfer have arrived whole in its lease:
         scatter them into D's cache now (the link's poller thread), on the landing stream,
         after the compute stream's point at `start_load_kv`. Not once the load was given up.
-        With more than one chunk still to come the copy runs on a capped grid, as the
-        transport's receiver does (`SCATTER_PROGRAMS`): at full width it would slow the
-        receive it overlaps. After the last chunk the load is received at once, so the
+        With more than one chunk still to come the copy runs on a capped grid
+        (`SCATTER_PROGRAMS`): at full width it would slow the receive it overlaps. After the last chunk the load is received at once, so the
         engine's next `get_finished` sees it without waiting for the loop thread.
 
         Holds only this load's `landing` lock while it launches: with many loads in

@@ -50,10 +50,11 @@ gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
 
-Over the ipc backend a D with the Triton copies (`into`) posts a transfer as one receive
-straight into its blocks (`IpcCommunicator.post_blocks`), after the point its blocks
-may be written (`start_load_kv`); P sees that kind of receive and sends its staged
-blocks whole into them (`send_blocks`). One op each way, nothing to land: the
+Over a backend that writes into blocks (`Communicator.writes_into_blocks`: ipc) a D with
+the Triton copies (`into`) posts a transfer as one receive straight into its blocks
+(`post_blocks`), after the point its blocks may be written (`start_load_kv`); P sees
+that kind of receive (`next_receive_takes_blocks`) and sends its staged blocks whole
+into them (`send_blocks`). One op each way, nothing to land: the
 receive's end is the load's. The lease is still taken (it is the broker's credit) but
 not written.
 """
@@ -76,9 +77,8 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
-from workers.transports.cuda_ipc import IpcCommunicator
-from workers.transports.ipc_mailbox import BLOCKS
-from workers.transports.nccl import CommunicatorCache
+from workers.transports.communicator import Communicator
+from workers.transports.nccl_comm import CommunicatorCache
 from workers.waker import make_waker
 
 __all__ = ["Into", "NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
@@ -88,42 +88,15 @@ Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; plac
 # receive over the ipc backend goes straight into the blocks (`NcclLink.post_recv`).
 Into = tuple[Any, list[int], "torch.cuda.Event | None"]
 
-# Communicators kept per worker: each costs 0.6-1 GB of GPU memory (measured on H200).
-COMMUNICATORS = 8
-
-
 # How long the link's poller spins after an op ended or a wait began before it pauses
 # between polls. A spin holds the GIL (an event query does not release it), so the
 # client's loop thread, which carries the next Ready or Go and posts the next transfer,
 # waits as long as the spin lasts: with 8 transfers of a pair in flight, 1 ms spins cost
-# 10-15% of their rate (docs/RESULTS.md).
+# 10-15% of their rate (docs/PERFORMANCE.md, "Figures the code quotes").
 WAIT_SPIN_S = 50e-6
 # The longest pause between polls once the poller has spun: it bounds how late an op's
 # end is seen (the pauses double up to it).
 WAIT_PAUSE_S = 1e-4
-
-# Whether a transfer's ops are posted on the client's loop thread when its ticket names
-# the communicator this side has: nothing to build and nothing that blocks, so the hop
-# to a worker thread (and back) leaves D's turn for the producer and P's order of sends.
-# False: always from a worker thread (`bench/connector_path.py --post-on-loop 0`).
-POST_ON_LOOP = True
-
-# Whether D lands the chunks that ended while it was busy as one copy (`_Watch.advance`);
-# False lands every chunk on its own, for comparison (`bench/connector_path.py`).
-COALESCE_LANDINGS = True
-
-# Whether the poller carries each transfer (`Poller.carry`): lands a receive's chunks
-# itself as it sees their ops end, and wakes the transfer's task on the loop once it
-# ended, instead of waking a waiting thread per chunk (or per send) to do it: hand-offs
-# of the GIL fewer, and the landing launched by the thread that already holds it.
-# False: a worker thread waits for each transfer and lands its chunks
-# (`bench/connector_path.py --poller-lands 0`).
-POLLER_LANDS = True
-
-# Whether D, over the ipc backend, posts a transfer as one receive straight into its
-# blocks when its cache allows (P follows the kind of receive D posted); False: chunks
-# into the lease, landed by scatters, as over NCCL.
-INTO_BLOCKS = True
 
 # How long past a carried transfer's deadline its task still waits for the poller's
 # report (the poller hands an expired transfer back at once; this only bounds a poller
@@ -322,7 +295,7 @@ class _Watch:
             if not self.pending().done() and now < self.deadline:
                 return False
             done[k].wait(self.deadline)  # ended: returns at once; past the deadline: aborts, raises
-            if self.at_once or (landed is not None and COALESCE_LANDINGS):
+            if self.at_once or landed is not None:
                 # Chunks whose ops ended meanwhile land with this one, as one copy: a waiter
                 # that fell behind the wire (several transfers in flight, a busy host)
                 # catches up instead of paying a launch for each chunk.
@@ -360,7 +333,7 @@ class Poller:
     loop) once, when the transfer has landed or been sent. With eight in flight, waking
     a thread per chunk to launch its landing cost the landing 1.3-2.5 ms at the median,
     waiting for D's GIL; launched here, by the thread that just saw the end, 0.44-0.73
-    ms (docs/RESULTS.md). A carried watch whose deadline passes is handed back to its
+    ms (docs/PERFORMANCE.md). A carried watch whose deadline passes is handed back to its
     waiter (`_Ended.expired`), which aborts the op: an abort blocks for up to a second,
     and done here it would stall every other watch.
     """
@@ -534,14 +507,18 @@ class NcclLink:
             rendezvous data).
         device: the GPU of this worker's KV cache and pools.
         connect_timeout_s: longest a communicator may take to build.
+        backend: what this side builds as the initiator (`CommunicatorCache`'s; None: the
+            environment's, else direct or torch).
+        capacity: communicators kept at once.
     """
 
-    def __init__(self, client: SyncBrokerClient, device: torch.device, *, connect_timeout_s: float) -> None:
+    def __init__(self, client: SyncBrokerClient, device: torch.device, *, connect_timeout_s: float,
+                 backend: str | None = None, capacity: int = 8) -> None:
         self.device = device
         self.rendezvous = BrokerRendezvous(client, timeout_s=connect_timeout_s)
         self.cache = CommunicatorCache(
-            client.registered.peer_id, device, self.rendezvous, capacity=COMMUNICATORS,
-            connect_timeout_s=connect_timeout_s,
+            client.registered.peer_id, device, self.rendezvous, capacity=capacity,
+            connect_timeout_s=connect_timeout_s, backend=backend,
         )
         self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
         self._receiving: dict[str, anyio.Lock] = {}
@@ -677,7 +654,7 @@ class NcclLink:
                    landed: Callable[[int, int, int], None] | None = None,
                    before: Callable[[], None] | None = None) -> Waited:
         """Until `posted`'s ops have ended; when that was seen. `landed(b0, b1, left)` is
-        called (in the poller's thread; with `POLLER_LANDS` off, or past the deadline, in
+        called (in the poller's thread; past the deadline, or once the poller closed, in
         a worker thread) as each chunk's blocks have arrived whole, in order; `left`:
         chunks still to come. `before()` is called in that thread before the first chunk
         is waited for. Without `landed` (a sender) only the last op's end is waited for.
@@ -703,9 +680,9 @@ class NcclLink:
             self._untrack(posted.peer, posted.transfer_id, posted.flag)
 
     async def _until_ended(self, watch: _Watch) -> Waited:
-        """Carried by the poller and awaited here (`POLLER_LANDS`); else, or handed back
+        """Carried by the poller and awaited here; once the poller closed, or handed back
         past its deadline, advanced in a worker thread."""
-        waited = await self._carried(watch) if POLLER_LANDS else None
+        waited = await self._carried(watch)
         return waited if waited is not None else await anyio.to_thread.run_sync(_wait_until_ended, watch, self.poller)
 
     async def _carried(self, watch: _Watch) -> Waited | None:
@@ -793,15 +770,17 @@ class NcclLink:
 
     def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event) -> Any:
         """The communicator `ticket` names, when the op may be posted on it from the loop
-        thread (`POST_ON_LOOP`): built, and nothing to abort; None: post from a worker thread."""
-        if not POST_ON_LOOP or not ticket[0] or cancelled.is_set():
+        thread: built, nothing to abort, and (a send) nothing to wait for on the host; None:
+        post from a worker thread. Posting on the loop spares a hop to a worker thread and
+        back, which sat inside D's turn for the producer and P's order of sends."""
+        if not ticket[0] or cancelled.is_set():
             return None
         comm = self.cache.usable(peer, ticket[0], initiator=op == "send")
-        if op == "send" and isinstance(comm, IpcCommunicator) and not comm.receive_posted(comm.next_send):
-            return None  # an ipc send waits on the host for D's receive: not on the loop
+        if op == "send" and comm is not None and not comm.send_ready():
+            return None  # it would wait on the host for D's receive: not on the loop
         return comm
 
-    def _post_on(self, comm: Any, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+    def _post_on(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                  after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
                  blocks: Any = None) -> Posted:
         """Post the transfer's chunks on `comm`; never blocks (the communicator is built;
@@ -809,7 +788,7 @@ class NcclLink:
         writes right after its Ready). `blocks`: D's `Into`, or P's cache (`PagedKv`):
         over the ipc backend the transfer then goes as one op into D's blocks."""
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0
-        if whole and blocks is not None and isinstance(comm, IpcCommunicator):
+        if whole and blocks is not None and comm.writes_into_blocks:
             posted = self._post_blocks(comm, peer, op, transfer_id, lease, start, nbytes // block_nbytes, after,
                                        cancelled, blocks)
             if posted is not None:
@@ -824,7 +803,7 @@ class NcclLink:
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done,
                       parts=parts if whole else [], flag=cancelled)
 
-    def _post_blocks(self, comm: IpcCommunicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int,
+    def _post_blocks(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int,
                      count: int, after: torch.cuda.Event | None, cancelled: threading.Event,
                      blocks: Any) -> Posted | None:
         """The transfer as one op straight into D's blocks, if both sides can: D when its
@@ -832,14 +811,13 @@ class NcclLink:
         with comm.lock:
             if op == "recv":
                 paged, ids, ready_after = blocks
-                if not INTO_BLOCKS or not comm.takes_blocks(paged, count):
+                if not comm.takes_blocks(paged, count):
                     return None
                 work = comm.post_blocks(paged, ids, after=[ready_after])
             else:
-                seq = comm.next_send
-                if comm.receive_kind(seq) != BLOCKS:
+                if not comm.next_receive_takes_blocks():
                     return None
-                work = comm.send_blocks(seq, blocks, lease.base.data_ptr() + start, count, after=[after],
+                work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
                                         staged=True, keep=[lease.base])
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],

@@ -228,7 +228,9 @@ class ConnectorWorker:
         try:
             self.client = SyncBrokerClient(client, on_task_error=self._task_failed)
             if nccl:
-                self.nccl = NcclLink(self.client, device, connect_timeout_s=self.config.load_timeout_s)
+                self.nccl = NcclLink(self.client, device, connect_timeout_s=self.config.load_timeout_s,
+                                     backend=self.config.nccl_backend or None,
+                                     capacity=self.config.nccl_communicators)
         except BaseException:
             self.close()
             raise

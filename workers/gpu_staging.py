@@ -1,23 +1,15 @@
-"""Staging a request's KV blocks on the prefill GPU, and scattering them on the decode GPU.
+"""Copies between a worker's paged KV cache on the GPU and block-major staging.
 
-Theory of operation
--------------------
 The seed bug: KV was read out of P's paged cache later, from another thread, with no
 ordering against the compute stream. By then vLLM had freed the blocks and the next
 step had written other KV into them, so a repeated identical prompt (same block ids)
-sent garbage. The fix, and the one rule of this module:
+sent garbage. The rule every copy here keeps:
 
-    the gather is enqueued on the *current* (compute) stream, before `stage()` or
-    `gather_layer()` returns, and a CUDA event is recorded right after it.
+    a gather is enqueued on the *current* (compute) stream before the call that asks for
+    it returns (`save_kv_layer`), and a send waits for an event recorded after it.
 
 Stream order then guarantees the gather reads the blocks as they were when the call
-was made, whatever later kernels on that stream write. The transport's own stream
-waits on the event before it posts the send (`workers.transports.nccl`), so the send
-never reads a half-written staging buffer. P's blocks can be freed as soon as the call
-returns; the staging lease lives until D confirms. The one exception,
-`gather_layer(side=True)`, runs the copy on a side stream that first waits for the
-compute stream; `fence` then makes the compute stream wait for the copies before it may
-write the blocks again, which restores the same guarantee.
+was made, whatever later kernels on that stream write.
 
 Layout
 ------
@@ -27,35 +19,23 @@ cache is viewed as ``[pre, num_blocks, row]`` where ``pre`` is the product of th
 before the block dim (2 for vLLM's ``[2, num_blocks, ...]`` FlashAttention layout, 1
 for FlashInfer's ``[num_blocks, 2, ...]`` and for MLA's 3-D cache). So the staging
 tensor is ``[n, num_layers, pre, row]``: skipping D's first k cached blocks is a byte
-offset, and any block range is contiguous, which is what lets the transport pipeline a
-transfer in block chunks. Rows are copied as 8-byte words when they allow it.
+offset, and any block range is contiguous, which is what lets a transfer go in block
+chunks (`pipeline_bounds`). Rows are copied as 8-byte words when they allow it.
 
-Two gathers fill that layout: one `index_select` per layer (what `save_kv_layer` does,
-one layer at a time) and, on CUDA with Triton, one kernel for all layers of a block
-range (what `stage()` uses, so a chunk costs one launch, not `num_layers`).
-
-Spill
------
-When the GPU staging pool has no room, the transfer is staged in a pinned CPU pool:
-`stage()` gathers each chunk into a short-lived GPU scratch tensor and copies it to
-pinned memory asynchronously, still in compute-stream order. `gather_layer()` into a
-spilled transfer copies synchronously (torch cannot do a strided device-to-pinned copy
-asynchronously); it is correct but slow, and meant to be rare.
+On CUDA with Triton one kernel copies a layer of many requests (`gather_layer_at`) or
+every layer of a block range (`copy_range`, D's scatters); elsewhere `index_select`.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
 import structlog
 import torch
 
-from protocols.messages import Layout
-from workers.pool import BufferPool, Lease, PoolError
 
 try:  # Triton is optional: the per-layer path needs only torch.
     import triton
@@ -63,7 +43,7 @@ try:  # Triton is optional: the per-layer path needs only torch.
 except ImportError:  # pragma: no cover - depends on the host
     triton = None
 
-__all__ = ["PagedKv", "StagedTransfer", "Stager", "pipeline_bounds"]
+__all__ = ["PagedKv", "current_stream", "pipeline_bounds", "pipeline_defaults"]
 
 log = structlog.get_logger()
 
@@ -252,7 +232,7 @@ class PagedKv:
         )
         self._launch = _Launcher(self.device) if self.use_triton else None
         # Triton copies with streaming cache hints (`_copy_rows_kernel`'s STREAM): a gather
-        # that overlaps NCCL's send then slows it less (docs/RESULTS.md).
+        # that overlaps NCCL's send then slows it less (docs/PERFORMANCE.md).
         self.streaming = True
         if self._launch is not None:  # compiles the gather now, not on the first transfer
             self._launch.check(self._one_block_args(to_staging=True))
@@ -434,7 +414,7 @@ def pipeline_bounds(
     copies' streaming cache hints, against first chunks of 64, 80, 112 and 128 MiB, front
     growth 2, 4 and 5, last chunks of 24 MiB and back ramps of 2 and 4: a larger first
     chunk gives the gather behind it longer to run at a lower rate, which slows the wire
-    it overlaps less (the runs in docs/RESULTS.md).
+    it overlaps less (docs/PERFORMANCE.md, "Figures the code quotes").
     """
     if num_blocks <= 0:
         return []
@@ -476,224 +456,6 @@ def pipeline_bounds(
         acc += size
         ends.append(acc)
     return ends
-
-
-@dataclass
-class StagedTransfer:
-    """One request's KV, staged block-major and safe from reuse of P's blocks.
-
-    `ready` lists ``(end_block, event)`` in order: blocks below `end_block` are staged
-    once `event` completes (event None: already complete, e.g. on the CPU). The lease
-    is held until `release()`, which the owner calls when D reports Done.
-    """
-
-    paged: PagedKv
-    lease: Lease
-    num_blocks: int
-    on_gpu: bool
-    ids: torch.Tensor
-    ready: list[tuple[int, torch.cuda.Event | None]] = field(default_factory=list)
-    _layers_done: int = 0
-    _words: torch.Tensor | None = field(default=None, repr=False)
-    _side: torch.cuda.Stream | None = field(default=None, repr=False)  # where side gathers ran (`fence`)
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.paged.staged_block_nbytes
-
-    @property
-    def tensor(self) -> torch.Tensor:
-        """The staged bytes, uint8, exactly `nbytes` long."""
-        t = self.lease.tensor
-        return t if t.numel() == self.nbytes else t[: self.nbytes]
-
-    @property
-    def words(self) -> torch.Tensor:
-        """The staged bytes as ``[n, layers, pre, row]`` words (made once: views cost host time)."""
-        if self._words is None:
-            self._words = self.paged.staging_view(self.lease.tensor, self.num_blocks)
-        return self._words
-
-    def layout(self, kind: str = "kv") -> Layout:
-        return Layout(
-            kind=kind,
-            dtype=str(self.paged.word).removeprefix("torch."),
-            num_layers=self.paged.num_layers,
-            num_blocks=self.num_blocks,
-            block_nbytes=self.paged.block_nbytes,
-        )
-
-    def event_for(self, end_block: int) -> torch.cuda.Event | None:
-        """The event after which blocks below `end_block` are staged.
-
-        Raises:
-            RuntimeError: staging has not been enqueued that far yet.
-        """
-        for end, event in self.ready:
-            if end >= end_block:
-                return event
-        raise RuntimeError(
-            f"blocks below {end_block} are not staged yet (staged up to "
-            f"{self.ready[-1][0] if self.ready else 0}); stage every layer before sending."
-        )
-
-    def release(self) -> None:
-        if not self.lease.released:
-            self.lease.release()
-
-
-class Stager:
-    """Stages requests out of one `PagedKv` into a GPU pool, spilling to a pinned pool.
-
-    Args:
-        paged: P's cache views.
-        gpu_pool: staging pool on P's GPU (None: spill everything).
-        spill_pool: pinned CPU pool used when the GPU pool has no room (None: no spill).
-    """
-
-    def __init__(self, paged: PagedKv, gpu_pool: BufferPool | None, spill_pool: BufferPool | None = None) -> None:
-        self.paged = paged
-        self.gpu_pool = gpu_pool
-        self.spill_pool = spill_pool
-        self._side: torch.cuda.Stream | None = None  # made at the first side gather
-        # The GPU pool as words, made once: a gather addresses a lease by its offset in it.
-        self._pool_words = (
-            gpu_pool.tensor.view(paged.word)
-            if gpu_pool is not None and gpu_pool.tensor.is_cuda and paged.use_triton
-            else None
-        )
-
-    def begin(self, block_ids: Sequence[int] | torch.Tensor) -> StagedTransfer:
-        """Reserve staging room for a request's blocks; nothing is copied yet.
-
-        Raises:
-            PoolError: neither pool has room (`PoolExhausted`) or can ever hold it.
-        """
-        ids = self.paged.block_ids(block_ids)
-        nbytes = ids.numel() * self.paged.staged_block_nbytes
-        errors: list[str] = []
-        for pool, on_gpu in ((self.gpu_pool, True), (self.spill_pool, False)):
-            if pool is None:
-                continue
-            try:
-                lease = pool.acquire_nowait(nbytes)
-            except PoolError as exc:
-                errors.append(str(exc))
-                continue
-            return StagedTransfer(self.paged, lease, ids.numel(), on_gpu and pool.tensor.is_cuda, ids)
-        raise PoolError("no staging room for %d B: %s" % (nbytes, " / ".join(errors) or "no pool configured"))
-
-    def gather_layer(self, staged: StagedTransfer, layer: int, *, side: bool = False) -> None:
-        """Gather one layer of `staged`'s blocks now, on the current stream (`save_kv_layer`).
-
-        After the last layer an event is recorded and the whole transfer becomes ready.
-
-        With `side` (GPU staging only), the copy runs on the stager's side stream, after
-        everything the current stream has enqueued so far (the layer's KV, just
-        written): it then overlaps the rest of the forward pass instead of adding to
-        it, and the transfer is ready at the side stream's event after the last layer.
-        The current stream must not reuse the blocks before the copies have read them:
-        call `fence` before it may (at the end of the step, `wait_for_save`).
-        """
-        if side and staged.on_gpu and self.paged.device.type == "cuda":
-            after = _record(self.paged.device)  # the layer's KV is written by here
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.paged.device)
-            staged._side = self._side
-            self._side.wait_event(after)
-            with torch.cuda.stream(self._side):
-                self.paged.gather_layer(layer, staged.ids, staged.words)
-                staged._layers_done += 1
-                if staged._layers_done == self.paged.num_layers:
-                    staged.ready.append((staged.num_blocks, _record(self.paged.device)))
-            return
-        if staged.on_gpu or not self.paged.device.type == "cuda":
-            self.paged.gather_layer(layer, staged.ids, staged.words)
-        else:
-            scratch = torch.empty(
-                (staged.num_blocks, self.paged.pre, self.paged.row_words),
-                dtype=self.paged.word,
-                device=self.paged.device,
-            )
-            torch.index_select(self.paged.rows[layer], 1, staged.ids, out=scratch.permute(1, 0, 2))
-            staged.words[:, layer].copy_(scratch)  # synchronous: see "Spill" above
-        staged._layers_done += 1
-        if staged._layers_done == self.paged.num_layers:
-            staged.ready.append((staged.num_blocks, _record(self.paged.device)))
-
-    def fence(self, staged: StagedTransfer) -> None:
-        """Make the current stream wait for every side-stream gather of `staged` enqueued
-        so far (`gather_layer(side=True)`), so later work on it (the next step writing
-        the blocks) cannot overwrite them before they are read. No host wait; a no-op
-        for a transfer gathered on the current stream."""
-        if staged._side is not None:
-            with torch.cuda.stream(staged._side):
-                done = _record(self.paged.device)
-            if done is not None:
-                current_stream(self.paged.device).wait_event(done)
-
-    def gather_chunk(self, staged: StagedTransfer, end_block: int, *, programs: int | None = None) -> None:
-        """Gather every layer of the next blocks, up to `end_block`, on the current stream.
-
-        Records that chunk's event, so a transport may send it while the next chunk
-        is gathered: use this to interleave gathers and sends when the gather is on the
-        critical path; `stage()` does all chunks at once. `programs` caps the copy's
-        grid (`PagedKv.gather`): pass it for a chunk gathered while earlier chunks are
-        on the wire.
-
-        Raises:
-            ValueError: `end_block` does not lie beyond the blocks staged so far.
-        """
-        start = staged.ready[-1][0] if staged.ready else 0
-        if not start < end_block <= staged.num_blocks:
-            raise ValueError(f"chunk end {end_block} must lie in ({start}, {staged.num_blocks}].")
-        if staged.on_gpu and self._pool_words is not None:  # the hot path: no slice or view, one launch
-            self.paged.copy_range(staged.ids, self._pool_words, start, end_block, to_staging=True, programs=programs,
-                                  offset=staged.lease.offset // self.paged.word.itemsize)
-        elif staged.on_gpu or self.paged.device.type != "cuda":
-            self.paged.gather(staged.ids[start:end_block], staged.words[start:end_block], programs=programs)
-        else:  # spilled: via a scratch tensor freed in stream order on this same stream
-            words = staged.words[start:end_block]
-            scratch = torch.empty_like(words, device=self.paged.device)
-            self.paged.gather(staged.ids[start:end_block], scratch, programs=programs)
-            words.copy_(scratch, non_blocking=True)
-        staged.ready.append((end_block, _record(self.paged.device)))
-        if end_block == staged.num_blocks:
-            staged._layers_done = self.paged.num_layers
-
-    def stage(
-        self, block_ids: Sequence[int] | torch.Tensor, *, bounds: Sequence[int] | None = None
-    ) -> StagedTransfer:
-        """Reserve room and gather every layer of the blocks, on the current stream.
-
-        Args:
-            block_ids: the request's blocks in P's cache, in request order.
-            bounds: chunk ends in blocks (see `pipeline_bounds`); one event per chunk,
-                so a transport can send chunk k while chunk k+1 is still gathered.
-
-        Returns:
-            The staged transfer. Its copies are enqueued; P's blocks may be reused now.
-        """
-        staged = self.begin(block_ids)
-        try:
-            ends = list(bounds) if bounds else [staged.num_blocks]
-            if ends and ends[-1] != staged.num_blocks:
-                raise ValueError(f"chunk bounds must end at {staged.num_blocks}, not {ends[-1]}.")
-            for end in ends:
-                self.gather_chunk(staged, end)
-        except BaseException:
-            staged.release()
-            raise
-        return staged
-
-
-def _record(device: torch.device) -> torch.cuda.Event | None:
-    """Record an event on the current stream of `device`; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(current_stream(device))
-    return event
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)

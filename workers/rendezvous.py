@@ -22,7 +22,7 @@ class RendezvousTimeout(RendezvousError):
 
 
 class BrokerRendezvous:
-    """A `Rendezvous` (see workers/transports/nccl.py) over the broker's `Relay`.
+    """A `Rendezvous` (`workers.transports.communicator`) over the broker's `Relay`.
 
     The worker's `TransferHandler.on_relay` must forward to `on_relay` here. Payloads are
     kept per (sender peer, key), newest wins, so a rebuilt communicator's data replaces

@@ -177,3 +177,26 @@ def test_grant_key_file_is_read_at_startup_and_kept_out_of_reprs(tmp_path: Path)
     )
     assert "cannot be read" in refused({"broker": BROKER, "grant_key_file": str(tmp_path / "absent")})
     assert "grant_key_file must be the path" in refused({"broker": BROKER, "grant_key_file": 5})
+def test_the_nccl_backend_and_communicator_cap_are_settings_of_the_nccl_transport(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVBROKER_NCCL_BACKEND", raising=False)
+    nccl = {"broker": BROKER, "transport": "nccl"}
+    assert (parse(nccl, cuda=True).nccl_backend, parse(nccl, cuda=True).nccl_communicators) == ("", 8)
+    cfg = parse({**nccl, "nccl_backend": "ipc, direct", "nccl_communicators": 2}, role="kv_producer", cuda=True)
+    assert (cfg.nccl_backend, cfg.nccl_communicators) == ("ipc,direct", 2)
+    for bad in ("nccl", "direct,ipc", 3):
+        assert "nccl_backend must be one of direct, torch, ipc, ipc,direct, ipc,torch" in refused(
+            {**nccl, "nccl_backend": bad}, cuda=True)
+    for bad in (0, 1025, "4", True):
+        assert "nccl_communicators must be a whole number from 1 to 1024" in refused(
+            {**nccl, "nccl_communicators": bad}, cuda=True)
+    assert 'nccl_backend applies to transport "nccl" only' in refused({"broker": BROKER, "nccl_backend": "ipc"})
+
+
+def test_the_environment_overrides_the_nccl_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    nccl = {"broker": BROKER, "transport": "nccl", "nccl_backend": "direct"}
+    monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "ipc")
+    assert parse(nccl, cuda=True).nccl_backend == "ipc"
+    monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "nvlink")
+    assert "KVBROKER_NCCL_BACKEND='nvlink' names no NCCL backend" in refused(nccl, cuda=True)

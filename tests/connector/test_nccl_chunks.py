@@ -225,14 +225,9 @@ def test_a_watch_at_once_whose_communicator_was_aborted_lands_nothing() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("poller_lands", [True, False], ids=["poller lands", "waiter lands"])
-async def test_a_receive_is_set_up_before_its_ops_end_and_lands_where_the_switch_says(
-    poller_lands: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With `POLLER_LANDS` a receive is handed to the poller as it is waited for: the
-    poller sets it up before any op ended and lands every chunk; without, the waiting
-    thread does both."""
-    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+async def test_a_receive_is_set_up_by_the_poller_before_its_ops_end_and_landed_there() -> None:
+    """A receive is handed to the poller as it is waited for: the poller sets it up
+    before any op ended and lands every chunk, in its own thread."""
     link = NcclLink.__new__(NcclLink)
     link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
@@ -256,16 +251,13 @@ async def test_a_receive_is_set_up_before_its_ops_end_and_lands_where_the_switch
     finally:
         link.poller.close()
     assert where[0][0] == "before" and where[-1][0].endswith("-128")
-    landers = {name for _, name in where}
-    assert (landers == {"kvbroker-nccl-poller"}) if poller_lands else ("kvbroker-nccl-poller" not in landers)
+    assert {name for _, name in where} == {"kvbroker-nccl-poller"}
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("poller_lands", [True, False], ids=["carried", "waiting thread"])
-async def test_a_sender_is_waited_for_at_its_last_op_only(poller_lands: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_sender_is_waited_for_at_its_last_op_only() -> None:
     """Nothing lands on a sender: until its last op ended only that op is polled (one
-    wake-up a transfer), whether the poller carries it or a thread waits for it."""
-    monkeypatch.setattr(nccl_link, "POLLER_LANDS", poller_lands)
+    wake-up a transfer)."""
     link = NcclLink.__new__(NcclLink)
     link.cache, link.poller = _Cache(), Poller()  # type: ignore[assignment]
     link._lock, link._inflight = threading.Lock(), {}
@@ -725,28 +717,24 @@ class _Usable:
 
     def usable(self, peer: str, nonce: str, *, initiator: bool) -> object:
         self.asked.append((peer, nonce, initiator))
-        return f"comm {nonce}"
+        return SimpleNamespace(nonce=nonce, send_ready=lambda: nonce != "waits")
 
 
-@pytest.mark.parametrize("post_on_loop", [True, False])
-def test_only_a_ticket_naming_a_built_communicator_is_posted_on_the_loop(
-    monkeypatch: pytest.MonkeyPatch, post_on_loop: bool
-) -> None:
+def test_only_a_ticket_naming_a_built_communicator_is_posted_on_the_loop() -> None:
     """A new communicator (ticket "") is built in a worker thread, as is any op of a
-    transfer already cancelled; one the ticket names is posted on the loop when the
-    cache says it may be (P asks as the initiator, D as the acceptor)."""
-
-    monkeypatch.setattr(nccl_link, "POST_ON_LOOP", post_on_loop)
+    transfer already cancelled, and a send that would wait on the host for its receive;
+    one the ticket names is posted on the loop when the cache says it may be (P asks as
+    the initiator, D as the acceptor)."""
     link = NcclLink.__new__(NcclLink)
     link.cache = _Usable()  # type: ignore[assignment]
     flag = threading.Event()
     assert link._postable_now("d0:0", "send", ("", 0), flag) is None
-    want = "comm n1" if post_on_loop else None
-    assert link._postable_now("d0:0", "send", ("n1", 3), flag) == want
-    assert link._postable_now("p0:0", "recv", ("n1", 4), flag) == want
+    assert link._postable_now("d0:0", "send", ("n1", 3), flag).nonce == "n1"
+    assert link._postable_now("p0:0", "recv", ("n1", 4), flag).nonce == "n1"
+    assert link._postable_now("d0:0", "send", ("waits", 5), flag) is None
     flag.set()
     assert link._postable_now("p0:0", "recv", ("n1", 5), flag) is None
-    assert link.cache.asked == ([("d0:0", "n1", True), ("p0:0", "n1", False)] if post_on_loop else [])
+    assert link.cache.asked == [("d0:0", "n1", True), ("p0:0", "n1", False), ("d0:0", "waits", True)]
 
 
 @settings(max_examples=25, deadline=None)

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from connector import consumer, nccl_link
+from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
+from tests.connector.test_save_race import Blocks, defer_gathers, save_race
 from tests.connector.test_worker import (
     LAYERS,
     FakeSpec,
@@ -125,6 +127,44 @@ def test_repeated_prompts_move_over_nccl_with_blocks_reused_at_once(broker: Brok
         assert p.nccl is not None and d.nccl is not None
         assert p.nccl.cache.statistics().created == 1 and d.nccl.cache.statistics().created == 1
         print("nccl connector transfer ms, median:", round(sorted(times)[len(times) // 2] * 1e3, 2))
+    finally:
+        p.close()
+        d.close()
+
+
+GPU_BLOCKS = Blocks(take=lambda t, ids: t[:, ids], put=lambda t, ids, v: t.__setitem__((slice(None), ids), v))
+
+
+@pytest.mark.parametrize("twin", ["shipped", "unsafe"])
+def test_a_thousand_transfers_are_exact_whatever_p_writes_after_each_save(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
+) -> None:
+    """The seed's race on the connector's path (tests/connector/test_save_race.py): 1,000
+    transfers, eight a step on the same block ids of P, each layer's blocks overwritten
+    on the compute stream right after its `save_kv_layer` returns; D's blocks hold what
+    P's held at the call, every one. The unsafe twin (P's copies deferred to
+    `wait_for_save`, injected here) corrupts every transfer."""
+    if twin == "unsafe":
+        defer_gathers(monkeypatch)
+    pc, dc = gpu_caches(P_GPU, 15), gpu_caches(D_GPU, 16)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    transfers = 1000 if twin == "shipped" else 80
+    try:
+        t0 = time.monotonic()
+        mismatched = save_race(p, d, pc, dc, blocks=GPU_BLOCKS, block_size=FakeSpec().block_size, transfers=transfers,
+                               per_step=8, blocks_per=4, d_blocks=BLOCKS, decode="d0", tag=twin,
+                               sync=lambda: torch.cuda.synchronize(D_GPU))
+        assert p.nccl is not None
+        backends = sorted({c.backend for c in p.nccl.cache._comms.values()})
+        print(f"save race, {twin}: {transfers} transfers, {mismatched} mismatched, "
+              f"{time.monotonic() - t0:.1f} s, over {backends}")
+        if twin == "shipped":
+            assert mismatched == 0
+            assert d.statistics()["loaded"] == transfers and d.statistics()["failed"] == 0
+        else:
+            assert mismatched == transfers, "the deferred copies read the overwritten blocks: the race test can fail"
+        leases_come_back(p, d)
     finally:
         p.close()
         d.close()
@@ -286,6 +326,26 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
         d.close()
 
 
+def _chunks_over_ipc_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the ipc backend a D with the Triton copies receives straight into its blocks;
+    this makes it refuse, so transfers go in chunks landed by scatters, as over NCCL."""
+    monkeypatch.setattr(IpcCommunicator, "takes_blocks", staticmethod(lambda paged, num_blocks: False))
+
+
+class _OneAtATime:
+    """A receive's chunk op that reads as ended only once the chunks before it landed
+    (`landed` counts them): D then lands each chunk on its own, whatever the timing."""
+
+    def __init__(self, op: object, k: int, landed: list[object]) -> None:
+        self.op, self.k, self.landed = op, k, landed
+
+    def done(self) -> bool:
+        return self.k <= len(self.landed) and self.op.done()  # type: ignore[attr-defined]
+
+    def wait(self, deadline: float) -> None:
+        self.op.wait(deadline)  # type: ignore[attr-defined]
+
+
 def _one_block_chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
     """Every staged block its own chunk: the pipelined path on transfers of a few blocks
     (the real plan splits only transfers of more than 112 MiB)."""
@@ -294,10 +354,7 @@ def _one_block_chunks(nbytes: int, block_nbytes: int) -> list[tuple[int, int]]:
     return [(k, k + 1) for k in range(nbytes // block_nbytes)]
 
 
-@pytest.mark.parametrize("coalesce", [False, True], ids=["each", "coalesced"])
-def test_chunks_are_scattered_as_each_lands(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, coalesce: bool
-) -> None:
+def test_chunks_are_scattered_as_each_lands(broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A transfer in several chunks (one NCCL op each, both sides): D scatters each chunk
     into its blocks as its receive ends, on a stream of its own, ordered after the
     compute stream's point at start_load_kv. 30 transfers of 6 blocks, every other one
@@ -306,8 +363,7 @@ def test_chunks_are_scattered_as_each_lands(
     every chunk went through `_land` (on its own, or with the chunks that ended while D
     was busy: in order, each block once), and every lease goes back to its pool."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
-    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", coalesce)
-    monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)  # over ipc: chunks too
+    _chunks_over_ipc_too(monkeypatch)
     landed: list[tuple[str, int, int]] = []
     real_land = consumer.ConsumerSide._land
 
@@ -338,11 +394,8 @@ def test_chunks_are_scattered_as_each_lands(
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
                 assert torch.equal(t[:, dst[:cached]], kept[n]), "a prefix-cached block was written"
             ranges = [(b0, b1) for tid, b0, b1 in landed if tid == f"c{i}"]
-            if coalesce:
-                assert ranges[0][0] == 0 and ranges[-1][1] == len(dst) - cached, ranges
-                assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
-            else:
-                assert ranges == [(k, k + 1) for k in range(len(dst) - cached)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == len(dst) - cached, ranges
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), ranges
         leases_come_back(p, d)
     finally:
         p.close()
@@ -358,20 +411,30 @@ def test_a_load_cut_after_a_chunk_landed_fails_and_the_next_is_whole(
     still posted). The load fails with all its blocks reported, its lease goes back only
     after the landed chunk's scatter has run, and the next transfer is whole, on new
     communicators (none of the cut transfer's ops pairs with the next one's). Each chunk
-    lands on its own here, so the cut comes between two chunks whatever the timing."""
+    of the cut transfer lands on its own here (`_OneAtATime`), so the cut comes between
+    two chunks whatever the timing."""
     monkeypatch.setattr(nccl_link, "chunks", _one_block_chunks)
-    monkeypatch.setattr(nccl_link, "COALESCE_LANDINGS", False)
-    monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)  # over ipc: chunks too
-    real_land = consumer.ConsumerSide._land
+    _chunks_over_ipc_too(monkeypatch)
+    real_land, real_post_on = consumer.ConsumerSide._land, nccl_link.NcclLink._post_on
+    cut_landed: list[object] = []
+
+    def post_on(self: nccl_link.NcclLink, *args: object, **kw: object) -> nccl_link.Posted:
+        posted = real_post_on(self, *args, **kw)  # type: ignore[arg-type]
+        if posted.transfer_id == "cut" and posted.op == "recv":
+            posted.completions = [_OneAtATime(op, k, cut_landed) for k, op in enumerate(posted.completions)]
+        return posted
 
     def land(self: consumer.ConsumerSide, load: consumer._Load, b0: int, b1: int, left: int) -> None:
         if load.transfer_id == "cut" and b0 == 1 and cut == "raise":
             raise RuntimeError("the scatter could not be launched")
         real_land(self, load, b0, b1, left)
+        if load.transfer_id == "cut":
+            cut_landed.append((b0, b1))
         if load.transfer_id == "cut" and b0 == 0 and cut == "cancel":
             assert self.w.nccl is not None
             self.w.nccl.cancel(load.source, load.transfer_id)
 
+    monkeypatch.setattr(nccl_link.NcclLink, "_post_on", post_on)
     monkeypatch.setattr(consumer.ConsumerSide, "_land", land)
     pc, dc = gpu_caches(P_GPU, 11), gpu_caches(D_GPU, 12)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=8)
@@ -407,8 +470,9 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Over the ipc backend D posts each transfer as one receive into its blocks: nothing
     is scattered (`_land` never runs), every load lands in place once, with and without a
-    prefix hit, and D's blocks hold what P saved; then, with `INTO_BLOCKS` off, the same
-    pair moves the next transfers in chunks landed by scatters (P follows D's kind)."""
+    prefix hit, and D's blocks hold what P saved; then, with D refusing block receives,
+    the same pair moves the next transfers in chunks landed by scatters (P follows D's
+    kind)."""
     scattered, in_place = [], []
     real_land, real_in_place = consumer.ConsumerSide._land, consumer.ConsumerSide._landed_in_place
 
@@ -428,7 +492,7 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
     try:
         for i in range(20):
             if i == 10:
-                monkeypatch.setattr(nccl_link, "INTO_BLOCKS", False)
+                _chunks_over_ipc_too(monkeypatch)
             src, dst, cached = [3, 17, 40, 9, 12], [50, 2, 33, 21, 7], i % 2
             for t in pc.values():
                 t[:, src] = torch.randn_like(t[:, src])

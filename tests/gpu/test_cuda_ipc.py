@@ -1,6 +1,6 @@
 """The ipc communicator backend on GPUs: what it refuses, and what an abort leaves.
 
-The shared race tests of test_nccl_staging.py run over this backend too (its BACKENDS),
+The connector's race tests (test_connector_nccl.py) run over this backend on one GPU,
 where a staged transfer goes as one op straight into D's blocks; these cover what only
 this backend has: the same-host check at rendezvous, sizes and block counts that
 differ, the copy gated off once the receiver gave up, no NCCL memory per pair, and P
@@ -18,14 +18,7 @@ import pytest
 import torch
 
 from protocols.errors import RecvTimeout, RendezvousError
-from tests.gpu.test_nccl_staging import (
-    _CHUNKED_READY,
-    REQ_D,
-    _race_worker,
-    _report,
-    _run_pair,
-    _setup,
-)
+from tests.gpu.test_communicators import REQ_D, Ops, _cache, _report, _run_pair, _setup
 from tests.support import wait_until
 
 two_gpus = pytest.mark.skipif(
@@ -34,7 +27,7 @@ two_gpus = pytest.mark.skipif(
 one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _cache() -> Any:
+def _ipc_cache() -> Any:
     import multiprocessing as mp
 
     from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
@@ -46,9 +39,10 @@ def _cache() -> Any:
 @pytest.mark.gpu
 @one_gpu
 def test_a_peer_on_another_host_or_without_the_page_is_refused_with_what_to_use() -> None:
-    from workers.transports.cuda_ipc import boot_id, connect_ipc
+    from workers.transports.cuda_driver import boot_id
+    from workers.transports.cuda_ipc import connect_ipc
 
-    cache = _cache()
+    cache = _ipc_cache()
     info = {"backend": "ipc", "page": "/dev/shm/kvbroker-ipc-none", "boot": "another-boot", "nonce": "n", "for": ""}
     with pytest.raises(RendezvousError, match="different hosts.*use the direct backend between hosts"):
         connect_ipc(cache, "p:0", info)
@@ -104,24 +98,25 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
     kernel waits for gathers marked staged only after D gave up: it must end without
     writing), or "int32_ids" (D's block ids are int32 on its GPU and a step of GPU work
     follows them: the blocks must land where the ids say)."""
-    from tests.gpu.test_nccl_staging import _cache
-    from workers.gpu_staging import PagedKv, Stager
+    from workers.gpu_staging import PagedKv
     from workers.pool import BufferPool
 
     try:
-        device, rdv, cache, transport = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        device, rdv, cache, ops = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
         paged = PagedKv(_cache(device, seed=dev))
         pool = BufferPool(paged.staged_block_nbytes * 8, device=device)
         res: dict[str, Any] = {}
         if role == "P":
-            staged = Stager(paged, pool).stage(list(range(8)))
-            if cfg["case"] == "int32_ids":
-                transport.send_staged("D", staged).wait(time.monotonic() + 30.0)
-                res["sent"] = [r[:, :8].cpu().numpy() for r in paged.rows]
-            elif cfg["case"] == "count":
+            staged = pool.acquire_nowait(paged.staged_block_nbytes * 8).tensor
+            paged.gather(paged.block_ids(list(range(8))), paged.staging_view(staged, 8))
+            if cfg["case"] in ("int32_ids", "count"):
+                comm = cache.get("D", initiator=True)
                 try:
-                    transport.send_staged("D", staged).wait(time.monotonic() + 10.0)
-                    res["error"] = "the send of the wrong block count went through"
+                    with comm.lock:
+                        work = comm.send_blocks(comm.next_send, paged, staged.data_ptr(), 8, after=[ops._now()],
+                                                staged=True, keep=[staged])
+                    comm.completion([work], ops.stream, "send").wait(time.monotonic() + 30.0)
+                    res["sent"] = [r[:, :8].cpu().numpy() for r in paged.rows]
                 except ValueError as exc:
                     res["message"] = str(exc)
                 res["stats"] = cache.statistics().__dict__
@@ -129,7 +124,7 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
                 comm = cache.get("D", initiator=True)
                 with comm.lock:
                     seq = comm.next_send
-                    work = comm.send_blocks(seq, paged, staged.tensor.data_ptr(), 8, keep=[staged.tensor])
+                    work = comm.send_blocks(seq, paged, staged.data_ptr(), 8, keep=[staged])
                 rdv.receive("D", "test/gave-up")
                 comm.mark_staged(torch.cuda.current_stream(device), seq, 8 * paged.num_layers * paged.pre)
                 res["send_ended"] = wait_until(work.event.query, 30, "P's block send to end after D gave up")
@@ -137,7 +132,6 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
         else:
             before = torch.stack(paged.rows).clone()
             n = 7 if cfg["case"] == "count" else 8
-            lease = pool.acquire_nowait(paged.staged_block_nbytes * n)
             if cfg["case"] == "int32_ids":
                 # The receive waits for what made the ids, and converts them to int64 after
                 # that, not behind the step queued on the current stream meanwhile.
@@ -150,8 +144,9 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
                 wait_until(work.event.query, cfg["wait_s"], "D's block receive to end")
                 res["landed"] = [r[:, REQ_D[:n]].cpu().numpy() for r in paged.rows]
             else:
-                done = transport.recv_staged("P", lease, paged, paged.block_ids(REQ_D[:n]))
-                res["timed_out"] = _times_out(done, cfg["wait_s"])
+                comm = cache.get("P", initiator=False)
+                work = comm.post_blocks(paged, paged.block_ids(REQ_D[:n]), after=[ops._now()])
+                res["timed_out"] = _times_out(comm.completion([work], ops.stream, "recv"), cfg["wait_s"])
             if cfg["case"] == "gave_up":
                 rdv.publish("P", "test/gave-up", b"1")
                 rdv.receive("P", "test/ended")
@@ -191,33 +186,6 @@ def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
     _report("ipc_block_abort_gate", out)
     assert out["D"]["timed_out"] and out["P"]["send_ended"]
     assert out["D"]["untouched"], "the block send wrote into blocks its receiver had given up"
-
-
-@pytest.mark.gpu
-@one_gpu
-@pytest.mark.parametrize("mode", ["pipelined", "staged", "spilled"])
-def test_staged_transfers_straight_into_blocks_on_one_gpu(mode: str) -> None:
-    """P and D in two processes on one GPU: 200 repeated prompts as one block op each,
-    P's blocks overwritten right after the call, zero mismatches: in P's pipeline (its
-    copy kernel waiting for each chunk's gather), after a whole staging, and with P's
-    staging spilled to pinned host memory (the kernel reads it over PCIe). The same run
-    with the kernel told at once that every row is staged must be able to fail (P then
-    sends without waiting for D's Ready, so its gathers are still queued behind the
-    model's matmuls when the kernel starts); in P's pipeline only, where the kernel is
-    launched before the later gathers are even enqueued (after a whole staging, P's host
-    waits for D's receive long enough that the gathers have mostly run: of two runs of
-    200, one raced and one did not)."""
-    cfg = {**_CHUNKED_READY, "iters": 200, "backend": "ipc", "one_gpu": True, "pipelined": mode != "staged",
-           "spill": mode == "spilled", "offset_leases": mode != "spilled"}  # a pinned pool's lease starts at 0
-    res = _run_pair(_race_worker, cfg, timeout_s=120.0)
-    _report(f"ipc_blocks_one_gpu[{mode}]", {**res["D"], "spilled": res["P"]["spilled"]})
-    assert res["D"]["mismatches"] == 0
-    assert res["P"]["spilled"] == (cfg["iters"] if mode == "spilled" else 0)
-    if mode == "pipelined":
-        unsafe = _run_pair(_race_worker, {**cfg, "matmuls": 6, "ready": False, "skip_event_wait": True},
-                           timeout_s=120.0)["D"]
-        _report(f"ipc_blocks_one_gpu_unsafe[{mode}]", unsafe)
-        assert unsafe["mismatches"] > 0, "the race never showed: the staged-rows wait is untested"
 
 
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
@@ -283,7 +251,7 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
     Each side reports what it built, or why it could not."""
     try:
         from workers.transports import cuda_ipc
-        from workers.transports.nccl import CommunicatorCache, NcclTransport, QueueRendezvous
+        from workers.transports.nccl_comm import CommunicatorCache, QueueRendezvous
 
         if role == "D" and cfg["other_host"]:
             cuda_ipc.boot_id = lambda: "another-host"  # this process alone: P keeps the real one
@@ -294,7 +262,7 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
             threading.Thread(target=_engine_steps, args=(device, stepping), daemon=True).start()
         cache = CommunicatorCache(role, device, QueueRendezvous(outbox, inbox, timeout_s=60),
                                   backend=cfg["backend"], connect_timeout_s=60)
-        transport = NcclTransport(cache)
+        transport = Ops(cache)
         res: dict[str, Any] = {"exact": 0}
         start = time.monotonic()
         try:

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from protocols.errors import RecvTimeout, SendTimeout
-from workers.transports import nccl_comm
-from workers.transports.nccl_comm import Completion
+from workers.transports import communicator
+from workers.transports.communicator import Completion
 
 
 class _Event:
@@ -47,7 +47,7 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
         taken.append(seconds)
         real(seconds)
 
-    monkeypatch.setattr(nccl_comm.time, "sleep", sleep)
+    monkeypatch.setattr(communicator.time, "sleep", sleep)
     return taken
 
 

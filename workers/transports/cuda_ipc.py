@@ -14,7 +14,7 @@ written by the hosts only) and each side's two GPU counters in its own GPU memor
 written) and `arrived` (the peer's send k landed). Each GPU waits on and reads only its
 own memory. (A first version kept the counters in the host page: the copy kernel's
 read of `ready` from host memory cost about 8 us a program, serialized, so a 32-program
-copy took 0.25 ms longer; measured with `bench/ipc_ops.py`.)
+copy took 0.25 ms longer; docs/PERFORMANCE.md says where this was measured.)
 
 How one op pairs:
 
@@ -31,17 +31,15 @@ How one op pairs:
 * In one group, receives are announced before sends are posted, and their waits come
   after (`ipc_mailbox.group_steps`): two sides exchanging in one group cannot wait on
   each other.
-* A staged transfer whole (`send_blocks` with `post_blocks`, what `NcclTransport`'s
-  `gather_and_send`/`send_staged` and `recv_staged` use on this backend): one op, one
-  kernel, straight from P's staging into D's blocks, so D needs no pool bytes and no
-  scatter. D's host publishes its layer table once (where each layer of its cache
-  lies) and a BLOCKS descriptor per transfer; D's GPU copies the block ids into P's
-  arena (in P's counters' allocation), then writes P's `ready`. P's kernel is launched
-  once chunk 0's gather is enqueued: it copies each staged row once P's compute stream
-  has said, after the gather that wrote it, how many rows are staged (`mark_staged`,
-  a word per send in P's own memory). That word takes the place of the staging event
-  a chunk's send waits on; the gathers stay on the compute stream, so P's blocks may
-  be reused as soon as the call returns.
+* A staged transfer whole (`send_blocks` with `post_blocks`, what the connector's link
+  posts when D's cache allows it): one op, one kernel, straight from P's staging into
+  D's blocks, so D needs no pool bytes and no scatter. D's host publishes its layer
+  table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer;
+  D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
+  P's `ready`. P's kernel copies each staged row once P's stream has said how many rows
+  are staged (`mark_staged`, a word per send in P's own memory, written after the
+  events the send waits on): the gathers stay on the compute stream, so P's blocks may
+  be reused as soon as `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -63,7 +61,6 @@ side can map the other's memory.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -88,21 +85,20 @@ from .ipc_mailbox import (
     MailboxError,
     group_steps,
 )
-from .nccl_comm import NcclCommunicator, _check_range, _DirectWork, _nbytes
+from .communicator import Communicator, Owner, StreamWork, check_range, nbytes_of
+from .cuda_driver import CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR, IpcDeclined, await_join, decline, join
 
 if TYPE_CHECKING:  # pragma: no cover
     from workers.gpu_staging import PagedKv
 
-    from .nccl_comm import CommunicatorCache
-
 log = structlog.get_logger()
 
-__all__ = ["CudaDriver", "IpcCommunicator", "boot_id", "connect_ipc", "driver", "driver_error"]
+__all__ = ["IpcCommunicator", "connect_ipc"]
 
 # Programs of the copy kernel: NVLink's ~0.45 TB/s a direction needs a few dozen SMs of
-# stores; the rest stay with the gathers and scatters beside it (KVBROKER_IPC_PROGRAMS).
-COPY_PROGRAMS = int(os.environ.get("KVBROKER_IPC_PROGRAMS", "32"))
+# stores; the rest stay with the gathers and scatters beside it.
+COPY_PROGRAMS = 32
 _COPY_BLOCK = 2048  # words a program copies per step
 # A staged transfer of at most this many blocks goes as one op, straight into the
 # receiver's blocks (`IpcCommunicator.send_blocks`); its ids take an arena slot.
@@ -111,132 +107,6 @@ _ID_SLOTS = 8  # arena slots: a receive's ids are read by the sender's kernel be
 
 ABORT = 1 << 62  # a counter at or past it: the communicator was aborted
 _PROCESS = secrets.randbits(63)  # names this process in the page (process ids repeat across containers)
-_WAIT_GEQ = 0x0
-_LAZY_PEER_ACCESS = 0x1
-
-
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
-
-
-class CudaDriver:
-    """The few CUDA driver calls this backend needs (libcuda, which any CUDA process has)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        u64, ptr, uint, vp = ctypes.c_uint64, ctypes.POINTER, ctypes.c_uint, ctypes.c_void_p
-        self._lib = lib
-        self._fns: dict[str, Any] = {}
-        for name, args, alts in (
-            ("cuGetErrorString", [ctypes.c_int, ptr(ctypes.c_char_p)], ()),
-            ("cuDeviceGet", [ptr(ctypes.c_int), ctypes.c_int], ()),
-            ("cuDevicePrimaryCtxRetain", [ptr(vp), ctypes.c_int], ()),
-            ("cuCtxSetCurrent", [vp], ()),
-            ("cuCtxEnablePeerAccess", [vp, uint], ()),
-            ("cuMemGetAddressRange", [ptr(u64), ptr(ctypes.c_size_t), u64], ("cuMemGetAddressRange_v2",)),
-            ("cuIpcGetMemHandle", [ptr(_IpcHandle), u64], ()),
-            ("cuIpcOpenMemHandle", [ptr(u64), _IpcHandle, uint], ("cuIpcOpenMemHandle_v2",)),
-            ("cuIpcCloseMemHandle", [u64], ()),
-            ("cuStreamWaitValue64", [vp, u64, u64, uint], ("cuStreamWaitValue64_v2",)),
-            ("cuStreamWriteValue64", [vp, u64, u64, uint], ("cuStreamWriteValue64_v2",)),
-            ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp], ()),
-        ):
-            fn = None
-            for symbol in (*alts, name):  # the versioned symbol first: the plain one may be the old ABI
-                fn = getattr(lib, symbol, None)
-                if fn is not None:
-                    break
-            if fn is None:
-                raise OSError(f"libcuda has no {name}")
-            fn.argtypes, fn.restype = args, ctypes.c_int
-            self._fns[name] = fn
-
-    def _call(self, name: str, *args: Any) -> None:
-        rc = self._fns[name](*args)
-        if rc:
-            text = ctypes.c_char_p()
-            self._fns["cuGetErrorString"](rc, ctypes.byref(text))
-            raise RuntimeError(f"{name} failed: CUDA error {rc} ({(text.value or b'?').decode()})")
-
-    def primary_context(self, ordinal: int) -> int:
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        self._call("cuDeviceGet", ctypes.byref(dev), ordinal)
-        self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
-        return int(ctx.value or 0)
-
-    def make_current(self, ctx: int) -> None:
-        self._call("cuCtxSetCurrent", ctypes.c_void_p(ctx))
-
-    def enable_peer_access(self, peer_ctx: int) -> None:
-        """Let kernels of the current context reach the memory of `peer_ctx`'s device
-        (one process driving both GPUs); already enabled is fine."""
-        rc = self._fns["cuCtxEnablePeerAccess"](ctypes.c_void_p(peer_ctx), 0)
-        if rc not in (0, 704):  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-            self._call("cuCtxEnablePeerAccess", ctypes.c_void_p(peer_ctx), 0)
-
-    def export(self, ptr: int) -> tuple[bytes, int, int]:
-        """The IPC handle of the allocation holding `ptr`, `ptr`'s offset in it, and the
-        allocation's address."""
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ptr)
-        handle = _IpcHandle()
-        self._call("cuIpcGetMemHandle", ctypes.byref(handle), base.value)
-        # All 64 bytes: `.reserved` of a char array would stop at the first zero byte.
-        return ctypes.string_at(ctypes.addressof(handle), HANDLE_BYTES), ptr - base.value, base.value
-
-    def open(self, handle: bytes) -> int:
-        h = _IpcHandle()
-        ctypes.memmove(ctypes.addressof(h), handle, HANDLE_BYTES)
-        out = ctypes.c_uint64()
-        self._call("cuIpcOpenMemHandle", ctypes.byref(out), h, _LAZY_PEER_ACCESS)
-        return int(out.value)
-
-    def close(self, dptr: int) -> None:
-        self._call("cuIpcCloseMemHandle", dptr)
-
-    def wait_value(self, stream: int, addr: int, value: int) -> None:
-        """`stream` waits until the 64-bit word at `addr` is at least `value`."""
-        self._call("cuStreamWaitValue64", ctypes.c_void_p(stream), addr, value, _WAIT_GEQ)
-
-    def write_value(self, stream: int, addr: int, value: int) -> None:
-        """`stream` writes `value` at `addr` after its earlier work, behind a system-wide fence."""
-        self._call("cuStreamWriteValue64", ctypes.c_void_p(stream), addr, value, 0)
-
-    def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
-        """`stream` copies `nbytes` from `src` to `dst` (any two addresses this context reaches)."""
-        self._call("cuMemcpyAsync", dst, src, nbytes, ctypes.c_void_p(stream))
-
-
-_DRIVER: list[CudaDriver | None] = []
-_DRIVER_ERROR: list[str] = []
-_DRIVER_LOCK = threading.Lock()
-
-
-def driver() -> CudaDriver | None:
-    """The CUDA driver binding, or None (`driver_error` says why); loads once."""
-    with _DRIVER_LOCK:
-        if not _DRIVER:
-            try:
-                _DRIVER.append(CudaDriver(ctypes.CDLL("libcuda.so.1")))
-            except OSError as exc:
-                _DRIVER.append(None)
-                _DRIVER_ERROR.append(f"the CUDA driver library is not usable here ({exc})")
-        return _DRIVER[0]
-
-
-def driver_error() -> str:
-    driver()
-    return _DRIVER_ERROR[0] if _DRIVER_ERROR else ""
-
-
-def boot_id() -> str:
-    """This host's boot id: two workers with the same one run on one host (one kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 # -- the copy kernel ----------------------------------------------------------------------
 
 _KERNEL: list[Any] = []
@@ -552,16 +422,16 @@ class _Counters:
 # -- the communicator ---------------------------------------------------------------------
 
 
-class IpcCommunicator(NcclCommunicator):
+class IpcCommunicator(Communicator):
     """A pair's sends and receives as copy kernels over CUDA IPC (module docstring)."""
 
     backend = "ipc"
+    writes_into_blocks = True
 
     def __init__(self, *, peer: str, rank: int, device: torch.device, page: _Page, drv: CudaDriver, ctx: int,
                  counters: _Counters, peer_counters: tuple[bytes, int, int, bool], nonce: str,
-                 cache: CommunicatorCache | None, op_timeout_s: float = 60.0) -> None:
-        super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
-                         mem_bytes=0)
+                 cache: Owner | None, op_timeout_s: float = 60.0) -> None:
+        super().__init__(peer=peer, rank=rank, device=device, nonce=nonce, cache=cache, mem_bytes=0)
         self.page, self.drv, self.ctx = page, drv, ctx
         self.out, self.into = rank, 1 - rank  # the directions of this side's sends and receives
         self.sent = self.received = 0  # ops posted so far, each way
@@ -588,14 +458,14 @@ class IpcCommunicator(NcclCommunicator):
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
         after: Sequence[torch.cuda.Event | None] = (),
     ) -> Any:
-        items = [(op, tensor.data_ptr(), _nbytes(tensor)) for op, tensor in ops]
+        items = [(op, tensor.data_ptr(), nbytes_of(tensor)) for op, tensor in ops]
         return self._enqueue(items, after, [tensor for _, tensor in ops])
 
     def post_range(
         self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
         after: torch.cuda.Event | None = None,
     ) -> Any:
-        _check_range(base, start, nbytes)
+        check_range(base, start, nbytes)
         return self._enqueue([(op, base.data_ptr() + start, nbytes)], [after], [base])
 
     def _enqueue(self, items: Sequence[tuple[Literal["send", "recv"], int, int]], after: Sequence[torch.cuda.Event | None],
@@ -614,7 +484,7 @@ class IpcCommunicator(NcclCommunicator):
 
         return self._posted("an op", steps)
 
-    def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]]) -> _DirectWork:
+    def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]]) -> StreamWork:
         """Run `enqueue` (one group's steps on this communicator's stream) under the lock,
         with this GPU's context current; a failure ends the communicator, since the peer
         may have paired part of it. The work: an event after the group, holding the
@@ -629,7 +499,7 @@ class IpcCommunicator(NcclCommunicator):
                 raise
             done = torch.cuda.Event()
             done.record(self.stream)
-        return _DirectWork(done, keep)
+        return StreamWork(done, keep)
 
     def _wait_room(self, seq: int) -> None:
         """Until receive `seq` has a slot: only with SLOTS receives unread by the sender."""
@@ -759,6 +629,13 @@ class IpcCommunicator(NcclCommunicator):
     def receive_posted(self, seq: int) -> bool:
         """Whether the peer's receive `seq` is posted (never waits)."""
         return self.page.box.take(self.out, seq) is not None
+
+    def send_ready(self) -> bool:
+        """A send first reads its receive's descriptor, waiting on the host until D wrote it."""
+        return self.receive_posted(self.next_send)
+
+    def next_receive_takes_blocks(self) -> bool:
+        return self.receive_kind(self.next_send) == BLOCKS
 
     def receive_kind(self, seq: int) -> int:
         """What the peer's receive `seq` takes (`BYTES` or `BLOCKS`), once it is posted
@@ -915,8 +792,8 @@ def _map_peer(drv: CudaDriver, handle: bytes, peer: str) -> int:
 # -- rendezvous -----------------------------------------------------------------------------
 
 
-def connect_ipc(cache: CommunicatorCache, peer: str, info: dict[str, Any] | None,
-                cancelled: threading.Event | None = None, purpose: str = "") -> NcclCommunicator:
+def connect_ipc(cache: Owner, peer: str, info: dict[str, Any] | None,
+                cancelled: threading.Event | None = None, purpose: str = "") -> IpcCommunicator:
     """Build an ipc communicator with `peer` (initiator: `info` None), as
     `CommunicatorCache._connect_direct` does a direct one.
 

@@ -1,8 +1,66 @@
-"""NCCL communicators for the GPU transport: the backends, a capped cache, rendezvous.
+"""The GPU transport's communicators: the NCCL backends, the capped cache, rendezvous.
 
-See `workers/transports/nccl.py` for the theory of operation; this module holds the
-communicator side of it (building, posting, completion, abort, LRU cache) so the
-transport module keeps to moving staged transfers.
+Theory of operation
+-------------------
+Each (local worker, remote worker) pair gets its own 2-rank communicator, outside any
+global group: vLLM owns that. Three backends build it (`CommunicatorCache(backend=)`),
+each a `workers.transports.communicator.Communicator`:
+
+* "direct" (the default when the library loads): NCCL's C API through a small ctypes
+  binding (`workers.transports.nccl_lib`) to the libnccl that torch's wheel ships.
+  Why a custom binding: each op posted through torch's ProcessGroupNCCL costs the host
+  0.1-0.25 ms (work objects, coalescing, watchdog bookkeeping; measured on an H200
+  pair, torch 2.11), so a chunked transfer's first byte left about 0.25 ms after a
+  bare send's and the wire idled between chunk posts. A direct post is NCCL's own
+  group call (about 70 us of host time on that machine) plus one event wait and one
+  record, with no torch context managers. Rendezvous: the initiator makes an
+  ncclUniqueId (128 bytes) and publishes ``{"v": 2, "backend": "direct", "id",
+  "nonce"}`` through the `Rendezvous`; the acceptor answers on ``<key>/joined`` with
+  the nonce; then both run ncclCommInitRank (initiator = rank 0) and one small
+  exchange each way on a helper thread under `connect_timeout_s`, aborting the
+  communicator past it. Each communicator has its own high-priority CUDA stream,
+  which waits at posting on the events the op depends on. A connected pair's posts
+  keep the GIL (`nccl_lib`'s `held`): an enqueue does not block, and letting go of the
+  GIL for it handed the engine's thread a switch per op.
+* "torch": a `ProcessGroupNCCL` built on a `TCPStore` (the initiator starts the store
+  on a free port and publishes ``{"host", "port", "nonce"}``; both build the group on a
+  `PrefixStore` named by the nonce). Every op is posted in a coalescing group, even a
+  lone send, since torch keys a lone point-to-point op to a second, lazily built
+  communicator. Before its first group the transport switches off torch's NCCL flight
+  recorder and monitor threads (`TORCH_NCCL_QUIET`; an operator's values win).
+* "ipc" (`workers.transports.cuda_ipc`): both GPUs on one host; no NCCL at all: a send
+  is one copy kernel straight into the receiver's buffer, mapped with CUDA IPC, paired
+  with its receive through a page of shared memory. No communicator memory. It can
+  write a staged transfer straight into D's blocks (`Communicator.writes_into_blocks`).
+
+An acceptor builds whichever kind the initiator's payload names.
+
+* Connecting. NCCL sets up point-to-point channels inside the first group that uses
+  them, blocking the posting thread until the peer posts too, so without a warm-up a
+  receive posted ahead of its send would hang its caller. Each backend runs one small
+  exchange each way while both sides are building; after it, posting never blocks.
+* Cache. `CommunicatorCache` keeps at most `capacity` (an NCCL one takes 0.3-1 GB of GPU
+  memory on an H200, by NCCL version; an ipc one none) and evicts the least recently
+  used *idle* one; busy ones are never evicted (`CommunicatorLimit` when all are).
+  Evicted and failed communicators are aborted, which frees their memory.
+* Ordering. A send is posted to run after the event of what wrote its bytes (P's
+  gathers, recorded in `wait_for_save`), on the communicator's stream, so it cannot read
+  staging before the gather that fills it. Ops pair by posting order alone, so one
+  transfer's ops are posted under the communicator's lock, and a receiver posts its
+  transfers in the order the sender sends them (`connector.nccl_link`).
+* Deadlines. Ops return a `Completion` (a CUDA event after the op) whose
+  `wait(deadline)` spins briefly, then polls in pauses of at most 100 us; past the
+  deadline it aborts the communicator (a stuck NCCL kernel then returns), drops it from
+  the cache and raises `SendTimeout`/`RecvTimeout`. The next use rebuilds it. The torch
+  group's watchdog timeout is set far above any transfer deadline, so the watchdog
+  (whose default reaction kills the process) never fires first.
+* Rebuilds and eviction are one-sided, so an acceptor checks `Rendezvous.poll` on each
+  use and replaces its communicator when the initiator published a newer nonce. If the
+  initiator sends before the acceptor saw it, that transfer misses its deadline on both
+  sides and both rebuild; no bytes land in the wrong buffer. The other way round, an
+  acceptor that aborts its side (a deadline, `discard`) publishes the dead nonce under
+  ``<key>/stale``, and the initiator's next use, seeing it, builds a new communicator
+  instead of posting into one whose other side is gone.
 """
 
 from __future__ import annotations
@@ -16,13 +74,23 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import structlog
 import torch
 
-from protocols.errors import KvBrokerError, RecvTimeout, RendezvousError, SendTimeout
+from protocols.errors import RendezvousError
 
+from . import nccl_lib
+from .communicator import (
+    Communicator,
+    CommunicatorLimit,
+    Rendezvous,
+    StreamWork,
+    check_range,
+    nbytes_of,
+)
+from .cuda_ipc import connect_ipc
 from .nccl_setup import (
     HIGH_PRIORITY,
     IpcDeclined,
@@ -36,27 +104,6 @@ from .nccl_setup import (
 )
 
 log = structlog.get_logger()
-
-
-class CommunicatorLimit(KvBrokerError):
-    """Every cached communicator is busy and the cache is full."""
-
-
-class Rendezvous(Protocol):
-    """Carries a small payload from the initiator to one acceptor (the broker's `Relay`).
-
-    `receive` blocks until a payload for `key` arrives and raises `RendezvousError`
-    past its own deadline, or soon after `cancelled` is set (`wake` hurries it);
-    `poll` returns the newest unread payload or None at once.
-    """
-
-    def publish(self, peer: str, key: str, payload: bytes) -> None: ...
-
-    def receive(self, peer: str, key: str, cancelled: threading.Event | None = None) -> bytes: ...
-
-    def wake(self) -> None: ...
-
-    def poll(self, peer: str, key: str) -> bytes | None: ...
 
 
 class QueueRendezvous:
@@ -146,111 +193,23 @@ class QueueRendezvous:
             return self._unread.pop(key, None)
 
 
-_PENDING_PRUNE_AT = 16
-
-# Whether a direct communicator keeps the GIL while it enqueues an op on a pair already
-# connected (`NcclLib`'s `held`). False: every NCCL call lets go of it, as ctypes does
-# by default (`bench/connector_path.py --hold-gil 0`).
-HOLD_GIL_POSTS = True
-
-
-class Completion:
-    """A CUDA event after one or more NCCL ops. A missed deadline aborts the
-    communicator and raises `SendTimeout`/`RecvTimeout`: the bytes are then lost."""
-
-    def __init__(
-        self, comm: NcclCommunicator, event: torch.cuda.Event, op: Literal["send", "recv"], transfer_id: str,
-        keep: Sequence[Any] = (),
-    ) -> None:
-        self.comm, self.event, self.op, self.transfer_id = comm, event, op, transfer_id
-        self._keep = list(keep)  # bounce buffers and posted works must outlive the op
-
-    def done(self) -> bool:
-        """True once the op finished on the GPU; never blocks."""
-        return self.event.query()
-
-    def absorb(self, earlier: Sequence[Completion]) -> None:
-        """Take over what `earlier` completions on this communicator's stream keep alive
-        (they end before this one), so waiting for this one releases all of it."""
-        for other in earlier:
-            self._keep.extend(other._keep)
-            other._keep = []
-
-    def wait(self, deadline: float, *, spin_s: float = 0.001, max_pause_s: float = 1e-4) -> None:
-        """Block until done or `deadline` (a `time.monotonic()` value) passes.
-
-        Spins for `spin_s` (transfers often end within it), then sleeps in steps that
-        double up to `max_pause_s`: the pause bounds how late the end is noticed.
-
-        Raises:
-            SendTimeout, RecvTimeout: the deadline passed; the communicator is aborted.
-        """
-        start = time.monotonic()
-        pause = 0.0
-        while not self.event.query():
-            now = time.monotonic()
-            if now >= deadline:
-                self.comm.fail(f"{self.op} missed its deadline")
-                exc = SendTimeout if self.op == "send" else RecvTimeout
-                raise exc(self.transfer_id or "-", f"NCCL {self.op} with {self.comm.peer} timed out")
-            if now - start > spin_s:
-                pause = min(max(pause * 2, 1e-5), max_pause_s)
-                time.sleep(pause)
-            # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
-            # host the end was then seen 20-50 us late (measured on an H200 pair).
-        self._keep.clear()
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    size: int
-    capacity: int
-    created: int
-    evicted: int
-    aborted: int
-
-
-class NcclCommunicator:
-    """One 2-rank NCCL communicator with one peer (torch's ProcessGroupNCCL); built by
-    `CommunicatorCache`. `DirectCommunicator` is the same over the bare NCCL library."""
+class TorchCommunicator(Communicator):
+    """A 2-rank communicator over torch's ProcessGroupNCCL."""
 
     backend = "torch"
 
-    def __init__(
-        self, *, peer: str, rank: int, device: torch.device, pg: Any, store: Any, nonce: str,
-        cache: CommunicatorCache | None, mem_bytes: int,
-    ) -> None:
-        self.peer, self.rank, self.peer_rank, self.device = peer, rank, 1 - rank, device
-        self.pg, self.nonce, self.mem_bytes = pg, nonce, mem_bytes
+    def __init__(self, *, peer: str, rank: int, device: torch.device, pg: Any, store: Any, nonce: str,
+                 cache: Any, mem_bytes: int) -> None:
+        super().__init__(peer=peer, rank=rank, device=device, nonce=nonce, cache=cache, mem_bytes=mem_bytes)
+        self.pg = pg
         self._store = store  # the store's server must live as long as the group
-        self._cache = cache
-        self._pending: list[Completion] = []
-        self.broken = self.closed = False
-        # Held while one transfer posts its chunks: NCCL matches ops by posting order,
-        # so two transfers' chunks must never interleave on one communicator.
-        self.lock = threading.RLock()
-
-    def idle(self) -> bool:
-        """No op of this communicator is still running."""
-        self._pending = [c for c in self._pending if not c.done()]
-        return not self._pending
 
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
         after: Sequence[torch.cuda.Event | None] = (),
     ) -> Any:
-        """Post `ops` as one NCCL group, to run after the events `after`; returns the work.
-
-        `after` must cover everything the group depends on (what wrote a send's
-        tensor, what still reads a receive's). torch posts through `stream`, which
-        waits for `after` and whose tail the group's NCCL stream then waits on; the
-        direct backend leaves `stream` alone and has its NCCL stream wait for `after`
-        itself. Later work on `stream` cannot delay the group either way.
-        ``work.wait()`` makes the current stream wait for the group.
-
-        Raises:
-            RuntimeError: closed, or the ops were refused (then it is aborted).
-        """
+        # torch posts through `stream`, which waits for `after` and whose tail the group's
+        # NCCL stream then waits on.
         if self.closed:
             raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
         with self.lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
@@ -258,83 +217,24 @@ class NcclCommunicator:
                 if event is not None:
                     stream.wait_event(event)
             try:
-                return self._post(ops, stream)
+                self.pg._start_coalescing()
+                try:
+                    for op, tensor in ops:
+                        fn = self.pg.send if op == "send" else self.pg.recv
+                        fn([tensor], self.peer_rank, 0)
+                finally:
+                    work = self.pg._end_coalescing()
+                return work
             except BaseException:
                 self.fail("posting an op failed")
                 raise
-
-    def _post(self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream) -> Any:
-        self.pg._start_coalescing()
-        try:
-            for op, tensor in ops:
-                fn = self.pg.send if op == "send" else self.pg.recv
-                fn([tensor], self.peer_rank, 0)
-        finally:
-            work = self.pg._end_coalescing()
-        return work
 
     def post_range(
         self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
         after: torch.cuda.Event | None = None,
     ) -> Any:
-        """Post one op on bytes ``[start, start + nbytes)`` of `base` (a contiguous uint8
-        CUDA tensor, see `check_byte_buffer`), after the event `after`: `post` for a chunk
-        of a transfer."""
-        _check_range(base, start, nbytes)
+        check_range(base, start, nbytes)
         return self.post([(op, base[start : start + nbytes])], stream, [after])
-
-    def completion(
-        self, works: Sequence[Any], stream: torch.cuda.Stream, op: Literal["send", "recv"], transfer_id: str = "",
-        keep: Sequence[Any] = (),
-    ) -> Completion:
-        """Make `stream` wait for `works` (no host block) and return an event after them.
-        When `works` are all posted groups of a backend with its own stream (`_DirectWork`),
-        the last one's event is the completion: they run in order on that stream."""
-        mine = [w for w in works if w is not None]
-        if mine and all(isinstance(w, _DirectWork) for w in mine):
-            done = Completion(self, mine[-1].event, op, transfer_id, [*keep, *mine])
-            self._track(done)
-            return done
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for work in works:
-                if work is not None:
-                    work.wait()
-            event = torch.cuda.Event()
-            event.record(stream)
-        # The works (and the tensors a direct one holds) live until the completion is seen.
-        done = Completion(self, event, op, transfer_id, [*keep, *(w for w in works if w is not None)])
-        self._track(done)
-        return done
-
-    def _track(self, done: Completion) -> None:
-        # Completions nobody waits for (all but the last of a spilled transfer's chunks)
-        # hold their bounce buffers until seen done here; pruning past a few bounds that.
-        self._pending.append(done)
-        if len(self._pending) > _PENDING_PRUNE_AT:
-            self._pending = [c for c in self._pending if not c.done()]
-
-    def fail(self, reason: str) -> None:
-        """Abort after an error or a timeout and drop out of the cache."""
-        if self.closed:
-            return
-        self.broken = True
-        log.warning("nccl.abort", peer=self.peer, nonce=self.nonce, backend=self.backend, reason=reason)
-        if self._cache is not None:
-            self._cache._forget(self)
-        self.abort()
-        if self._cache is not None:
-            self._cache._tell_stale(self)
-
-    def abort(self) -> None:
-        """Abort the NCCL communicator, freeing its memory; idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._abort()
-        except Exception as exc:  # abort is best effort; the object is dropped anyway
-            log.warning("nccl.abort_failed", peer=self.peer, backend=self.backend, error=repr(exc))
-        self._pending.clear()
 
     def _abort(self) -> None:
         try:
@@ -347,49 +247,22 @@ class NcclCommunicator:
             self._store = None
 
 
-class _DirectWork:
-    """A posted group of a `DirectCommunicator` (or an `IpcCommunicator`): an event after
-    it on the communicator's own stream.
-
-    Holds the group's tensors, so the caching allocator cannot hand their memory to
-    anyone else while the ops may still use it."""
-
-    __slots__ = ("event", "tensors")
-
-    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
-        self.event, self.tensors = event, tensors
-
-    def wait(self) -> None:
-        """Make the current stream wait for the group (no host block)."""
-        torch.cuda.current_stream().wait_event(self.event)
+@dataclass(frozen=True)
+class CacheStats:
+    size: int
+    capacity: int
+    created: int
+    evicted: int
+    aborted: int
 
 
-def check_byte_buffer(buf: torch.Tensor) -> None:
-    """Raise unless `buf` can be addressed by byte ranges (`post_range`): contiguous uint8 on a GPU."""
-    if buf.dtype is not torch.uint8 or not buf.is_cuda or not buf.is_contiguous():
-        raise ValueError(f"NCCL byte ranges need a contiguous uint8 CUDA buffer; got {buf.dtype} on {buf.device}.")
-
-
-def _check_range(base: torch.Tensor, start: int, nbytes: int) -> None:
-    # Only the bounds, on the critical path; what `base` is was checked where it came
-    # from (a pool's own tensor, or `check_byte_buffer`).
-    if not (0 <= start and 0 < nbytes and start + nbytes <= base.numel()):
-        raise ValueError(f"bytes [{start}, {start + nbytes}) lie outside a {base.numel()}-byte buffer.")
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    if not tensor.is_cuda or not tensor.is_contiguous():
-        raise ValueError(f"NCCL ops need contiguous CUDA tensors; got one on {tensor.device}.")
-    return tensor.numel() * tensor.element_size()
-
-
-class DirectCommunicator(NcclCommunicator):
+class DirectCommunicator(Communicator):
     """A 2-rank communicator driven through `workers.transports.nccl_lib`: a few
     microseconds of host time an op instead of torch's 0.1-0.25 ms.
 
     Like a process group it runs its ops on a stream of its own, which waits on the
     posting stream's tail at posting; so two communicators of one transport never queue
-    behind each other, and the ordering rules of `NcclCommunicator.post` hold as they are.
+    behind each other, and the ordering rules of `Communicator.post` hold as they are.
     """
 
     backend = "direct"
@@ -398,8 +271,7 @@ class DirectCommunicator(NcclCommunicator):
         self, *, peer: str, rank: int, device: torch.device, lib: Any, handle: int, nonce: str,
         cache: CommunicatorCache | None, mem_bytes: int,
     ) -> None:
-        super().__init__(peer=peer, rank=rank, device=device, pg=None, store=None, nonce=nonce, cache=cache,
-                         mem_bytes=mem_bytes)
+        super().__init__(peer=peer, rank=rank, device=device, nonce=nonce, cache=cache, mem_bytes=mem_bytes)
         self.lib, self.handle = lib, handle
         # High priority: when a copy kernel on this GPU has CTAs waiting (a gather or
         # scatter of another chunk), the block scheduler places NCCL's first, so a copy
@@ -407,14 +279,8 @@ class DirectCommunicator(NcclCommunicator):
         self.nccl_stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._stream_ptr = self.nccl_stream.cuda_stream
         # Whether an op was posted already: NCCL connects a pair at its first op, which
-        # blocks until the peer posts too; later posts only enqueue, and keep the GIL
-        # for it (`HOLD_GIL_POSTS`).
+        # blocks until the peer posts too; later posts only enqueue, and keep the GIL.
         self._connected = False
-
-    @property
-    def _held(self) -> bool:
-        """Whether the next enqueue keeps the GIL: the pair is connected (`HOLD_GIL_POSTS`)."""
-        return HOLD_GIL_POSTS and self._connected
 
     def post(
         self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor]], stream: torch.cuda.Stream,
@@ -427,12 +293,12 @@ class DirectCommunicator(NcclCommunicator):
         if self.closed:
             raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
         lib, handle, peer, sp, ns = self.lib, self.handle, self.peer_rank, self._stream_ptr, self.nccl_stream
-        sizes = [_nbytes(tensor) for _, tensor in ops]
+        sizes = [nbytes_of(tensor) for _, tensor in ops]
         with self.lock:
             for event in after:
                 if event is not None:
                     ns.wait_event(event)
-            held = self._held
+            held = self._connected
             try:
                 lib.group_start(held)
                 try:
@@ -446,7 +312,7 @@ class DirectCommunicator(NcclCommunicator):
             self._connected = True
             done = torch.cuda.Event()
             done.record(ns)
-        return _DirectWork(done, [tensor for _, tensor in ops])
+        return StreamWork(done, [tensor for _, tensor in ops])
 
     def post_range(
         self, op: Literal["send", "recv"], base: torch.Tensor, start: int, nbytes: int, stream: torch.cuda.Stream,
@@ -456,21 +322,21 @@ class DirectCommunicator(NcclCommunicator):
         # slice of `base`, no group around the single op (NCCL groups one op by itself).
         if self.closed:
             raise RuntimeError(f"the communicator with {self.peer} is closed; get a new one from the cache.")
-        _check_range(base, start, nbytes)
+        check_range(base, start, nbytes)
         lib = self.lib
         with self.lock:
             if after is not None:
                 self.nccl_stream.wait_event(after)
             try:
                 (lib.send if op == "send" else lib.recv)(base.data_ptr() + start, nbytes, self.peer_rank, self.handle,
-                                                         self._stream_ptr, self._held)
+                                                         self._stream_ptr, self._connected)
             except BaseException:
                 self.fail("posting an op failed")
                 raise
             self._connected = True
             done = torch.cuda.Event()
             done.record(self.nccl_stream)
-        return _DirectWork(done, [base])
+        return StreamWork(done, [base])
 
     def async_error(self) -> int:
         """NCCL's asynchronous error code for this communicator (0: none)."""
@@ -518,7 +384,7 @@ class CommunicatorCache:
         self.local_id, self.device, self.rendezvous = local_id, torch.device(device), rendezvous
         self.capacity, self.advertise_host = capacity, advertise_host
         self.connect_timeout_s, self.watchdog_timeout_s = connect_timeout_s, watchdog_timeout_s
-        self._comms: OrderedDict[str, NcclCommunicator] = OrderedDict()
+        self._comms: OrderedDict[str, Communicator] = OrderedDict()
         self._dropped: dict[str, bytes] = {}  # peer -> a stale notice `usable` read, for `get` to act on
         self._lock = threading.Lock()
         self._created = self._evicted = self._aborted = 0
@@ -528,7 +394,7 @@ class CommunicatorCache:
         return f"nccl/{initiator}>{acceptor}"
 
     def get(self, peer: str, *, initiator: bool, cancelled: threading.Event | None = None,
-            purpose: str = "") -> NcclCommunicator:
+            purpose: str = "") -> Communicator:
         """The communicator with `peer`, built through the rendezvous if needed.
 
         Args:
@@ -583,7 +449,7 @@ class CommunicatorCache:
             victim.abort()
         return comm
 
-    def usable(self, peer: str, nonce: str, *, initiator: bool) -> NcclCommunicator | None:
+    def usable(self, peer: str, nonce: str, *, initiator: bool) -> Communicator | None:
         """The cached communicator with `peer` if it is the one named `nonce` and an op
         may be posted on it now: whole, and (initiator) not dropped by the acceptor. Builds
         nothing, aborts nothing, never blocks; None: `get` decides (it may do both).
@@ -605,7 +471,7 @@ class CommunicatorCache:
         """Where an acceptor tells this initiator it dropped their communicator."""
         return f"{self.key(self.local_id, peer)}/stale"
 
-    def current(self, peer: str) -> NcclCommunicator | None:
+    def current(self, peer: str) -> Communicator | None:
         """The communicator with `peer` now, if one is cached and whole; builds nothing
         and asks the rendezvous nothing."""
         with self._lock:
@@ -623,7 +489,7 @@ class CommunicatorCache:
                 self._aborted += 1
         if comm is not None:
             comm.abort()
-            self._tell_stale(comm)
+            self.tell_stale(comm)
 
     def statistics(self) -> CacheStats:
         with self._lock:
@@ -639,13 +505,13 @@ class CommunicatorCache:
 
     # -- internals -------------------------------------------------------------------
 
-    def _forget(self, comm: NcclCommunicator) -> None:
+    def forget(self, comm: Communicator) -> None:
         with self._lock:
             if self._comms.get(comm.peer) is comm:
                 del self._comms[comm.peer]
                 self._aborted += 1
 
-    def _tell_stale(self, comm: NcclCommunicator) -> None:
+    def tell_stale(self, comm: Communicator) -> None:
         """An acceptor dropped `comm`: tell the initiator (see `discard`)."""
         if comm.rank != 1:
             return
@@ -654,8 +520,8 @@ class CommunicatorCache:
         except Exception as exc:  # the initiator then finds out by its next op's deadline
             log.warning("nccl.stale_not_sent", peer=comm.peer, nonce=comm.nonce, error=repr(exc))
 
-    def _evict_locked(self) -> list[NcclCommunicator]:
-        victims: list[NcclCommunicator] = []
+    def _evict_locked(self) -> list[Communicator]:
+        victims: list[Communicator] = []
         while len(self._comms) > self.capacity:
             idle = next((p for p, c in self._comms.items() if c.idle()), None)
             if idle is None:  # all became busy while we connected: over capacity until one idles
@@ -667,7 +533,7 @@ class CommunicatorCache:
 
     def _connect(
         self, peer: str, initiator: bool, payload: bytes | None, cancelled: threading.Event | None, purpose: str = "",
-    ) -> NcclCommunicator:
+    ) -> Communicator:
         info = None if initiator else self._build_for(peer, payload, cancelled, purpose)
         try:
             return self._connect_over(info["backend"] if info is not None else self.backend, peer, info, cancelled,
@@ -692,22 +558,18 @@ class CommunicatorCache:
         return info
 
     def _connect_over(self, backend: str, peer: str, info: dict[str, Any] | None,
-                      cancelled: threading.Event | None, purpose: str) -> NcclCommunicator:
+                      cancelled: threading.Event | None, purpose: str) -> Communicator:
         if backend == "direct":
             return self._connect_direct(peer, info, cancelled, purpose)
         if backend == "ipc":
-            from .cuda_ipc import connect_ipc  # imports this module
-
             return connect_ipc(self, peer, info, cancelled, purpose)
         return self._connect_torch(peer, info, purpose)
 
     def _connect_direct(
         self, peer: str, info: dict[str, Any] | None, cancelled: threading.Event | None = None, purpose: str = "",
-    ) -> NcclCommunicator:
+    ) -> Communicator:
         """Initiator: a unique id through the rendezvous, then the acceptor's ack; acceptor:
         the ack. Then both run ncclCommInitRank and a warm-up exchange under a deadline."""
-        from workers.transports import nccl_lib
-
         lib = nccl_lib.load()
         if lib is None:
             raise RendezvousError(f"{peer} asked for a direct NCCL communicator: {nccl_lib.load_error()}")
@@ -732,7 +594,7 @@ class CommunicatorCache:
         return DirectCommunicator(peer=peer, rank=rank, device=self.device, lib=lib, handle=handle, nonce=nonce,
                                   cache=self, mem_bytes=mem)
 
-    def _connect_torch(self, peer: str, info: dict[str, Any] | None, purpose: str = "") -> NcclCommunicator:
+    def _connect_torch(self, peer: str, info: dict[str, Any] | None, purpose: str = "") -> Communicator:
         from torch.distributed import PrefixStore, TCPStore
 
         initiator = info is None
@@ -764,7 +626,7 @@ class CommunicatorCache:
         pg = new_torch_group(PrefixStore(f"kvbroker/{nonce}/pg", store), rank, self.device, self.watchdog_timeout_s)
         mem = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         log.info("nccl.connected", peer=peer, rank=rank, nonce=nonce, backend="torch", mem_mib=round(mem / 2**20, 1))
-        return NcclCommunicator(
+        return TorchCommunicator(
             peer=peer, rank=rank, device=self.device, pg=pg, store=store, nonce=nonce, cache=self, mem_bytes=mem
         )
 

@@ -18,6 +18,8 @@ import torch
 
 from protocols.errors import RendezvousError
 
+from . import cuda_driver, nccl_lib
+
 log = structlog.get_logger()
 
 BACKENDS = ("direct", "torch", "ipc")
@@ -47,8 +49,6 @@ def resolve_backend(backend: str | None = None) -> str:
     """
     name = backend or os.environ.get("KVBROKER_NCCL_BACKEND", "") or None
     if name is None:
-        from workers.transports import nccl_lib
-
         return "direct" if nccl_lib.load() is not None else "torch"
     first, _, fallback = name.replace(" ", "").partition(",")
     if fallback and (first != "ipc" or fallback not in FALLBACKS):
@@ -62,17 +62,12 @@ def resolve_backend(backend: str | None = None) -> str:
 
 
 def _check_backend(name: str) -> None:
-    from workers.transports import nccl_lib
-
     if name not in BACKENDS:
         raise ValueError(f"unknown NCCL backend {name!r}; use one of {BACKENDS}.")
     if name == "direct" and nccl_lib.load() is None:
         raise ValueError(f"the direct NCCL backend needs the NCCL library: {nccl_lib.load_error()}")
-    if name == "ipc":
-        from workers.transports import cuda_ipc
-
-        if cuda_ipc.driver() is None:
-            raise ValueError(f"the ipc backend needs the CUDA driver: {cuda_ipc.driver_error()}")
+    if name == "ipc" and cuda_driver.driver() is None:
+        raise ValueError(f"the ipc backend needs the CUDA driver: {cuda_driver.driver_error()}")
 
 
 class IpcDeclined(RendezvousError):

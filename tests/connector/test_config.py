@@ -177,6 +177,8 @@ def test_grant_key_file_is_read_at_startup_and_kept_out_of_reprs(tmp_path: Path)
     )
     assert "cannot be read" in refused({"broker": BROKER, "grant_key_file": str(tmp_path / "absent")})
     assert "grant_key_file must be the path" in refused({"broker": BROKER, "grant_key_file": 5})
+
+
 def test_the_nccl_backend_and_communicator_cap_are_settings_of_the_nccl_transport(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's choice of prefill and decode instance (`broker.routes`), without sockets."""
+"""The gateway's choice of prefill and decode instance (`gateway.routes`), without sockets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.routes import Router, Upstream
+from gateway.routes import Router, Upstream
 from protocols.messages import PeerInfo, PoolInfo, Status
 
 

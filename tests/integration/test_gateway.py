@@ -1,4 +1,4 @@
-"""`broker.gateway` on real sockets: a real `kvbroker serve` process, peers registered with
+"""`gateway.proxy` on real sockets: a real `kvbroker serve` process, peers registered with
 it by real broker clients, and HTTP upstreams on loopback that answer as the test says.
 
 The upstreams stand in for vLLM servers only where a fault must be timed (an instance
@@ -23,9 +23,9 @@ import msgspec
 import pytest
 from anyio.abc import SocketStream
 
-from broker.gateway import Gateway, GatewayConfig
-from broker.routes import Upstream
-from broker.status import fetch_status
+from gateway.proxy import Gateway, GatewayConfig
+from gateway.routes import Upstream
+from protocols.ask import fetch_status
 from protocols.channel import curve_client_keys
 from protocols.messages import Abort, Register
 from tests.support import ROOT, BrokerProcess, env

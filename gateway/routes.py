@@ -1,6 +1,6 @@
 """Which prefill and decode instance serve a request: the gateway's decisions, sans IO.
 
-The gateway (`broker.gateway`) asks a `Router` for a `Route` per client request, tells it
+The gateway (`gateway.proxy`) asks a `Router` for a `Route` per client request, tells it
 when each upstream request starts and ends, and feeds it the broker's `Status` and the
 clock. Nothing here touches a socket, so the choices are plain to test.
 

@@ -24,7 +24,7 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `broker.http` (h11 over anyio streams), one upstream
+HTTP is spoken through `gateway.http` (h11 over anyio streams), one upstream
 connection per upstream request. The broker's status (registered instances, free pool
 bytes) is asked for every `poll_s` and feeds the router.
 """
@@ -43,6 +43,9 @@ import msgspec
 import structlog
 from anyio.abc import SocketStream, TaskStatus
 
+from protocols.ask import cancel_transfer, fetch_status
+from protocols.signals import run_until_signalled
+
 from .http import (
     READ_CHUNK,
     HttpConn,
@@ -53,8 +56,8 @@ from .http import (
     response_head,
     upstream_request,
 )
+from .metrics import gateway_metrics
 from .routes import Route, Router, Upstream, check_upstreams
-from .status import cancel_transfer, fetch_status
 
 log = structlog.get_logger("kvbroker.gateway")
 
@@ -287,9 +290,7 @@ class Gateway:
                 raise HttpError(503, why)
             return await self._reply(ex, 200, [("Content-Type", "application/json")], b'{"status":"ok"}')
         if target == "/metrics" and method == "GET":
-            from .metrics import gateway_metrics
-
-            body, ctype = gateway_metrics(self)
+            body, ctype = gateway_metrics(self.answers, self.events, self.router, self.clock())
             return await self._reply(ex, 200, [("Content-Type", ctype)], body)
         if target == "/v1/models" and method == "GET":
             return await self._forward_models(ex)
@@ -474,6 +475,4 @@ def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM."""
-    from .daemon import run_until_signalled
-
     run_until_signalled(lambda: Gateway(config).run, "gateway.stopping", backend)

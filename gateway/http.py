@@ -1,8 +1,10 @@
-"""HTTP/1.1 for the gateway: h11 (bytes in, events out) over anyio byte streams.
+"""HTTP/1.1 for the gateway: its clients' side in h11 (bytes in, events out) over anyio
+byte streams, one request at a time on a connection; its upstreams' side through one
+pooled httpx client, whose kept-alive connections every request shares.
 
-Only what the gateway needs: one request at a time on a client's connection, and one
-upstream request per new connection (`Connection: close`), whose response body is read
-through the reply as it comes.
+An upstream request that is cancelled (the client left, the deadline passed, P's or D's
+request is no longer needed) closes its connection instead of handing it back to the
+pool, so the vLLM server sees the disconnect and aborts the request.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Any
 
 import anyio
 import h11
+import httpx
 import msgspec
-from anyio.abc import ByteStream, SocketStream
+from anyio.abc import ByteStream
 
 from .routes import Upstream
 
@@ -24,12 +27,14 @@ READ_CHUNK = 64 << 10
 
 
 class HttpError(Exception):
-    """An answer the gateway gives itself: status and one sentence for the client."""
+    """An answer the gateway gives itself: status, one sentence for the client, and any
+    headers beside it (a 503's Retry-After)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or []
 
 
 class UpstreamFailed(Exception):
@@ -99,56 +104,72 @@ class HttpConn:
 @dataclass
 class UpstreamReply:
     status: int
-    headers: list[tuple[bytes, bytes]]
-    conn: HttpConn
+    response: httpx.Response
 
-    def header(self, name: bytes) -> bytes | None:
-        return next((v for k, v in self.headers if k.lower() == name), None)
+    def header(self, name: str) -> str | None:
+        return self.response.headers.get(name)
 
     @property
     def content_type(self) -> str:
-        return (self.header(b"content-type") or b"application/json").decode("latin-1")
+        return self.response.headers.get("content-type", "application/json")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            event = await self.conn.next_event()
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            else:
-                raise h11.RemoteProtocolError(f"the response ended early ({type(event).__name__}).")
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it comes, as sent (not decoded: the client gets the same bytes)."""
+        return self.response.aiter_raw()
 
     async def body(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
 
 
-@asynccontextmanager
-async def upstream_request(
-    up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]], connect_timeout_s: float
-) -> AsyncIterator[UpstreamReply]:
-    """Send one request on a new connection and yield the response head; the body is read
-    through the reply. Raises `UpstreamFailed`."""
-    try:
-        with anyio.fail_after(connect_timeout_s):
-            stream: SocketStream = await anyio.connect_tcp(up.host, up.port)
-    except (OSError, TimeoutError) as exc:
-        raise UpstreamFailed(up, f"cannot connect ({exc or 'timed out'})", reached=False) from None
-    async with stream:
-        conn = HttpConn(stream, h11.CLIENT)
-        head = [("Host", f"{up.host}:{up.port}"), ("Content-Length", str(len(body))), ("Connection", "close"), *headers]
+# What an upstream's connection does wrong, as httpx names it: before any answer, the
+# request may have reached the server; no connection at all, it cannot have.
+_NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout)
+_BROKE = (httpx.TransportError, httpx.StreamError)
+
+
+class UpstreamPool:
+    """Kept-alive connections to the upstreams, shared by every request: one httpx client.
+
+    Opened by `async with` inside the event loop that uses it. `keepalive_s` stays under
+    uvicorn's (vLLM's server's) 5 s keep-alive, so an idle connection is dropped here
+    before the server closes it under a request.
+    """
+
+    def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float = 4.0) -> None:
+        self.client = httpx.AsyncClient(
+            # Only the connect has its own limit; the request's deadline covers the rest.
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=keepalive_s),
+            # The body passes through as sent; no proxy from the environment on the way.
+            headers={"Accept-Encoding": "identity"},
+            trust_env=False,
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> UpstreamPool:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.__aexit__(*exc)
+
+    @asynccontextmanager
+    async def request(
+        self, up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]]
+    ) -> AsyncIterator[UpstreamReply]:
+        """Send one request on a pooled connection and yield the response head; the body
+        is read through the reply. Raises `UpstreamFailed`."""
+        request = self.client.build_request(method, up.url + target, content=body, headers=headers)
         try:
-            await conn.send(h11.Request(method=method, target=target, headers=head), h11.Data(data=body), h11.EndOfMessage())
-            event = await conn.next_event()
-            while isinstance(event, h11.InformationalResponse):
-                event = await conn.next_event()
-        except h11.RemoteProtocolError:  # h11's words for a close before any answer
-            raise UpstreamFailed(up, "closed the connection before answering", reached=True) from None
-        except (anyio.BrokenResourceError, anyio.EndOfStream, OSError) as exc:
+            response = await self.client.send(request, stream=True)
+        except _NOT_REACHED as exc:
+            raise UpstreamFailed(up, f"cannot connect ({exc or type(exc).__name__})", reached=False) from None
+        except _BROKE as exc:
             raise UpstreamFailed(up, f"broke off before answering ({exc or type(exc).__name__})", reached=True) from None
-        if not isinstance(event, h11.Response):
-            raise UpstreamFailed(up, "closed the connection before answering", reached=True)
         try:
-            yield UpstreamReply(status=event.status_code, headers=list(event.headers), conn=conn)
-        except (anyio.BrokenResourceError, anyio.EndOfStream, h11.RemoteProtocolError) as exc:
+            yield UpstreamReply(status=response.status_code, response=response)
+        except _BROKE as exc:
             raise UpstreamFailed(up, f"broke off mid-answer ({exc or type(exc).__name__})", reached=True) from None
+        finally:
+            await response.aclose()  # a body not read to its end closes the connection

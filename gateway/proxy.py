@@ -24,9 +24,9 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `gateway.http` (h11 over anyio streams), one upstream
-connection per upstream request. The broker's status (registered instances, free pool
-bytes) is asked for every `poll_s` and feeds the router.
+HTTP is spoken through `gateway.http`: h11 over anyio streams to the clients, and one
+pooled httpx client (kept-alive connections) to the upstreams. The broker's status
+(registered instances, free pool bytes) is asked for every `poll_s` and feeds the router.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from .http import (
     HttpConn,
     HttpError,
     UpstreamFailed,
+    UpstreamPool,
     UpstreamReply,
     error_body,
     response_head,
-    upstream_request,
 )
 from .metrics import gateway_metrics
 from .routes import Route, Router, Upstream, check_upstreams
@@ -79,6 +79,8 @@ class GatewayConfig:
     decode_attempts: int = 2  # decode instances tried for one transfer
     prefill_attempts: int = 2  # (P, D) pairs tried when P cannot be reached
     poll_s: float = 1.0
+    # Open connections to all upstreams together; a request over it waits for one to free.
+    max_upstream_connections: int = 1024
     curve_server_key: str | None = None
     curve_client_secret: bytes | None = None
     port_file: str | None = None
@@ -89,6 +91,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}.")
         if self.decode_attempts < 1 or self.prefill_attempts < 1:
             raise ValueError("decode and prefill attempts must be at least 1.")
+        if self.max_upstream_connections < 2:
+            raise ValueError("max_upstream_connections must be at least 2: each request opens one to P and one to D.")
         check_upstreams(self.upstreams)
 
 
@@ -152,13 +156,15 @@ class Gateway:
         self.answers: Counter[int] = Counter()
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
+        self._pool: UpstreamPool | None = None  # run()'s
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with listener, anyio.create_task_group() as tg:
-            self._tasks = tg
+        async with listener, UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
+                anyio.create_task_group() as tg:
+            self._pool, self._tasks = pool, tg
             tg.start_soon(self._watch_broker)
             if cfg.port_file:
                 tmp = anyio.Path(f"{cfg.port_file}.tmp")
@@ -308,7 +314,7 @@ class Gateway:
             raise HttpError(503, self.router.unavailable(self.clock()) or "no decode instance to ask.")
         try:
             with anyio.fail_after(self.config.request_timeout_s):
-                async with upstream_request(up, "GET", "/v1/models", b"", [], self.config.connect_timeout_s) as reply:
+                async with self._upstreams.request(up, "GET", "/v1/models", b"", []) as reply:
                     body = await reply.body()
         except UpstreamFailed as exc:
             raise HttpError(502, str(exc)) from None
@@ -351,7 +357,7 @@ class Gateway:
             failed = True
             try:
                 with p_scope:
-                    async with upstream_request(up, "POST", target, p_raw, hdrs, self.config.connect_timeout_s) as reply:
+                    async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
                         body = await reply.body()
                     failed = reply.status >= 500
                     p_result["reply"] = (reply.status, reply.content_type, body)
@@ -407,7 +413,7 @@ class Gateway:
             self.router.started(up)
             failed = True
             try:
-                async with upstream_request(up, "POST", target, raw, hdrs, self.config.connect_timeout_s) as reply:
+                async with self._upstreams.request(up, "POST", target, raw, hdrs) as reply:
                     if reply.status >= 500:
                         last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
                     else:
@@ -429,6 +435,11 @@ class Gateway:
             up = self.router.pick("decode", self.clock(), exclude=tried)
         return HttpError(502, f"no decode instance answered ({last}).")
 
+    @property
+    def _upstreams(self) -> UpstreamPool:
+        assert self._pool is not None, "requests are served only inside run()"
+        return self._pool
+
     def _cancel_soon(self, transfer_id: str, reason: str) -> None:
         """Tell the broker, beside the client's answer, that the request was given up."""
         if self._tasks is not None:
@@ -448,7 +459,7 @@ class Gateway:
 
     async def _relay(self, ex: _Exchange, reply: UpstreamReply) -> None:
         ctype = reply.content_type
-        if reply.header(b"content-length") is not None or not ctype.startswith("text/event-stream"):
+        if reply.header("content-length") is not None or not ctype.startswith("text/event-stream"):
             await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
             return
         # A stream: pass each chunk on as it comes, chunked (h11 frames it).

@@ -53,6 +53,7 @@ class FakeServer:
         self.seen: list[Seen] = []
         self.arrived = anyio.Event()
         self.port = 0
+        self.connections = 0
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -62,25 +63,36 @@ class FakeServer:
             await listener.serve(self._one, task_group=tg)
 
     async def _one(self, stream: SocketStream) -> None:
+        """Requests one after another on a kept-alive connection, as vLLM's server takes them."""
         conn = h11.Connection(h11.SERVER)
+        self.connections += 1
         async with stream:
-            body, path = b"", ""
-            while True:
-                ev = conn.next_event()
-                if isinstance(ev, h11.Request):
-                    path = ev.target.decode()
-                if ev is h11.NEED_DATA:
-                    try:
-                        conn.receive_data(await stream.receive())
-                    except anyio.EndOfStream:
-                        return  # the gateway gave up on this request before sending all of it
-                elif isinstance(ev, h11.Data):
-                    body += ev.data
-                elif isinstance(ev, h11.EndOfMessage):
-                    break
-            seen = Seen(msgspec.json.decode(body) if body else {}, path)
-            self.seen.append(seen)
-            self.arrived.set()
+            while await self._request(conn, stream):
+                conn.start_next_cycle()
+
+    async def _request(self, conn: h11.Connection, stream: SocketStream) -> bool:
+        """Serve one request; False when the connection ends."""
+        body, path = b"", ""
+        while True:
+            ev = conn.next_event()
+            if isinstance(ev, h11.Request):
+                path = ev.target.decode()
+            if ev is h11.NEED_DATA:
+                try:
+                    conn.receive_data(await stream.receive())
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return False  # closed while idle, or before sending the whole request
+            elif isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            elif isinstance(ev, h11.ConnectionClosed):
+                return False
+        seen = Seen(msgspec.json.decode(body) if body else {}, path)
+        self.seen.append(seen)
+        self.arrived.set()
+        last = b""  # the answer's last bytes, sent once `watch` is gone: after them the gateway may send its next request
+        try:
             async with anyio.create_task_group() as tg:
 
                 async def watch() -> None:  # EOF from the gateway: it cancelled this request
@@ -93,21 +105,24 @@ class FakeServer:
 
                 tg.start_soon(watch)
                 answer = await self.behaviour(seen)
-                if answer is None:
-                    tg.cancel_scope.cancel()
-                    return
-                status, chunks = answer
-                if isinstance(chunks, bytes):
-                    head = [("Content-Type", "application/json"), ("Content-Length", str(len(chunks)))]
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
-                    await stream.send(conn.send(h11.Data(data=chunks)))
-                else:
-                    head = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
-                    async for c in chunks:
-                        await stream.send(conn.send(h11.Data(data=c)))
-                await stream.send(conn.send(h11.EndOfMessage()))
+                if answer is not None:
+                    status, chunks = answer
+                    if isinstance(chunks, bytes):
+                        head = [("Content-Type", "application/json"), ("Content-Length", str(len(chunks)))]
+                        last = conn.send(h11.Response(status_code=status, headers=head)) + conn.send(h11.Data(data=chunks))
+                    else:
+                        head = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
+                        await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
+                        async for c in chunks:
+                            await stream.send(conn.send(h11.Data(data=c)))
+                    last += conn.send(h11.EndOfMessage())
                 tg.cancel_scope.cancel()
+            if seen.gone.is_set() or not last:
+                return False  # cancelled, or told to close without answering
+            await stream.send(last)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
 
 def answer(status: int, obj: Any) -> Behaviour:
@@ -211,6 +226,8 @@ async def test_a_request_goes_to_prefill_for_one_token_and_to_decode_for_the_ans
         assert p3.body["max_tokens"] == 1 and p3.body["max_completion_tokens"] == 1
         assert d3.body["messages"] == chat["messages"] and d3.body["max_completion_tokens"] == 9
         assert p3.body["kv_transfer_params"]["transfer_id"] == d3.body["kv_transfer_params"]["transfer_id"]
+        # One after another, the three requests took the same kept-alive connection to each side.
+        assert c.servers["p0"].connections == 1 and c.servers["d0"].connections == 1
 
 
 async def test_a_streamed_answer_reaches_the_client_as_decode_sends_it(broker: BrokerProcess) -> None:

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .routes import Router
 
-EVENTS = ("decode_retries", "prefill_retries", "clients_gone", "transfers_cancelled")
+EVENTS = ("decode_retries", "prefill_retries", "decode_alone", "clients_gone", "transfers_cancelled")
 
 
 class GatewayCollector:
@@ -28,10 +28,10 @@ class GatewayCollector:
         in_flight = GaugeMetricFamily("kvbroker_gateway_in_flight", "The gateway's requests in flight on an instance",
                                       labels=["role", "instance"])
         usable = GaugeMetricFamily("kvbroker_gateway_instance_usable",
-                                   "1 if a request could go to the instance now (registered, not failed lately)",
+                                   "1 if the instance is a first choice now: registered (or the broker silent), not failed lately",
                                    labels=["role", "instance"])
         for role in ("prefill", "decode"):
-            ok = {u.instance_id for u in self.router.candidates(role, self.now)}  # type: ignore[arg-type]
+            ok = self.router.usable(role, self.now)  # type: ignore[arg-type]
             for u in self.router.upstreams:
                 if u.role == role:
                     in_flight.add_metric([role, u.instance_id], self.router.in_flight(u))

@@ -9,11 +9,17 @@ asks of a proxy, so clients need not know about prefill and decode:
 3. D's answer (streamed, if the client asked for a stream) is the client's answer.
 
 When things go wrong:
+- The broker is unreachable, has just restarted, or lists no instance of a role: the
+  request still goes out as above, to the instances given (`gateway.routes`): P/D
+  resumes as soon as they register, and D's `kv_load_failure_policy` covers a transfer
+  that cannot happen. The broker's word only ranks instances; it never refuses a request.
 - D cannot be reached, or answers 5xx, before any byte went to the client: the same
   request goes to another decode instance with the same transfer_id, so the broker
   hands it P's staged KV without a second prefill (README: a proxy that retries).
 - P cannot be reached: D's request is cancelled and the whole request goes to another
-  pair, under a new transfer_id.
+  pair, under a new transfer_id. No prefill instance can be reached: a decode instance
+  serves the request alone, as a plain request (it computes the prompt itself).
+- No instance that the request needs can be reached: 503 with `Retry-After`.
 - P refuses the request (4xx), or fails after taking it: D's request is cancelled unless
   D has started answering, and the client gets P's answer or a 502 that says which
   instance failed. Otherwise D would wait out its load timeout for KV that never comes.
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +68,9 @@ from .routes import Route, Router, Upstream, check_upstreams
 log = structlog.get_logger("kvbroker.gateway")
 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
+# A 503 is sent only when no upstream could be reached; an instance that refused a
+# connection is tried again at once when no other is left, so a second is enough.
+RETRY_AFTER = [("Retry-After", "1")]
 
 
 @dataclass
@@ -150,9 +159,9 @@ class Gateway:
         self.clock = clock
         self.router = Router(config.upstreams, stale_s=max(5.0, 5 * config.poll_s))
         self.port: int | None = None
-        self._broker_ok: bool | None = None
-        # Answers by status code, and events: decode_retries, prefill_retries, clients_gone,
-        # transfers_cancelled (Cancels sent).
+        self.broker_ok: bool | None = None  # whether the last status request was answered; None before one
+        # Answers by status code, and events: decode_retries, prefill_retries, decode_alone
+        # (no prefill instance reached), clients_gone, transfers_cancelled (Cancels sent).
         self.answers: Counter[int] = Counter()
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
@@ -181,14 +190,14 @@ class Gateway:
             try:
                 status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key, cfg.curve_client_secret)
             except (TimeoutError, OSError, RuntimeError) as exc:
-                if self._broker_ok is not False:
+                if self.broker_ok is not False:
                     log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
-                self._broker_ok = False
+                self.broker_ok = False
             else:
                 self.router.observe(status, self.clock())
-                if self._broker_ok is not True:
+                if self.broker_ok is not True:
                     log.info("gateway.broker_seen", broker=cfg.broker, peers=len(status.peers))
-                self._broker_ok = True
+                self.broker_ok = True
             await anyio.sleep(cfg.poll_s)
 
     # --- one client connection ---
@@ -220,7 +229,7 @@ class Gateway:
                 except HttpError as exc:
                     if ex.committed:
                         return
-                    await self._send_quietly(conn, exc.status, exc.message)
+                    await self._send_quietly(conn, exc.status, exc.message, exc.headers)
                 except TimeoutError:
                     if ex.committed:
                         return
@@ -271,11 +280,13 @@ class Gateway:
             raise failure
         return not gone
 
-    async def _send_quietly(self, conn: HttpConn, status: int, message: str) -> None:
+    async def _send_quietly(
+        self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
         if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         try:
-            await self._send_whole(conn, status, [("Content-Type", "application/json")], error_body(status, message))
+            await self._send_whole(conn, status, [("Content-Type", "application/json"), *headers], error_body(status, message))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
             pass
 
@@ -291,10 +302,10 @@ class Gateway:
     async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
         method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
         if target == "/health" and method == "GET":
-            why = self.router.unavailable(self.clock())
-            if why:
-                raise HttpError(503, why)
-            return await self._reply(ex, 200, [("Content-Type", "application/json")], b'{"status":"ok"}')
+            # Serving, whatever the broker says: a balancer in front must keep sending.
+            why = self.router.degraded(self.clock())
+            body = {"status": "degraded", "reason": why} if why else {"status": "ok"}
+            return await self._reply(ex, 200, [("Content-Type", "application/json")], msgspec.json.encode(body))
         if target == "/metrics" and method == "GET":
             body, ctype = gateway_metrics(self.answers, self.events, self.router, self.clock())
             return await self._reply(ex, 200, [("Content-Type", ctype)], body)
@@ -310,14 +321,13 @@ class Gateway:
 
     async def _forward_models(self, ex: _Exchange) -> None:
         up = self.router.pick("decode", self.clock())
-        if up is None:
-            raise HttpError(503, self.router.unavailable(self.clock()) or "no decode instance to ask.")
+        assert up is not None  # every role has an instance given
         try:
             with anyio.fail_after(self.config.request_timeout_s):
                 async with self._upstreams.request(up, "GET", "/v1/models", b"", []) as reply:
                     body = await reply.body()
         except UpstreamFailed as exc:
-            raise HttpError(502, str(exc)) from None
+            raise HttpError(502 if exc.reached else 503, str(exc), [] if exc.reached else RETRY_AFTER) from None
         await self._reply(ex, reply.status, [("Content-Type", reply.content_type)], body)
 
     # --- a routed request ---
@@ -327,7 +337,7 @@ class Gateway:
         for _ in range(self.config.prefill_attempts):
             route = self.router.route(self.clock(), exclude=tried_p)
             if route is None:
-                raise HttpError(503, self.router.unavailable(self.clock()) or "no prefill and decode pair is available.")
+                break  # every prefill instance was tried
             with structlog.contextvars.bound_contextvars(transfer_id=route.transfer_id, role="gateway"):
                 log.info("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
                          path=target, stream=bool(request.get("stream")))
@@ -336,7 +346,16 @@ class Gateway:
                 return
             tried_p.append(route.prefill.instance_id)
             self.events["prefill_retries"] += 1
-        raise HttpError(502, f"no prefill instance could be reached (tried {', '.join(tried_p)}).")
+        # No prefill instance could be reached: D computes the prompt itself, rather than
+        # the client getting no answer.
+        up = self.router.pick("decode", self.clock())
+        assert up is not None  # every role has an instance given
+        log.warning("gateway.decode_alone", phase="route", decode=up.instance_id, tried=tried_p)
+        self.events["decode_alone"] += 1
+        hdrs = [("Content-Type", "application/json"), *headers]
+        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up)
+        if isinstance(got, HttpError):
+            raise got
 
     async def _one_route(
         self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route
@@ -377,7 +396,7 @@ class Gateway:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
                 with d_scope:
-                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route))
+                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode))
                     if not ex.decoded and "reply" not in p_result:
                         p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
         finally:  # also when the client left or the deadline passed (this task is cancelled then)
@@ -399,15 +418,16 @@ class Gateway:
         return None
 
     async def _decode(
-        self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], route: Route
+        self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], first: Upstream
     ) -> int | HttpError:
         """D's request, tried on another decode instance while nothing has gone to the
         client; D's body names only the transfer and P, so it goes unchanged and the broker
         hands P's staged KV to the new claim. Returns the status sent to the client, or
-        what to send when no instance answered."""
+        what to send when no instance answered: 503 if none could be reached."""
         tried: list[str] = []
-        up: Upstream | None = route.decode
+        up: Upstream | None = first
         last = ""
+        reached = False
         while up is not None and len(tried) < self.config.decode_attempts:
             tried.append(up.instance_id)
             self.router.started(up)
@@ -415,6 +435,7 @@ class Gateway:
             try:
                 async with self._upstreams.request(up, "POST", target, raw, hdrs) as reply:
                     if reply.status >= 500:
+                        reached = True
                         last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
                     else:
                         failed = False
@@ -428,11 +449,14 @@ class Gateway:
                     log.warning("gateway.decode_broke", phase="decode", error=str(exc))
                     return HttpError(502, str(exc))  # the stream ends early; the client sees it
                 last = str(exc)
+                reached = reached or exc.reached
             finally:
                 self.router.finished(up, self.clock(), failed=failed)
             log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
             self.events["decode_retries"] += 1
             up = self.router.pick("decode", self.clock(), exclude=tried)
+        if not reached:
+            return HttpError(503, f"no decode instance could be reached ({last}).", RETRY_AFTER)
         return HttpError(502, f"no decode instance answered ({last}).")
 
     @property

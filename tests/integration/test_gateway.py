@@ -374,12 +374,35 @@ async def test_only_instances_registered_at_the_broker_get_requests(broker: Brok
         assert (await c.http.get("/health")).status_code == 200
 
 
-async def test_with_no_decode_instance_registered_the_gateway_says_so(broker: BrokerProcess) -> None:
+async def test_with_no_decode_instance_registered_requests_go_to_the_ones_given(broker: BrokerProcess) -> None:
+    """d0 is not (yet, or again) registered: the request goes to it as usual, with its
+    transfer, rather than a 503; /health stays 200 and says why the gateway is degraded."""
     async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
-        for r in (await c.post({"prompt": [1]}), await c.http.get("/health")):
-            assert r.status_code == 503
-            assert "no decode instance is registered at the broker (given: d0)" in r.json()["error"]["message"]
-        assert c.servers["p0"].seen == [] and c.servers["d0"].seen == []
+        r = await c.post({"prompt": [1]})
+        assert r.status_code == 200, r.text
+        (p,), (d,) = c.servers["p0"].seen, c.servers["d0"].seen
+        assert d.body["kv_transfer_params"] == {"transfer_id": p.body["kv_transfer_params"]["transfer_id"],
+                                                "prefill_instance_id": "p0"}
+        health = await c.http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert "no decode instance is registered at the broker (given: d0)" in health.json()["reason"]
+
+
+async def test_with_no_prefill_instance_reachable_a_decode_instance_serves_the_request_alone(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"d0": echo}, dead=("p0", "p1")) as c:
+        r = await c.post({"prompt": [1], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        # The last D request is the plain one: no transfer, the whole request.
+        assert c.servers["d0"].seen[-1].body == {"prompt": [1], "max_tokens": 4}
+        assert r.json() == completion(c.servers["d0"].seen[-1])
+        assert c.gateway.events["decode_alone"] == 1 and c.gateway.events["prefill_retries"] == 2
+
+
+async def test_with_no_upstream_reachable_the_answer_is_503_with_retry_after(broker: BrokerProcess) -> None:
+    async with cluster(broker, {}, dead=("p0", "d0", "d1")) as c:
+        for r in (await c.post({"prompt": [1]}), await c.http.get("/v1/models")):
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "could be reached" in r.json()["error"]["message"] or "cannot connect" in r.json()["error"]["message"]
 
 
 async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: BrokerProcess) -> None:
@@ -428,14 +451,17 @@ async def _append(into: list[Any], value: Awaitable[Any]) -> None:
 
 
 async def test_a_silent_broker_leaves_every_configured_instance_in_use(broker: BrokerProcess) -> None:
-    async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
-        assert (await c.post({"prompt": [1]})).status_code == 503
+    async with cluster(broker, {"p0": echo, "d0": echo, "d1": echo}, registered=("p0", "d0")) as c:
+        assert (await c.post({"prompt": [1]})).status_code == 200
+        assert len(c.servers["d0"].seen) == 1 and c.servers["d1"].seen == []  # the registered one
         broker.stop()
         with anyio.fail_after(20):  # the last status goes stale
             while c.gateway.router.fresh_view(c.gateway.clock()) is not None:
                 await anyio.sleep(0.05)
-        # Without the broker's view the connectors' own deadlines decide; the gateway routes.
-        assert (await c.post({"prompt": [1]})).status_code == 200
+        # Without the broker's view the connectors' own deadlines decide; every instance takes turns.
+        for _ in range(2):
+            assert (await c.post({"prompt": [1]})).status_code == 200
+        assert len(c.servers["d1"].seen) == 1
 
 
 async def test_a_client_that_hangs_up_ends_both_upstream_requests(broker: BrokerProcess) -> None:
@@ -489,7 +515,7 @@ async def test_a_gateway_reads_a_curve_brokers_registry_only_with_a_listed_key(t
             await tg.start(listed_gw.run)
             await tg.start(stranger_gw.run)
             with anyio.fail_after(20):
-                while listed_gw.router.view is None or stranger_gw._broker_ok is not False:
+                while listed_gw.router.view is None or stranger_gw.broker_ok is not False:
                     await anyio.sleep(0.05)
             assert listed_gw.router.view.registered == {"prefill": {"p0"}, "decode": {"d0"}}
             assert stranger_gw.router.view is None  # refused at the handshake: it learns nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -522,3 +523,89 @@ async def test_a_gateway_reads_a_curve_brokers_registry_only_with_a_listed_key(t
             tg.cancel_scope.cancel()
     finally:
         assert broker.stop() == 0, broker.log_path.read_text()
+
+
+async def test_a_broker_killed_and_restarted_under_a_stream_of_requests_fails_none(broker: BrokerProcess) -> None:
+    """SIGKILL the broker under a steady stream of requests, restart it on the same
+    address, and let p0, then d0, register again: every request is answered 200, and
+    every one went to P and D as a transfer (with kv_transfer_params), before, during
+    and after the gap. The peers register again only once the gateway has seen the
+    restarted broker list no one, so each state of the gap is certain to be met."""
+    servers = {"p0": FakeServer(echo), "d0": FakeServer(echo)}
+    cfg = ClientConfig(broker=broker.endpoint, register_timeout_s=10)
+
+    def peer(name: str) -> BrokerClient:
+        role = "prefill" if name.startswith("p") else "decode"
+        return BrokerClient(cfg, Register(role=role, instance_id=name, compat_hash="h",
+                                          pool_capacity=0 if role == "prefill" else 1 << 20), NullHandler())
+
+    codes: Counter[int] = Counter()
+    in_phase: Counter[str] = Counter()
+    phase = "registered"
+
+    async def client(http: httpx.AsyncClient, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            with anyio.fail_after(20):
+                r = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+            codes[r.status_code] += 1
+            if r.status_code == 200:
+                in_phase[phase] += 1
+
+    async def served_in(name: str, n: int = 10) -> None:
+        nonlocal phase
+        phase = name
+        with anyio.fail_after(30):
+            while in_phase[name] < n:
+                await anyio.sleep(0.02)
+
+    async def until(what: Callable[[], bool]) -> None:
+        with anyio.fail_after(30):
+            while not what():
+                await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        for s in servers.values():
+            await tg.start(s.run)
+        ups = [Upstream("p0", "prefill", "127.0.0.1", servers["p0"].port), Upstream("d0", "decode", "127.0.0.1", servers["d0"].port)]
+        gw = Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1, connect_timeout_s=2))
+        port = await tg.start(gw.run)
+        registered = gw.router.registered
+        first_peers = anyio.CancelScope()
+
+        async def register_both(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+            with first_peers:
+                async with anyio.create_task_group() as peers:
+                    for name in ("p0", "d0"):
+                        await peers.start(peer(name).run)
+                    task_status.started()
+
+        await tg.start(register_both)
+        await until(lambda: gw.router.degraded(gw.clock()) is None and gw.broker_ok is True)
+        stop = anyio.Event()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http, \
+                anyio.create_task_group() as clients:
+            for _ in range(4):
+                clients.start_soon(client, http, stop)
+            await served_in("registered")
+            broker.kill()  # SIGKILL: no goodbye, no state kept
+            first_peers.cancel()  # its peers register again below, once the gap has been seen
+            await until(lambda: gw.broker_ok is False)
+            await served_in("broker unreachable")
+            broker.start()  # the same address
+            await until(lambda: gw.broker_ok is True and gw.router.fresh_view(gw.clock()) is not None
+                        and not registered("prefill", gw.clock()) and not registered("decode", gw.clock()))
+            await served_in("restarted, no one registered")
+            await tg.start(peer("p0").run)
+            await until(lambda: registered("prefill", gw.clock()) == {"p0"} and not registered("decode", gw.clock()))
+            await served_in("prefill registered, decode not yet")
+            await tg.start(peer("d0").run)
+            await until(lambda: gw.router.degraded(gw.clock()) is None)
+            await served_in("registered again")
+            stop.set()
+        tg.cancel_scope.cancel()
+    assert set(codes) == {200}, codes
+    assert len(in_phase) == 5
+    # Every request went to both sides as a transfer, none plain to one.
+    tids = {side: [s.body["kv_transfer_params"]["transfer_id"] for s in servers[side].seen] for side in servers}
+    assert sorted(tids["p0"]) == sorted(tids["d0"]) and len(set(tids["d0"])) == len(tids["d0"]) == codes[200]
+    assert gw.answers == Counter({200: codes[200]})

@@ -1,6 +1,6 @@
 """HTTP/1.1 for the gateway: its clients' side in h11 (bytes in, events out) over anyio
 byte streams, one request at a time on a connection; its upstreams' side through one
-pooled httpx client, whose kept-alive connections every request shares.
+httpx client, whose kept-alive connections (gateway.pool) every request shares.
 
 An upstream request that is cancelled (the client left, the deadline passed, P's or D's
 request is no longer needed) closes its connection instead of handing it back to the
@@ -21,6 +21,7 @@ import httpx
 import msgspec
 from anyio.abc import ByteStream
 
+from .pool import StackPool
 from .routes import Upstream
 
 READ_CHUNK = 64 << 10
@@ -81,10 +82,10 @@ class HttpConn:
             self.h.receive_data(data)
 
     async def send(self, *events: Any) -> None:
-        for event in events:
-            data = self.h.send(event)
-            if data:
-                await self.stream.send(data)
+        """Send the events' bytes in one write: a head and its body leave together."""
+        data = b"".join([self.h.send(event) or b"" for event in events])
+        if data:
+            await self.stream.send(data)
 
     async def read_body(self, limit: int) -> bytes:
         parts, size = [], 0
@@ -128,7 +129,8 @@ _BROKE = (httpx.TransportError, httpx.StreamError)
 
 
 class UpstreamPool:
-    """Kept-alive connections to the upstreams, shared by every request: one httpx client.
+    """Kept-alive connections to the upstreams, shared by every request: one httpx client
+    over a `StackPool` transport (gateway.pool says why not httpx's own pool).
 
     Opened by `async with` inside the event loop that uses it. `keepalive_s` stays under
     uvicorn's (vLLM's server's) 5 s keep-alive, so an idle connection is dropped here
@@ -136,11 +138,11 @@ class UpstreamPool:
     """
 
     def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float = 4.0) -> None:
+        self.transport = StackPool(connect_timeout_s, max_connections, keepalive_s)
         self.client = httpx.AsyncClient(
-            # Only the connect has its own limit; the request's deadline covers the rest.
-            timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=keepalive_s),
+            transport=self.transport,
+            # Only the connect has its own limit (the transport's); the request's deadline covers the rest.
+            timeout=None,
             # The body passes through as sent; no proxy from the environment on the way.
             headers={"Accept-Encoding": "identity"},
             trust_env=False,

@@ -47,6 +47,7 @@ import anyio
 import h11
 import msgspec
 import structlog
+import zmq
 from anyio.abc import SocketStream, TaskStatus
 
 from protocols.ask import cancel_transfer, fetch_status
@@ -166,11 +167,20 @@ class Gateway:
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
         self._pool: UpstreamPool | None = None  # run()'s
+        self._zmq: zmq.Context | None = None  # run()'s, for every question to the broker
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self._zmq = zmq.Context()
+        try:
+            await self._serve(listener, task_status)
+        finally:
+            self._zmq.destroy(linger=0)
+
+    async def _serve(self, listener: anyio.abc.Listener[SocketStream], task_status: TaskStatus[int]) -> None:
+        cfg = self.config
         async with listener, UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
                 anyio.create_task_group() as tg:
             self._pool, self._tasks = pool, tg
@@ -188,7 +198,8 @@ class Gateway:
         cfg = self.config
         while True:
             try:
-                status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key, cfg.curve_client_secret)
+                status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key,
+                                            cfg.curve_client_secret, ctx=self._zmq)
             except (TimeoutError, OSError, RuntimeError) as exc:
                 if self.broker_ok is not False:
                     log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
@@ -475,7 +486,7 @@ class Gateway:
         with structlog.contextvars.bound_contextvars(transfer_id=transfer_id, role="gateway"):
             try:
                 got = await cancel_transfer(cfg.broker, transfer_id, reason, cfg.connect_timeout_s,
-                                            cfg.curve_server_key, cfg.curve_client_secret)
+                                            cfg.curve_server_key, cfg.curve_client_secret, ctx=self._zmq)
             except (TimeoutError, OSError, RuntimeError) as exc:  # the transfer's own deadlines end it then
                 log.warning("gateway.cancel_failed", phase="cancel", error=str(exc) or "timed out")
             else:

@@ -62,7 +62,6 @@ class StackPool(httpx.AsyncBaseTransport):
         self._backend = httpcore.AnyIOBackend()  # anyio: asyncio and trio alike
         self._idle: dict[Key, list[httpcore.AsyncHTTP11Connection]] = {}
         self._slots = anyio.Semaphore(max_connections)
-        self.opened = 0  # connections opened, for tests and benchmarks
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
@@ -97,7 +96,6 @@ class StackPool(httpx.AsyncBaseTransport):
 
     async def _connect(self, url: httpx.URL, key: Key) -> httpcore.AsyncHTTP11Connection:
         stream = await self._backend.connect_tcp(url.host, key[1], timeout=self.connect_timeout_s)
-        self.opened += 1
         origin = httpcore.Origin(url.raw_scheme, url.raw_host, key[1])
         return httpcore.AsyncHTTP11Connection(origin, _Coalesced(stream), keepalive_expiry=self.keepalive_s)
 

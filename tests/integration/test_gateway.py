@@ -55,6 +55,8 @@ class FakeServer:
         self.arrived = anyio.Event()
         self.port = 0
         self.connections = 0
+        self.ended = 0  # connections this server has closed
+        self.close_after_answer = False  # as a server whose keep-alive ran out while the connection was idle
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -67,9 +69,12 @@ class FakeServer:
         """Requests one after another on a kept-alive connection, as vLLM's server takes them."""
         conn = h11.Connection(h11.SERVER)
         self.connections += 1
-        async with stream:
-            while await self._request(conn, stream):
-                conn.start_next_cycle()
+        try:
+            async with stream:
+                while await self._request(conn, stream) and not self.close_after_answer:
+                    conn.start_next_cycle()
+        finally:
+            self.ended += 1
 
     async def _request(self, conn: h11.Connection, stream: SocketStream) -> bool:
         """Serve one request; False when the connection ends."""
@@ -229,6 +234,20 @@ async def test_a_request_goes_to_prefill_for_one_token_and_to_decode_for_the_ans
         assert p3.body["kv_transfer_params"]["transfer_id"] == d3.body["kv_transfer_params"]["transfer_id"]
         # One after another, the three requests took the same kept-alive connection to each side.
         assert c.servers["p0"].connections == 1 and c.servers["d0"].connections == 1
+
+
+async def test_a_kept_alive_connection_its_server_closed_is_not_used_again(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}) as c:
+        d0 = c.servers["d0"]
+        d0.close_after_answer = True
+        for n in (1, 2, 3):
+            assert (await c.post({"prompt": [n]})).status_code == 200
+            with anyio.fail_after(10):  # d0 closed its side of the idle connection
+                while d0.ended < n:
+                    await anyio.sleep(0.01)
+        # Each request found the last connection closed and opened a new one: no failure, no retry.
+        assert d0.connections == 3 and len(d0.seen) == 3 and c.gateway.events["decode_retries"] == 0
+        assert c.servers["p0"].connections == 1
 
 
 async def test_a_streamed_answer_reaches_the_client_as_decode_sends_it(broker: BrokerProcess) -> None:

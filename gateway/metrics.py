@@ -38,6 +38,8 @@ class GatewayCollector:
                     usable.add_metric([role, u.instance_id], int(u.instance_id in ok))
         yield in_flight
         yield usable
+        yield GaugeMetricFamily("kvbroker_gateway_degraded", "1 while the broker is silent or lists no instance of a "
+                                "role: requests then go to every instance given", value=int(self.router.degraded(self.now) is not None))
 
 
 def gateway_metrics(answers: Counter[int], events: Counter[str], router: Router, now: float) -> tuple[bytes, str]:

@@ -199,7 +199,12 @@ class Router:
 
     def degraded(self, now: float) -> str | None:
         """Why requests may go to instances the broker does not list, in one sentence,
-        or None while it lists one of each role."""
+        or None while it answers and lists one of each role."""
+        if self.view is None:
+            return "no status from the broker yet; requests go to every instance given."
+        if now - self.view.at > self.stale_s:
+            return (f"the broker has not answered for {now - self.view.at:.0f} s; requests go to every instance "
+                    f"given until it does.")
         for role in ("prefill", "decode"):
             if not self.registered(role, now):  # type: ignore[arg-type]
                 given = ", ".join(u.instance_id for u in self.upstreams if u.role == role)

@@ -70,6 +70,7 @@ def test_with_no_registered_instance_of_a_role_the_given_ones_take_requests_and_
     """A broker that has just restarted lists no one yet: requests go to the instances
     given, and once one of a role registers again, it takes that role's requests."""
     r = router("p0", "d0", "d1")
+    assert r.degraded(now=0) == "no status from the broker yet; requests go to every instance given."
     r.observe(status("p0"), now=0)
     route = r.route(now=0)
     assert route is not None and route.prefill.instance_id == "p0" and route.decode.instance_id in ("d0", "d1")
@@ -81,6 +82,7 @@ def test_with_no_registered_instance_of_a_role_the_given_ones_take_requests_and_
     assert r.route(now=1) is not None and "no prefill instance" in (r.degraded(now=1) or "")
     r.observe(status("p0", "d1"), now=2)
     assert r.degraded(now=2) is None
+    assert r.degraded(now=9) == "the broker has not answered for 7 s; requests go to every instance given until it does."
     assert {r.pick("decode", now=2).instance_id for _ in range(3)} == {"d1"}  # type: ignore[union-attr]
     # Excluded (it failed this request), the registered one leaves the unregistered one.
     assert r.pick("decode", now=2, exclude=["d1"]).instance_id == "d0"  # type: ignore[union-attr]

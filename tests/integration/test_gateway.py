@@ -391,7 +391,9 @@ async def test_only_instances_registered_at_the_broker_get_requests(broker: Brok
         for _ in range(3):
             assert (await c.post({"prompt": [1]})).status_code == 200
         assert len(c.servers["d0"].seen) == 0 and len(c.servers["d1"].seen) == 3
-        assert (await c.http.get("/health")).status_code == 200
+        health = await c.http.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert "kvbroker_gateway_degraded 0.0" in (await c.http.get("/metrics")).text
 
 
 async def test_with_no_decode_instance_registered_requests_go_to_the_ones_given(broker: BrokerProcess) -> None:
@@ -406,6 +408,7 @@ async def test_with_no_decode_instance_registered_requests_go_to_the_ones_given(
         health = await c.http.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
         assert "no decode instance is registered at the broker (given: d0)" in health.json()["reason"]
+        assert "kvbroker_gateway_degraded 1.0" in (await c.http.get("/metrics")).text
 
 
 async def test_with_no_prefill_instance_reachable_a_decode_instance_serves_the_request_alone(broker: BrokerProcess) -> None:

@@ -3,7 +3,8 @@
 For each completion request the gateway does what README's "What the proxy sends"
 asks of a proxy, so clients need not know about prefill and decode:
 
-1. `Router.route` picks a prefill (P) and a decode (D) instance and makes a transfer_id.
+1. `Router.route` picks a prefill (P) and a decode (D) instance and makes a transfer_id
+   (`routes.random_transfer_id`, the one place ids are made; a Router takes another).
 2. The request goes to P with `max_tokens` 1, and at the same time to D, each with
    `kv_transfer_params` naming the transfer and the other instance.
 3. D's answer (streamed, if the client asked for a stream) is the client's answer.
@@ -31,7 +32,7 @@ When things go wrong:
   deadlines.
 
 HTTP is spoken through `gateway.http`: h11 over anyio streams to the clients, and one
-pooled httpx client (kept-alive connections) to the upstreams. The broker's status
+httpx client over kept-alive pooled connections (`gateway.pool`) to the upstreams. The broker's status
 (registered instances, free pool bytes) is asked for every `poll_s` and feeds the router.
 """
 

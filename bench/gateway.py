@@ -6,8 +6,8 @@ under uvicorn that sends the request to P (max_tokens 1, kv_transfer_params), wa
 P's answer, then streams D's answer back, through one pooled httpx.AsyncClient; uvicorn's
 access log off. `kvbroker gateway` runs as the real
 command, with its default logging (JSON lines to a file), in front of the same upstreams,
-with a real `kvbroker serve` beside it (nobody registered: every request goes to the
-instances given, as during a broker gap; the routing work is the same).
+with a real `kvbroker serve` beside it at which P and D are registered (by broker
+clients in a process of their own), so the gateway routes as in production.
 
 The upstreams (P and D, one process) answer every request at once (or after
 --upstream-ms) with a fixed completion, on kept-alive connections. `direct` rows send the
@@ -101,6 +101,24 @@ def serve_upstreams(port_file: str, delay_ms: float) -> None:
         await asyncio.Event().wait()
 
     _run(main())
+
+
+def register_peers(ready_file: str, broker: str) -> None:
+    """Stand in for P's and D's connectors at the broker: register p0 and d0, stay."""
+    import anyio
+
+    from protocols.messages import Register
+    from workers.client import BrokerClient, ClientConfig
+
+    async def main() -> None:
+        cfg = ClientConfig(broker=broker, register_timeout_s=30)
+        async with anyio.create_task_group() as tg:
+            for name, role in (("p0", "prefill"), ("d0", "decode")):
+                reg = Register(role=role, instance_id=name, compat_hash="bench", pool_capacity=0 if role == "prefill" else 1 << 30)
+                await tg.start(BrokerClient(cfg, reg).run)
+            _write(ready_file, "registered")
+
+    anyio.run(main)
 
 
 # --- the load ----------------------------------------------------------------------------
@@ -266,9 +284,12 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="let every process float over the cores")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--upstreams", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    ap.add_argument("--peers", nargs=2, metavar=("READY_FILE", "BROKER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upstreams:
         return serve_upstreams(args.upstreams, args.upstream_ms)
+    if args.peers:
+        return register_peers(*args.peers)
 
     sut_core, rest = _cores(not args.no_pin)
     if rest:
@@ -286,6 +307,8 @@ def main() -> None:
             broker, endpoint = start([py, "-m", "broker.cli", "serve", "--bind", "tcp://127.0.0.1:0", "--port-file",
                                       str(tmp / "broker.ep"), "--log-format", "json"], tmp / "broker.ep", tmp / "broker.log", None)
             procs.append(broker)
+            peers, _ = start([py, me, "--peers", str(tmp / "peers.ready"), endpoint], tmp / "peers.ready", tmp / "peers.log", None)
+            procs.append(peers)
             gw, gw_port = start([py, "-m", "broker.cli", "gateway", "--broker", endpoint, "--port", "0", "--port-file",
                                  str(tmp / "gw.port"), "--prefill", f"p0={p_url}", "--decode", f"d0={d_url}",
                                  "--log-format", "json", "--log-level", args.gateway_log_level],
@@ -327,11 +350,14 @@ def report(samples: dict[tuple[str, int], Sample], clients: list[int], args: arg
         base = by[("direct", r["clients"])]
         r["added_p50_ms"] = round(r["p50_ms"] - base["p50_ms"], 3)
         r["added_p99_ms"] = round(r["p99_ms"] - base["p99_ms"], 3)
-    ratios = {c: round(by[("gateway", c)]["rps"] / max(by[("toy proxy", c)]["rps"], 1e-9), 2) for c in clients}
+    # None where the toy proxy answered nothing within the window (no ratio to give).
+    ratios = {c: round(by[("gateway", c)]["rps"] / by[("toy proxy", c)]["rps"], 2) if by[("toy proxy", c)]["rps"] else None
+              for c in clients}
     head = ("system", "clients", "req/s", "p50 ms", "p99 ms", "added p50", "added p99", "CPU us/req", "errors", "req/s vs toy")
     table = [head]
     for r in sorted(rows, key=lambda r: (r["clients"], ["direct", "gateway", "toy proxy"].index(r["system"]))):
-        vs = f"{ratios[r['clients']]:.2f}x" if r["system"] == "gateway" else ""
+        ratio = ratios[r["clients"]]
+        vs = ("-" if ratio is None else f"{ratio:.2f}x") if r["system"] == "gateway" else ""
         table.append((r["system"], str(r["clients"]), f"{r['rps']:.0f}", f"{r['p50_ms']:.3f}", f"{r['p99_ms']:.3f}",
                       "" if r["system"] == "direct" else f"{r['added_p50_ms']:+.3f}",
                       "" if r["system"] == "direct" else f"{r['added_p99_ms']:+.3f}", str(r["cpu_us_per_request"]),

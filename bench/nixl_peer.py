@@ -23,7 +23,7 @@ cuda:0 and D's on cuda:1.
 
 `--against PATH` reads bench/connector_path.py's JSON of the same run and prints the
 connector's time beside NIXL's, with their ratio. NIXL is not a dependency of kvbroker:
-install it for this benchmark only (`pip install 'kvbroker[bench]'`, or nixl-cu13).
+install it for this benchmark only (`pip install 'kvbroker[bench-gpu]'`, or nixl-cu13).
 
 Usage: python bench/nixl_peer.py [--tokens 512,2048,8192] [--iters 20] [--against PATH] [--json PATH]
 """
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if nixl_module() is None:
         print("nixl is not installed here: this benchmark needs NIXL's Python API "
-              "(pip install 'kvbroker[bench]', or nixl-cu13 for CUDA 13); kvbroker itself does not.", file=sys.stderr)
+              "(pip install 'kvbroker[bench-gpu]', or nixl-cu13 for CUDA 13); kvbroker itself does not.", file=sys.stderr)
         return 2
     import torch
 

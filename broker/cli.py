@@ -176,9 +176,9 @@ def cancel(transfer_id: str, reason: str, **where: Any) -> None:
 @click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound port here once serving.")
 def gateway(**opts: Any) -> None:
     """Serve an OpenAI-compatible API that sends each request to a prefill and a decode instance."""
-    from .gateway import GatewayConfig
-    from .gateway import serve as run
-    from .routes import Upstream
+    from gateway.proxy import GatewayConfig
+    from gateway.proxy import serve as run
+    from gateway.routes import Upstream
 
     configure_logging(opts["log_format"] or ("console" if sys.stderr.isatty() else "json"), opts["log_level"])
     try:

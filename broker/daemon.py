@@ -13,12 +13,11 @@ heartbeat to be heard (`Broker.resume`): their heartbeats wait in its own queue.
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +29,10 @@ from protocols.channel import PeerUnreachable, ZmqChannel, router
 from protocols.codec import Codec
 from protocols.errors import ChannelClosed, LocalProtocolError, RemoteProtocolError
 from protocols.messages import Error, Status
+from protocols.signals import run_until_signalled
 
 from .core import Broker, BrokerConfig, Note, Send
+from .metrics import serve_metrics
 
 log = structlog.get_logger("kvbroker.broker")
 
@@ -113,9 +114,7 @@ class BrokerDaemon:
         metrics = None
         async with ZmqChannel(sock) as chan, anyio.create_task_group() as tg:
             if self.config.metrics_port is not None:
-                from .metrics import serve_metrics
-
-                metrics = serve_metrics(self, self.config.metrics_host, self.config.metrics_port)
+                metrics = serve_metrics(lambda: self.snapshot, self.config.metrics_host, self.config.metrics_port)
             tg.start_soon(self._timer, chan)
             log.info("broker.serving", endpoint=self.endpoint, metrics_port=self.config.metrics_port)
             if self.config.port_file:
@@ -254,23 +253,6 @@ class _StallWatch(threading.Thread):
             where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(gone)"
             log.warning("broker.stuck", role="broker", instance=self.endpoint,
                         since_s=round(self.clock() - due, 3), where=where)
-
-
-def run_until_signalled(make: Callable[[], Callable[..., Coroutine[Any, Any, Any]]], event: str, backend: str = "asyncio") -> None:
-    """Start the task `make()` returns (one that reports `task_status.started`; made in the
-    event loop, since its objects may need one) and cancel it on SIGINT or SIGTERM, logging
-    `event` with the signal's name."""
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(make())
-            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    log.info(event, signal=signal.Signals(signum).name)
-                    tg.cancel_scope.cancel()
-                    break
-
-    anyio.run(main, backend=backend)
 
 
 def serve(config: DaemonConfig, backend: str = "asyncio") -> None:

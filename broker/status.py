@@ -1,61 +1,14 @@
-"""Ask a running broker for its state, and print it as tables; tell it a request was given up."""
+"""A broker's state as `kvbroker status` prints it: tables of peers, pools and transfers."""
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-import anyio
-import zmq
-
-from protocols.channel import ZmqChannel, curve_client_keys, dealer
-from protocols.codec import Codec
-from protocols.messages import Cancel, Cancelled, Error, Message, Status, StatusRequest
+from protocols.ask import STATUS_MAX_FRAME, ask, cancel_transfer, fetch_status
+from protocols.messages import Status
 
 from .latency import quantile_bound
 
-# A status reply lists up to 1,000 transfers: allow it a larger frame than requests get.
-STATUS_MAX_FRAME = 64 << 20
-A = TypeVar("A")
-
-
-async def ask(
-    broker: str, msg: Message, answer: type[A], timeout: float = 3.0, curve_server_key: str | None = None,
-    curve_client_secret: bytes | None = None,
-) -> A:
-    """One round trip, unregistered; raises TimeoutError if the broker is silent, and
-    RuntimeError with the broker's sentence if it refuses `msg`."""
-    codec = Codec(STATUS_MAX_FRAME)
-    ctx = zmq.Context()
-    curve = curve_client_keys(curve_server_key, curve_client_secret)
-    try:
-        async with ZmqChannel(dealer(ctx, broker, curve=curve, max_frame=STATUS_MAX_FRAME)) as chan:
-            with anyio.fail_after(timeout):
-                await chan.send([codec.encode(msg)])
-                while True:
-                    frames = await chan.receive()
-                    got = codec.decode(frames[-1])
-                    if isinstance(got, answer):
-                        return got
-                    if isinstance(got, Error):
-                        raise RuntimeError(f"the broker at {broker} refused {type(msg).__name__}: {got.detail}")
-    finally:
-        ctx.destroy(linger=0)
-
-
-async def fetch_status(
-    broker: str, timeout: float = 3.0, curve_server_key: str | None = None, curve_client_secret: bytes | None = None
-) -> Status:
-    """One StatusRequest round trip; raises TimeoutError if the broker is silent."""
-    return await ask(broker, StatusRequest(), Status, timeout, curve_server_key, curve_client_secret)
-
-
-async def cancel_transfer(
-    broker: str, transfer_id: str, reason: str = "", timeout: float = 3.0, curve_server_key: str | None = None,
-    curve_client_secret: bytes | None = None,
-) -> Cancelled:
-    """Tell the broker the request behind `transfer_id` was given up (`Cancel`)."""
-    return await ask(broker, Cancel(transfer_id=transfer_id, reason=reason[:2000]), Cancelled, timeout,
-                     curve_server_key, curve_client_secret)
+# The questions live beside the wire, so the gateway asks without importing the broker.
+__all__ = ["STATUS_MAX_FRAME", "ask", "cancel_transfer", "fetch_status", "render_status"]
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> str:

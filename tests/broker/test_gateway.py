@@ -1,4 +1,4 @@
-"""The gateway's pure parts (`broker.gateway`): what a client's body becomes for each side."""
+"""The gateway's pure parts (`gateway.proxy`): what a client's body becomes for each side."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.gateway import decode_body, parse_request, prefill_body
-from broker.http import HttpError
-from broker.routes import Route, Upstream
+from gateway.http import HttpError
+from gateway.proxy import decode_body, parse_request, prefill_body
+from gateway.routes import Route, Upstream
 
 
 def up(name: str) -> Upstream:

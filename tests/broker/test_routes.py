@@ -1,4 +1,4 @@
-"""The gateway's choice of prefill and decode instance (`broker.routes`), without sockets."""
+"""The gateway's choice of prefill and decode instance (`gateway.routes`), without sockets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.routes import Router, Upstream
+from gateway.routes import Router, Upstream
 from protocols.messages import PeerInfo, PoolInfo, Status
 
 
@@ -66,16 +66,43 @@ def test_only_registered_instances_are_picked_while_the_status_is_fresh() -> Non
     assert picked == {"d0", "d1"}
 
 
-def test_no_route_without_a_registered_instance_of_each_role_and_the_reason_names_them() -> None:
+def test_with_no_registered_instance_of_a_role_the_given_ones_take_requests_and_the_reason_names_them() -> None:
+    """A broker that has just restarted lists no one yet: requests go to the instances
+    given, and once one of a role registers again, it takes that role's requests."""
     r = router("p0", "d0", "d1")
+    assert r.degraded(now=0) == "no status from the broker yet; requests go to every instance given."
     r.observe(status("p0"), now=0)
-    assert r.route(now=0) is None
-    assert r.unavailable(now=0) == (
-        "no decode instance is registered at the broker (given: d0, d1); start one whose kv_connector_extra_config "
-        "names this broker and one of these instance_ids."
+    route = r.route(now=0)
+    assert route is not None and route.prefill.instance_id == "p0" and route.decode.instance_id in ("d0", "d1")
+    assert r.degraded(now=0) == (
+        "no decode instance is registered at the broker (given: d0, d1); requests go to those given until one "
+        "registers: start one whose kv_connector_extra_config names this broker and one of these instance_ids."
     )
-    r.observe(status("p0", "d1"), now=1)
-    assert r.unavailable(now=1) is None
+    r.observe(status(), now=1)
+    assert r.route(now=1) is not None and "no prefill instance" in (r.degraded(now=1) or "")
+    r.observe(status("p0", "d1"), now=2)
+    assert r.degraded(now=2) is None
+    assert r.degraded(now=9) == "the broker has not answered for 7 s; requests go to every instance given until it does."
+    assert {r.pick("decode", now=2).instance_id for _ in range(3)} == {"d1"}  # type: ignore[union-attr]
+    # Excluded (it failed this request), the registered one leaves the unregistered one.
+    assert r.pick("decode", now=2, exclude=["d1"]).instance_id == "d0"  # type: ignore[union-attr]
+    assert r.route(now=2, exclude=["p0"]) is None  # no prefill instance left at all
+
+
+def test_a_registered_instance_that_failed_lately_still_comes_before_an_unregistered_one() -> None:
+    r = router("p0", "d0", "d1", "d2", down_s=5)
+    r.observe(status("p0", "d0", "d1"), now=0)
+    r.finished(up("d0"), now=0, failed=True)
+    assert r.pick("decode", now=1).instance_id == "d1"  # type: ignore[union-attr]
+    assert r.pick("decode", now=1, exclude=["d1"]).instance_id == "d0"  # type: ignore[union-attr]
+    assert r.usable("decode", now=1) == {"d1"} and r.usable("decode", now=5) == {"d0", "d1"}
+
+
+def test_each_route_takes_its_transfer_id_from_the_one_function_that_makes_them() -> None:
+    ids = iter(["t-1", "t-2"])
+    r = Router([up("p0"), up("d0")], new_transfer_id=lambda: next(ids))
+    assert [r.route(now=0).transfer_id for _ in range(2)] == ["t-1", "t-2"]  # type: ignore[union-attr]
+    assert router("p0", "d0").route(now=0).transfer_id.startswith("gw-")  # type: ignore[union-attr]
 
 
 def test_a_decode_instance_with_a_full_pool_is_passed_over_for_one_with_room() -> None:
@@ -142,9 +169,9 @@ step = st.one_of(
 @given(st.lists(step, max_size=40))
 def test_a_route_is_always_an_allowed_pair(steps: list[tuple]) -> None:
     """Whatever the broker said and whatever failed: a route names one prefill and one
-    decode instance, neither excluded, both registered while the status is fresh, never
-    one that failed lately while another of its role could take it; and no route only
-    when a role has nothing left to offer."""
+    decode instance, neither excluded; a registered one (while the status is fresh)
+    whenever its role has one left; among those, never one that failed lately while
+    another could take it; and no route only when `exclude` leaves a role no instance."""
     r = router(*NAMES, stale_s=5, down_s=3)
     now, failed_at, registered, seen_at = 0.0, {}, set(NAMES), None
     for s in steps:
@@ -161,16 +188,18 @@ def test_a_route_is_always_an_allowed_pair(steps: list[tuple]) -> None:
             now += s[1]
         else:
             route = r.route(now, exclude=s[1])
-            fresh = seen_at is not None and now - seen_at <= 5
-            allowed = {n for n in NAMES if n not in s[1] and (not fresh or n in registered)}
+            left = {n for n in NAMES if n not in s[1]}
             if route is None:
-                assert not any(n.startswith("p") for n in allowed) or not any(n.startswith("d") for n in allowed)
+                assert not any(n.startswith("p") for n in left) or not any(n.startswith("d") for n in left)
                 continue
             assert route.prefill.role == "prefill" and route.decode.role == "decode"
+            fresh = seen_at is not None and now - seen_at <= 5
             for chosen in (route.prefill, route.decode):
-                assert chosen.instance_id in allowed
-                healthy = {n for n in allowed if n[0] == chosen.instance_id[0] and now >= failed_at.get(n, -1e9) + 3}
+                mine = {n for n in left if n[0] == chosen.instance_id[0]}
+                assert chosen.instance_id in mine
+                tier = {n for n in mine if not fresh or n in registered} or mine
+                assert chosen.instance_id in tier
+                healthy = {n for n in tier if now >= failed_at.get(n, -1e9) + 3}
                 if healthy:
                     assert chosen.instance_id in healthy
     assert all(r.in_flight(up(n)) >= 0 for n in NAMES)
-

@@ -1,4 +1,4 @@
-"""`broker.gateway` on real sockets: a real `kvbroker serve` process, peers registered with
+"""`gateway.proxy` on real sockets: a real `kvbroker serve` process, peers registered with
 it by real broker clients, and HTTP upstreams on loopback that answer as the test says.
 
 The upstreams stand in for vLLM servers only where a fault must be timed (an instance
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,9 +24,9 @@ import msgspec
 import pytest
 from anyio.abc import SocketStream
 
-from broker.gateway import Gateway, GatewayConfig
-from broker.routes import Upstream
-from broker.status import fetch_status
+from gateway.proxy import Gateway, GatewayConfig
+from gateway.routes import Upstream
+from protocols.ask import fetch_status
 from protocols.channel import curve_client_keys
 from protocols.messages import Abort, Register
 from tests.support import ROOT, BrokerProcess, env
@@ -53,6 +54,9 @@ class FakeServer:
         self.seen: list[Seen] = []
         self.arrived = anyio.Event()
         self.port = 0
+        self.connections = 0
+        self.ended = 0  # connections this server has closed
+        self.close_after_answer = False  # as a server whose keep-alive ran out while the connection was idle
 
     async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
@@ -62,25 +66,39 @@ class FakeServer:
             await listener.serve(self._one, task_group=tg)
 
     async def _one(self, stream: SocketStream) -> None:
+        """Requests one after another on a kept-alive connection, as vLLM's server takes them."""
         conn = h11.Connection(h11.SERVER)
-        async with stream:
-            body, path = b"", ""
-            while True:
-                ev = conn.next_event()
-                if isinstance(ev, h11.Request):
-                    path = ev.target.decode()
-                if ev is h11.NEED_DATA:
-                    try:
-                        conn.receive_data(await stream.receive())
-                    except anyio.EndOfStream:
-                        return  # the gateway gave up on this request before sending all of it
-                elif isinstance(ev, h11.Data):
-                    body += ev.data
-                elif isinstance(ev, h11.EndOfMessage):
-                    break
-            seen = Seen(msgspec.json.decode(body) if body else {}, path)
-            self.seen.append(seen)
-            self.arrived.set()
+        self.connections += 1
+        try:
+            async with stream:
+                while await self._request(conn, stream) and not self.close_after_answer:
+                    conn.start_next_cycle()
+        finally:
+            self.ended += 1
+
+    async def _request(self, conn: h11.Connection, stream: SocketStream) -> bool:
+        """Serve one request; False when the connection ends."""
+        body, path = b"", ""
+        while True:
+            ev = conn.next_event()
+            if isinstance(ev, h11.Request):
+                path = ev.target.decode()
+            if ev is h11.NEED_DATA:
+                try:
+                    conn.receive_data(await stream.receive())
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    return False  # closed while idle, or before sending the whole request
+            elif isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            elif isinstance(ev, h11.ConnectionClosed):
+                return False
+        seen = Seen(msgspec.json.decode(body) if body else {}, path)
+        self.seen.append(seen)
+        self.arrived.set()
+        last = b""  # the answer's last bytes, sent once `watch` is gone: after them the gateway may send its next request
+        try:
             async with anyio.create_task_group() as tg:
 
                 async def watch() -> None:  # EOF from the gateway: it cancelled this request
@@ -93,21 +111,24 @@ class FakeServer:
 
                 tg.start_soon(watch)
                 answer = await self.behaviour(seen)
-                if answer is None:
-                    tg.cancel_scope.cancel()
-                    return
-                status, chunks = answer
-                if isinstance(chunks, bytes):
-                    head = [("Content-Type", "application/json"), ("Content-Length", str(len(chunks)))]
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
-                    await stream.send(conn.send(h11.Data(data=chunks)))
-                else:
-                    head = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
-                    async for c in chunks:
-                        await stream.send(conn.send(h11.Data(data=c)))
-                await stream.send(conn.send(h11.EndOfMessage()))
+                if answer is not None:
+                    status, chunks = answer
+                    if isinstance(chunks, bytes):
+                        head = [("Content-Type", "application/json"), ("Content-Length", str(len(chunks)))]
+                        last = conn.send(h11.Response(status_code=status, headers=head)) + conn.send(h11.Data(data=chunks))
+                    else:
+                        head = [("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked")]
+                        await stream.send(conn.send(h11.Response(status_code=status, headers=head)))
+                        async for c in chunks:
+                            await stream.send(conn.send(h11.Data(data=c)))
+                    last += conn.send(h11.EndOfMessage())
                 tg.cancel_scope.cancel()
+            if seen.gone.is_set() or not last:
+                return False  # cancelled, or told to close without answering
+            await stream.send(last)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
 
 def answer(status: int, obj: Any) -> Behaviour:
@@ -211,6 +232,22 @@ async def test_a_request_goes_to_prefill_for_one_token_and_to_decode_for_the_ans
         assert p3.body["max_tokens"] == 1 and p3.body["max_completion_tokens"] == 1
         assert d3.body["messages"] == chat["messages"] and d3.body["max_completion_tokens"] == 9
         assert p3.body["kv_transfer_params"]["transfer_id"] == d3.body["kv_transfer_params"]["transfer_id"]
+        # One after another, the three requests took the same kept-alive connection to each side.
+        assert c.servers["p0"].connections == 1 and c.servers["d0"].connections == 1
+
+
+async def test_a_kept_alive_connection_its_server_closed_is_not_used_again(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}) as c:
+        d0 = c.servers["d0"]
+        d0.close_after_answer = True
+        for n in (1, 2, 3):
+            assert (await c.post({"prompt": [n]})).status_code == 200
+            with anyio.fail_after(10):  # d0 closed its side of the idle connection
+                while d0.ended < n:
+                    await anyio.sleep(0.01)
+        # Each request found the last connection closed and opened a new one: no failure, no retry.
+        assert d0.connections == 3 and len(d0.seen) == 3 and c.gateway.events["decode_retries"] == 0
+        assert c.servers["p0"].connections == 1
 
 
 async def test_a_streamed_answer_reaches_the_client_as_decode_sends_it(broker: BrokerProcess) -> None:
@@ -354,15 +391,41 @@ async def test_only_instances_registered_at_the_broker_get_requests(broker: Brok
         for _ in range(3):
             assert (await c.post({"prompt": [1]})).status_code == 200
         assert len(c.servers["d0"].seen) == 0 and len(c.servers["d1"].seen) == 3
-        assert (await c.http.get("/health")).status_code == 200
+        health = await c.http.get("/health")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+        assert "kvbroker_gateway_degraded 0.0" in (await c.http.get("/metrics")).text
 
 
-async def test_with_no_decode_instance_registered_the_gateway_says_so(broker: BrokerProcess) -> None:
+async def test_with_no_decode_instance_registered_requests_go_to_the_ones_given(broker: BrokerProcess) -> None:
+    """d0 is not (yet, or again) registered: the request goes to it as usual, with its
+    transfer, rather than a 503; /health stays 200 and says why the gateway is degraded."""
     async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
-        for r in (await c.post({"prompt": [1]}), await c.http.get("/health")):
-            assert r.status_code == 503
-            assert "no decode instance is registered at the broker (given: d0)" in r.json()["error"]["message"]
-        assert c.servers["p0"].seen == [] and c.servers["d0"].seen == []
+        r = await c.post({"prompt": [1]})
+        assert r.status_code == 200, r.text
+        (p,), (d,) = c.servers["p0"].seen, c.servers["d0"].seen
+        assert d.body["kv_transfer_params"] == {"transfer_id": p.body["kv_transfer_params"]["transfer_id"],
+                                                "prefill_instance_id": "p0"}
+        health = await c.http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert "no decode instance is registered at the broker (given: d0)" in health.json()["reason"]
+        assert "kvbroker_gateway_degraded 1.0" in (await c.http.get("/metrics")).text
+
+
+async def test_with_no_prefill_instance_reachable_a_decode_instance_serves_the_request_alone(broker: BrokerProcess) -> None:
+    async with cluster(broker, {"d0": echo}, dead=("p0", "p1")) as c:
+        r = await c.post({"prompt": [1], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        # The last D request is the plain one: no transfer, the whole request.
+        assert c.servers["d0"].seen[-1].body == {"prompt": [1], "max_tokens": 4}
+        assert r.json() == completion(c.servers["d0"].seen[-1])
+        assert c.gateway.events["decode_alone"] == 1 and c.gateway.events["prefill_retries"] == 2
+
+
+async def test_with_no_upstream_reachable_the_answer_is_503_with_retry_after(broker: BrokerProcess) -> None:
+    async with cluster(broker, {}, dead=("p0", "d0", "d1")) as c:
+        for r in (await c.post({"prompt": [1]}), await c.http.get("/v1/models")):
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "could be reached" in r.json()["error"]["message"] or "cannot connect" in r.json()["error"]["message"]
 
 
 async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: BrokerProcess) -> None:
@@ -411,14 +474,17 @@ async def _append(into: list[Any], value: Awaitable[Any]) -> None:
 
 
 async def test_a_silent_broker_leaves_every_configured_instance_in_use(broker: BrokerProcess) -> None:
-    async with cluster(broker, {"p0": echo, "d0": echo}, registered=("p0",)) as c:
-        assert (await c.post({"prompt": [1]})).status_code == 503
+    async with cluster(broker, {"p0": echo, "d0": echo, "d1": echo}, registered=("p0", "d0")) as c:
+        assert (await c.post({"prompt": [1]})).status_code == 200
+        assert len(c.servers["d0"].seen) == 1 and c.servers["d1"].seen == []  # the registered one
         broker.stop()
         with anyio.fail_after(20):  # the last status goes stale
             while c.gateway.router.fresh_view(c.gateway.clock()) is not None:
                 await anyio.sleep(0.05)
-        # Without the broker's view the connectors' own deadlines decide; the gateway routes.
-        assert (await c.post({"prompt": [1]})).status_code == 200
+        # Without the broker's view the connectors' own deadlines decide; every instance takes turns.
+        for _ in range(2):
+            assert (await c.post({"prompt": [1]})).status_code == 200
+        assert len(c.servers["d1"].seen) == 1
 
 
 async def test_a_client_that_hangs_up_ends_both_upstream_requests(broker: BrokerProcess) -> None:
@@ -472,10 +538,96 @@ async def test_a_gateway_reads_a_curve_brokers_registry_only_with_a_listed_key(t
             await tg.start(listed_gw.run)
             await tg.start(stranger_gw.run)
             with anyio.fail_after(20):
-                while listed_gw.router.view is None or stranger_gw._broker_ok is not False:
+                while listed_gw.router.view is None or stranger_gw.broker_ok is not False:
                     await anyio.sleep(0.05)
             assert listed_gw.router.view.registered == {"prefill": {"p0"}, "decode": {"d0"}}
             assert stranger_gw.router.view is None  # refused at the handshake: it learns nothing
             tg.cancel_scope.cancel()
     finally:
         assert broker.stop() == 0, broker.log_path.read_text()
+
+
+async def test_a_broker_killed_and_restarted_under_a_stream_of_requests_fails_none(broker: BrokerProcess) -> None:
+    """SIGKILL the broker under a steady stream of requests, restart it on the same
+    address, and let p0, then d0, register again: every request is answered 200, and
+    every one went to P and D as a transfer (with kv_transfer_params), before, during
+    and after the gap. The peers register again only once the gateway has seen the
+    restarted broker list no one, so each state of the gap is certain to be met."""
+    servers = {"p0": FakeServer(echo), "d0": FakeServer(echo)}
+    cfg = ClientConfig(broker=broker.endpoint, register_timeout_s=10)
+
+    def peer(name: str) -> BrokerClient:
+        role = "prefill" if name.startswith("p") else "decode"
+        return BrokerClient(cfg, Register(role=role, instance_id=name, compat_hash="h",
+                                          pool_capacity=0 if role == "prefill" else 1 << 20), NullHandler())
+
+    codes: Counter[int] = Counter()
+    in_phase: Counter[str] = Counter()
+    phase = "registered"
+
+    async def client(http: httpx.AsyncClient, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            with anyio.fail_after(20):
+                r = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3})
+            codes[r.status_code] += 1
+            if r.status_code == 200:
+                in_phase[phase] += 1
+
+    async def served_in(name: str, n: int = 10) -> None:
+        nonlocal phase
+        phase = name
+        with anyio.fail_after(30):
+            while in_phase[name] < n:
+                await anyio.sleep(0.02)
+
+    async def until(what: Callable[[], bool]) -> None:
+        with anyio.fail_after(30):
+            while not what():
+                await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        for s in servers.values():
+            await tg.start(s.run)
+        ups = [Upstream("p0", "prefill", "127.0.0.1", servers["p0"].port), Upstream("d0", "decode", "127.0.0.1", servers["d0"].port)]
+        gw = Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1, connect_timeout_s=2))
+        port = await tg.start(gw.run)
+        registered = gw.router.registered
+        first_peers = anyio.CancelScope()
+
+        async def register_both(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+            with first_peers:
+                async with anyio.create_task_group() as peers:
+                    for name in ("p0", "d0"):
+                        await peers.start(peer(name).run)
+                    task_status.started()
+
+        await tg.start(register_both)
+        await until(lambda: gw.router.degraded(gw.clock()) is None and gw.broker_ok is True)
+        stop = anyio.Event()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http, \
+                anyio.create_task_group() as clients:
+            for _ in range(4):
+                clients.start_soon(client, http, stop)
+            await served_in("registered")
+            broker.kill()  # SIGKILL: no goodbye, no state kept
+            first_peers.cancel()  # its peers register again below, once the gap has been seen
+            await until(lambda: gw.broker_ok is False)
+            await served_in("broker unreachable")
+            broker.start()  # the same address
+            await until(lambda: gw.broker_ok is True and gw.router.fresh_view(gw.clock()) is not None
+                        and not registered("prefill", gw.clock()) and not registered("decode", gw.clock()))
+            await served_in("restarted, no one registered")
+            await tg.start(peer("p0").run)
+            await until(lambda: registered("prefill", gw.clock()) == {"p0"} and not registered("decode", gw.clock()))
+            await served_in("prefill registered, decode not yet")
+            await tg.start(peer("d0").run)
+            await until(lambda: gw.router.degraded(gw.clock()) is None)
+            await served_in("registered again")
+            stop.set()
+        tg.cancel_scope.cancel()
+    assert set(codes) == {200}, codes
+    assert len(in_phase) == 5
+    # Every request went to both sides as a transfer, none plain to one.
+    tids = {side: [s.body["kv_transfer_params"]["transfer_id"] for s in servers[side].seen] for side in servers}
+    assert sorted(tids["p0"]) == sorted(tids["d0"]) and len(set(tids["d0"])) == len(tids["d0"]) == codes[200]
+    assert gw.answers == Counter({200: codes[200]})

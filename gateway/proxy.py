@@ -3,17 +3,24 @@
 For each completion request the gateway does what README's "What the proxy sends"
 asks of a proxy, so clients need not know about prefill and decode:
 
-1. `Router.route` picks a prefill (P) and a decode (D) instance and makes a transfer_id.
+1. `Router.route` picks a prefill (P) and a decode (D) instance and makes a transfer_id
+   (`routes.random_transfer_id`, the one place ids are made; a Router takes another).
 2. The request goes to P with `max_tokens` 1, and at the same time to D, each with
    `kv_transfer_params` naming the transfer and the other instance.
 3. D's answer (streamed, if the client asked for a stream) is the client's answer.
 
 When things go wrong:
+- The broker is unreachable, has just restarted, or lists no instance of a role: the
+  request still goes out as above, to the instances given (`gateway.routes`): P/D
+  resumes as soon as they register, and D's `kv_load_failure_policy` covers a transfer
+  that cannot happen. The broker's word only ranks instances; it never refuses a request.
 - D cannot be reached, or answers 5xx, before any byte went to the client: the same
   request goes to another decode instance with the same transfer_id, so the broker
   hands it P's staged KV without a second prefill (README: a proxy that retries).
 - P cannot be reached: D's request is cancelled and the whole request goes to another
-  pair, under a new transfer_id.
+  pair, under a new transfer_id. No prefill instance can be reached: a decode instance
+  serves the request alone, as a plain request (it computes the prompt itself).
+- No instance that the request needs can be reached: 503 with `Retry-After`.
 - P refuses the request (4xx), or fails after taking it: D's request is cancelled unless
   D has started answering, and the client gets P's answer or a 502 that says which
   instance failed. Otherwise D would wait out its load timeout for KV that never comes.
@@ -24,16 +31,16 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `broker.http` (h11 over anyio streams), one upstream
-connection per upstream request. The broker's status (registered instances, free pool
-bytes) is asked for every `poll_s` and feeds the router.
+HTTP is spoken through `gateway.http`: h11 over anyio streams to the clients, and one
+httpx client over kept-alive pooled connections (`gateway.pool`) to the upstreams. The broker's status
+(registered instances, free pool bytes) is asked for every `poll_s` and feeds the router.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,24 +48,31 @@ import anyio
 import h11
 import msgspec
 import structlog
+import zmq
 from anyio.abc import SocketStream, TaskStatus
+
+from protocols.ask import cancel_transfer, fetch_status
+from protocols.signals import run_until_signalled
 
 from .http import (
     READ_CHUNK,
     HttpConn,
     HttpError,
     UpstreamFailed,
+    UpstreamPool,
     UpstreamReply,
     error_body,
     response_head,
-    upstream_request,
 )
+from .metrics import gateway_metrics
 from .routes import Route, Router, Upstream, check_upstreams
-from .status import cancel_transfer, fetch_status
 
 log = structlog.get_logger("kvbroker.gateway")
 
 ROUTED = ("/v1/completions", "/v1/chat/completions")
+# A 503 is sent only when no upstream could be reached; an instance that refused a
+# connection is tried again at once when no other is left, so a second is enough.
+RETRY_AFTER = [("Retry-After", "1")]
 
 
 @dataclass
@@ -76,6 +90,8 @@ class GatewayConfig:
     decode_attempts: int = 2  # decode instances tried for one transfer
     prefill_attempts: int = 2  # (P, D) pairs tried when P cannot be reached
     poll_s: float = 1.0
+    # Open connections to all upstreams together; a request over it waits for one to free.
+    max_upstream_connections: int = 1024
     curve_server_key: str | None = None
     curve_client_secret: bytes | None = None
     port_file: str | None = None
@@ -86,6 +102,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)!r}.")
         if self.decode_attempts < 1 or self.prefill_attempts < 1:
             raise ValueError("decode and prefill attempts must be at least 1.")
+        if self.max_upstream_connections < 2:
+            raise ValueError("max_upstream_connections must be at least 2: each request opens one to P and one to D.")
         check_upstreams(self.upstreams)
 
 
@@ -143,19 +161,30 @@ class Gateway:
         self.clock = clock
         self.router = Router(config.upstreams, stale_s=max(5.0, 5 * config.poll_s))
         self.port: int | None = None
-        self._broker_ok: bool | None = None
-        # Answers by status code, and events: decode_retries, prefill_retries, clients_gone,
-        # transfers_cancelled (Cancels sent).
+        self.broker_ok: bool | None = None  # whether the last status request was answered; None before one
+        # Answers by status code, and events: decode_retries, prefill_retries, decode_alone
+        # (no prefill instance reached), clients_gone, transfers_cancelled (Cancels sent).
         self.answers: Counter[int] = Counter()
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
+        self._pool: UpstreamPool | None = None  # run()'s
+        self._zmq: zmq.Context | None = None  # run()'s, for every question to the broker
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        async with listener, anyio.create_task_group() as tg:
-            self._tasks = tg
+        self._zmq = zmq.Context()
+        try:
+            await self._serve(listener, task_status)
+        finally:
+            self._zmq.destroy(linger=0)
+
+    async def _serve(self, listener: anyio.abc.Listener[SocketStream], task_status: TaskStatus[int]) -> None:
+        cfg = self.config
+        async with listener, UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
+                anyio.create_task_group() as tg:
+            self._pool, self._tasks = pool, tg
             tg.start_soon(self._watch_broker)
             if cfg.port_file:
                 tmp = anyio.Path(f"{cfg.port_file}.tmp")
@@ -170,16 +199,17 @@ class Gateway:
         cfg = self.config
         while True:
             try:
-                status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key, cfg.curve_client_secret)
+                status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key,
+                                            cfg.curve_client_secret, ctx=self._zmq)
             except (TimeoutError, OSError, RuntimeError) as exc:
-                if self._broker_ok is not False:
+                if self.broker_ok is not False:
                     log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
-                self._broker_ok = False
+                self.broker_ok = False
             else:
                 self.router.observe(status, self.clock())
-                if self._broker_ok is not True:
+                if self.broker_ok is not True:
                     log.info("gateway.broker_seen", broker=cfg.broker, peers=len(status.peers))
-                self._broker_ok = True
+                self.broker_ok = True
             await anyio.sleep(cfg.poll_s)
 
     # --- one client connection ---
@@ -211,7 +241,7 @@ class Gateway:
                 except HttpError as exc:
                     if ex.committed:
                         return
-                    await self._send_quietly(conn, exc.status, exc.message)
+                    await self._send_quietly(conn, exc.status, exc.message, exc.headers)
                 except TimeoutError:
                     if ex.committed:
                         return
@@ -262,11 +292,13 @@ class Gateway:
             raise failure
         return not gone
 
-    async def _send_quietly(self, conn: HttpConn, status: int, message: str) -> None:
+    async def _send_quietly(
+        self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
+    ) -> None:
         if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
         try:
-            await self._send_whole(conn, status, [("Content-Type", "application/json")], error_body(status, message))
+            await self._send_whole(conn, status, [("Content-Type", "application/json"), *headers], error_body(status, message))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
             pass
 
@@ -282,14 +314,12 @@ class Gateway:
     async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
         method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
         if target == "/health" and method == "GET":
-            why = self.router.unavailable(self.clock())
-            if why:
-                raise HttpError(503, why)
-            return await self._reply(ex, 200, [("Content-Type", "application/json")], b'{"status":"ok"}')
+            # Serving, whatever the broker says: a balancer in front must keep sending.
+            why = self.router.degraded(self.clock())
+            body = {"status": "degraded", "reason": why} if why else {"status": "ok"}
+            return await self._reply(ex, 200, [("Content-Type", "application/json")], msgspec.json.encode(body))
         if target == "/metrics" and method == "GET":
-            from .metrics import gateway_metrics
-
-            body, ctype = gateway_metrics(self)
+            body, ctype = gateway_metrics(self.answers, self.events, self.router, self.clock())
             return await self._reply(ex, 200, [("Content-Type", ctype)], body)
         if target == "/v1/models" and method == "GET":
             return await self._forward_models(ex)
@@ -303,14 +333,13 @@ class Gateway:
 
     async def _forward_models(self, ex: _Exchange) -> None:
         up = self.router.pick("decode", self.clock())
-        if up is None:
-            raise HttpError(503, self.router.unavailable(self.clock()) or "no decode instance to ask.")
+        assert up is not None  # every role has an instance given
         try:
             with anyio.fail_after(self.config.request_timeout_s):
-                async with upstream_request(up, "GET", "/v1/models", b"", [], self.config.connect_timeout_s) as reply:
+                async with self._upstreams.request(up, "GET", "/v1/models", b"", []) as reply:
                     body = await reply.body()
         except UpstreamFailed as exc:
-            raise HttpError(502, str(exc)) from None
+            raise HttpError(502 if exc.reached else 503, str(exc), [] if exc.reached else RETRY_AFTER) from None
         await self._reply(ex, reply.status, [("Content-Type", reply.content_type)], body)
 
     # --- a routed request ---
@@ -320,7 +349,7 @@ class Gateway:
         for _ in range(self.config.prefill_attempts):
             route = self.router.route(self.clock(), exclude=tried_p)
             if route is None:
-                raise HttpError(503, self.router.unavailable(self.clock()) or "no prefill and decode pair is available.")
+                break  # every prefill instance was tried
             with structlog.contextvars.bound_contextvars(transfer_id=route.transfer_id, role="gateway"):
                 log.info("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
                          path=target, stream=bool(request.get("stream")))
@@ -329,7 +358,16 @@ class Gateway:
                 return
             tried_p.append(route.prefill.instance_id)
             self.events["prefill_retries"] += 1
-        raise HttpError(502, f"no prefill instance could be reached (tried {', '.join(tried_p)}).")
+        # No prefill instance could be reached: D computes the prompt itself, rather than
+        # the client getting no answer.
+        up = self.router.pick("decode", self.clock())
+        assert up is not None  # every role has an instance given
+        log.warning("gateway.decode_alone", phase="route", decode=up.instance_id, tried=tried_p)
+        self.events["decode_alone"] += 1
+        hdrs = [("Content-Type", "application/json"), *headers]
+        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up)
+        if isinstance(got, HttpError):
+            raise got
 
     async def _one_route(
         self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route
@@ -350,7 +388,7 @@ class Gateway:
             failed = True
             try:
                 with p_scope:
-                    async with upstream_request(up, "POST", target, p_raw, hdrs, self.config.connect_timeout_s) as reply:
+                    async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
                         body = await reply.body()
                     failed = reply.status >= 500
                     p_result["reply"] = (reply.status, reply.content_type, body)
@@ -370,7 +408,7 @@ class Gateway:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
                 with d_scope:
-                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route))
+                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode))
                     if not ex.decoded and "reply" not in p_result:
                         p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
         finally:  # also when the client left or the deadline passed (this task is cancelled then)
@@ -392,22 +430,24 @@ class Gateway:
         return None
 
     async def _decode(
-        self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], route: Route
+        self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], first: Upstream
     ) -> int | HttpError:
         """D's request, tried on another decode instance while nothing has gone to the
         client; D's body names only the transfer and P, so it goes unchanged and the broker
         hands P's staged KV to the new claim. Returns the status sent to the client, or
-        what to send when no instance answered."""
+        what to send when no instance answered: 503 if none could be reached."""
         tried: list[str] = []
-        up: Upstream | None = route.decode
+        up: Upstream | None = first
         last = ""
+        reached = False
         while up is not None and len(tried) < self.config.decode_attempts:
             tried.append(up.instance_id)
             self.router.started(up)
             failed = True
             try:
-                async with upstream_request(up, "POST", target, raw, hdrs, self.config.connect_timeout_s) as reply:
+                async with self._upstreams.request(up, "POST", target, raw, hdrs) as reply:
                     if reply.status >= 500:
+                        reached = True
                         last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
                     else:
                         failed = False
@@ -421,12 +461,20 @@ class Gateway:
                     log.warning("gateway.decode_broke", phase="decode", error=str(exc))
                     return HttpError(502, str(exc))  # the stream ends early; the client sees it
                 last = str(exc)
+                reached = reached or exc.reached
             finally:
                 self.router.finished(up, self.clock(), failed=failed)
             log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
             self.events["decode_retries"] += 1
             up = self.router.pick("decode", self.clock(), exclude=tried)
+        if not reached:
+            return HttpError(503, f"no decode instance could be reached ({last}).", RETRY_AFTER)
         return HttpError(502, f"no decode instance answered ({last}).")
+
+    @property
+    def _upstreams(self) -> UpstreamPool:
+        assert self._pool is not None, "requests are served only inside run()"
+        return self._pool
 
     def _cancel_soon(self, transfer_id: str, reason: str) -> None:
         """Tell the broker, beside the client's answer, that the request was given up."""
@@ -439,7 +487,7 @@ class Gateway:
         with structlog.contextvars.bound_contextvars(transfer_id=transfer_id, role="gateway"):
             try:
                 got = await cancel_transfer(cfg.broker, transfer_id, reason, cfg.connect_timeout_s,
-                                            cfg.curve_server_key, cfg.curve_client_secret)
+                                            cfg.curve_server_key, cfg.curve_client_secret, ctx=self._zmq)
             except (TimeoutError, OSError, RuntimeError) as exc:  # the transfer's own deadlines end it then
                 log.warning("gateway.cancel_failed", phase="cancel", error=str(exc) or "timed out")
             else:
@@ -447,7 +495,7 @@ class Gateway:
 
     async def _relay(self, ex: _Exchange, reply: UpstreamReply) -> None:
         ctype = reply.content_type
-        if reply.header(b"content-length") is not None or not ctype.startswith("text/event-stream"):
+        if reply.header("content-length") is not None or not ctype.startswith("text/event-stream"):
             await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
             return
         # A stream: pass each chunk on as it comes, chunked (h11 frames it).
@@ -474,6 +522,4 @@ def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:
     """Run the gateway in the foreground until SIGINT or SIGTERM."""
-    from .daemon import run_until_signalled
-
     run_until_signalled(lambda: Gateway(config).run, "gateway.stopping", backend)

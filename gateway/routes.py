@@ -1,14 +1,17 @@
 """Which prefill and decode instance serve a request: the gateway's decisions, sans IO.
 
-The gateway (`broker.gateway`) asks a `Router` for a `Route` per client request, tells it
+The gateway (`gateway.proxy`) asks a `Router` for a `Route` per client request, tells it
 when each upstream request starts and ends, and feeds it the broker's `Status` and the
 clock. Nothing here touches a socket, so the choices are plain to test.
 
-What a route prefers, in order:
-1. Instances the broker has registered under the role they serve. An instance the
-   broker does not know would get a request whose KV can never move. Without a recent
-   status (the broker is restarting), every configured instance counts as registered:
-   the connectors' own deadlines and failure policy then decide each request.
+Every instance given can take a request; a route ranks them, and never refuses one for
+what the broker said. What a route prefers, in order:
+1. Instances the broker has registered under the role they serve: their KV can move. An
+   instance the broker does not list (the broker is unreachable or has just restarted,
+   the instance is registering again) still gets requests when no registered one of its
+   role is left: the request is sent as usual, P/D resumes as soon as they register,
+   and D's `kv_load_failure_policy` covers a transfer that cannot happen. Without a
+   recent status every instance counts as registered.
 2. Instances that have not just failed a request of the gateway's (`down_s`).
 3. For decode, one with room in its receive pool: a decode instance whose pools are full
    would make the transfer wait for credit.
@@ -21,7 +24,7 @@ What a route prefers, in order:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -104,18 +107,20 @@ class BrokerView:
 class Router:
     """Picks a (prefill, decode) pair per request and keeps what it needs for the next pick.
 
-    `stale_s`: a status older than this no longer filters instances. `down_s`: how long an
+    `stale_s`: a status older than this no longer ranks instances. `down_s`: how long an
     instance that failed a request (refused the connection, answered 5xx) is passed over
-    while others remain.
+    while others remain. `new_transfer_id` makes each route's transfer_id.
     """
 
     def __init__(
-        self, upstreams: Sequence[Upstream], *, stale_s: float = 5.0, down_s: float = 5.0
+        self, upstreams: Sequence[Upstream], *, stale_s: float = 5.0, down_s: float = 5.0,
+        new_transfer_id: Callable[[], str] | None = None,
     ) -> None:
         check_upstreams(upstreams)
         self.upstreams = list(upstreams)
         self.stale_s = stale_s
         self.down_s = down_s
+        self.new_transfer_id = new_transfer_id or random_transfer_id
         self.view: BrokerView | None = None
         self._load = {u.instance_id: _Load() for u in upstreams}
         self._picks = 0
@@ -143,28 +148,36 @@ class Router:
         v = self.view
         return v if v is not None and now - v.at <= self.stale_s else None
 
+    def registered(self, role: Role, now: float) -> set[str]:
+        """The instances of `role` the broker lists, or every one given while it is silent."""
+        view = self.fresh_view(now)
+        given = {u.instance_id for u in self.upstreams if u.role == role}
+        return given if view is None else given & view.registered.get(role, set())
+
     def candidates(self, role: Role, now: float, exclude: Iterable[str] = ()) -> list[Upstream]:
-        """Instances of `role` a request may go to now, best first; empty if none."""
+        """Every instance of `role` not in `exclude`, best first (module docstring)."""
         skip = set(exclude)
         pool = [u for u in self.upstreams if u.role == role and u.instance_id not in skip]
         view = self.fresh_view(now)
-        if view is not None:
-            pool = [u for u in pool if u.instance_id in view.registered.get(role, set())]
-        up = [u for u in pool if self._load[u.instance_id].down_until <= now]
-        pool = up or pool  # every one failed lately: try them anyway rather than refuse
+        registered = self.registered(role, now)
         free = view.free_bytes if view is not None else {}
         transfers = view.transfers if view is not None else {}
 
-        def key(u: Upstream) -> tuple[int, int, int, int]:
+        def key(u: Upstream) -> tuple[int, int, int, int, int, int]:
             load = self._load[u.instance_id]
             full = int(role == "decode" and u.instance_id in free and free[u.instance_id] <= 0)
             # This gateway's own requests count at once; the broker's count of the
             # instance's transfers (which also holds other gateways' requests, a status
             # late) when it is higher.
             busy = max(load.in_flight, transfers.get(u.instance_id, 0))
-            return (full, busy, -free.get(u.instance_id, 0), load.last_picked)
+            return (int(u.instance_id not in registered), int(load.down_until > now), full, busy,
+                    -free.get(u.instance_id, 0), load.last_picked)
 
         return sorted(pool, key=key)
+
+    def usable(self, role: Role, now: float) -> set[str]:
+        """Instances a request's first choice may fall on: registered, not failed lately."""
+        return {i for i in self.registered(role, now) if self._load[i].down_until <= now}
 
     def pick(self, role: Role, now: float, exclude: Iterable[str] = ()) -> Upstream | None:
         ranked = self.candidates(role, now, exclude)
@@ -175,23 +188,30 @@ class Router:
         return ranked[0]
 
     def route(self, now: float, exclude: Iterable[str] = ()) -> Route | None:
-        """A new transfer's route, or None when either role has no instance to take it."""
+        """A new transfer's route, or None when `exclude` leaves a role no instance."""
         skip = list(exclude)
         if not self.candidates("prefill", now, skip) or not self.candidates("decode", now, skip):
             return None
         p = self.pick("prefill", now, skip)
         d = self.pick("decode", now, skip)
         assert p is not None and d is not None
-        return Route(transfer_id=new_transfer_id(), prefill=p, decode=d)
+        return Route(transfer_id=self.new_transfer_id(), prefill=p, decode=d)
 
-    def unavailable(self, now: float) -> str | None:
-        """Why no route can be made now, in one sentence, or None if one can."""
+    def degraded(self, now: float) -> str | None:
+        """Why requests may go to instances the broker does not list, in one sentence,
+        or None while it answers and lists one of each role."""
+        if self.view is None:
+            return "no status from the broker yet; requests go to every instance given."
+        if now - self.view.at > self.stale_s:
+            return (f"the broker has not answered for {now - self.view.at:.0f} s; requests go to every instance "
+                    f"given until it does.")
         for role in ("prefill", "decode"):
-            if not self.candidates(role, now):  # type: ignore[arg-type]
+            if not self.registered(role, now):  # type: ignore[arg-type]
                 given = ", ".join(u.instance_id for u in self.upstreams if u.role == role)
                 return (
-                    f"no {role} instance is registered at the broker (given: {given}); "
-                    f"start one whose kv_connector_extra_config names this broker and one of these instance_ids."
+                    f"no {role} instance is registered at the broker (given: {given}); requests go to those given "
+                    f"until one registers: start one whose kv_connector_extra_config names this broker and one of "
+                    f"these instance_ids."
                 )
         return None
 
@@ -208,5 +228,7 @@ def check_upstreams(upstreams: Sequence[Upstream]) -> None:
             raise ValueError(f"no {role} instance given; name at least one with --{role} INSTANCE_ID=http://HOST:PORT.")
 
 
-def new_transfer_id() -> str:
+def random_transfer_id() -> str:
+    """The gateway's transfer_ids: unique, and naming the gateway as their maker. The one
+    place an id is made (a `Router`'s `new_transfer_id` replaces it)."""
     return f"gw-{uuid.uuid4().hex}"

@@ -1,0 +1,177 @@
+"""HTTP/1.1 for the gateway: its clients' side in h11 (bytes in, events out) over anyio
+byte streams, one request at a time on a connection; its upstreams' side through one
+httpx client, whose kept-alive connections (gateway.pool) every request shares.
+
+An upstream request that is cancelled (the client left, the deadline passed, P's or D's
+request is no longer needed) closes its connection instead of handing it back to the
+pool, so the vLLM server sees the disconnect and aborts the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+import h11
+import httpx
+import msgspec
+from anyio.abc import ByteStream
+
+from .pool import StackPool
+from .routes import Upstream
+
+READ_CHUNK = 64 << 10
+
+
+class HttpError(Exception):
+    """An answer the gateway gives itself: status, one sentence for the client, and any
+    headers beside it (a 503's Retry-After)."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or []
+
+
+class UpstreamFailed(Exception):
+    """An upstream could not be reached or broke off; `reached` says whether it got the request."""
+
+    def __init__(self, upstream: Upstream, reason: str, *, reached: bool) -> None:
+        super().__init__(f"{upstream.role} instance {upstream.instance_id} at {upstream.url}: {reason}")
+        self.upstream = upstream
+        self.reached = reached
+
+
+def response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    return h11.Response(status_code=status, headers=headers, reason=reason)
+
+
+def error_body(status: int, message: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    return msgspec.json.encode({"error": {"message": message, "type": kind, "code": status}})
+
+
+# --- HTTP/1.1 over one stream -----------------------------------------------------------
+
+
+class HttpConn:
+    """h11 over an anyio byte stream: `next_event` reads as needed, `send` writes."""
+
+    def __init__(self, stream: ByteStream, role: type[h11.CLIENT | h11.SERVER]) -> None:
+        self.stream = stream
+        self.h = h11.Connection(role)
+
+    async def next_event(self) -> Any:
+        while True:
+            event = self.h.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                data = await self.stream.receive(READ_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                data = b""
+            self.h.receive_data(data)
+
+    async def send(self, *events: Any) -> None:
+        """Send the events' bytes in one write: a head and its body leave together."""
+        data = b"".join([self.h.send(event) or b"" for event in events])
+        if data:
+            await self.stream.send(data)
+
+    async def read_body(self, limit: int) -> bytes:
+        parts, size = [], 0
+        while True:
+            event = await self.next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limit:
+                    raise HttpError(413, f"the request body is over {limit} bytes; send a smaller one or raise --max-body-bytes.")
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(parts)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise HttpError(400, "the connection closed before the request body ended.")
+
+
+@dataclass
+class UpstreamReply:
+    status: int
+    response: httpx.Response
+
+    def header(self, name: str) -> str | None:
+        return self.response.headers.get(name)
+
+    @property
+    def content_type(self) -> str:
+        return self.response.headers.get("content-type", "application/json")
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it comes, as sent (not decoded: the client gets the same bytes)."""
+        return self.response.aiter_raw()
+
+    async def body(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+
+# What an upstream's connection does wrong, as httpx names it: before any answer, the
+# request may have reached the server; no connection at all, it cannot have.
+_NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout)
+_BROKE = (httpx.TransportError, httpx.StreamError)
+
+
+class UpstreamPool:
+    """Kept-alive connections to the upstreams, shared by every request: one httpx client
+    over a `StackPool` transport (gateway.pool says why not httpx's own pool).
+
+    Opened by `async with` inside the event loop that uses it. `keepalive_s` stays under
+    uvicorn's (vLLM's server's) 5 s keep-alive, so an idle connection is dropped here
+    before the server closes it under a request.
+    """
+
+    def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float = 4.0) -> None:
+        self.transport = StackPool(connect_timeout_s, max_connections, keepalive_s)
+        self.client = httpx.AsyncClient(
+            transport=self.transport,
+            # Only the connect has its own limit (the transport's); the request's deadline covers the rest.
+            timeout=None,
+            # The body passes through as sent; no proxy from the environment on the way.
+            headers={"Accept-Encoding": "identity"},
+            trust_env=False,
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> UpstreamPool:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.__aexit__(*exc)
+
+    @asynccontextmanager
+    async def request(
+        self, up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]]
+    ) -> AsyncIterator[UpstreamReply]:
+        """Send one request on a pooled connection and yield the response head; the body
+        is read through the reply. Raises `UpstreamFailed`."""
+        request = self.client.build_request(method, up.url + target, content=body, headers=headers)
+        try:
+            response = await self.client.send(request, stream=True)
+        except _NOT_REACHED as exc:
+            raise UpstreamFailed(up, f"cannot connect ({exc or type(exc).__name__})", reached=False) from None
+        except _BROKE as exc:
+            raise UpstreamFailed(up, f"broke off before answering ({exc or type(exc).__name__})", reached=True) from None
+        try:
+            yield UpstreamReply(status=response.status_code, response=response)
+        except _BROKE as exc:
+            raise UpstreamFailed(up, f"broke off mid-answer ({exc or type(exc).__name__})", reached=True) from None
+        finally:
+            await response.aclose()  # a body not read to its end closes the connection

@@ -174,11 +174,14 @@ def cancel(transfer_id: str, reason: str, **where: Any) -> None:
     help="This gateway's secret key (`kvbroker keygen --name`), for a broker serving with --curve-clients.",
 )
 @click.option("--port-file", type=click.Path(dir_okay=False), default=None, help="Write the bound port here once serving.")
+@click.option("--grant-key-file", type=click.Path(dir_okay=False), default=None,
+              help="The secret the decode instances name as grant_key_file: D's requests then carry a signed grant.")
 def gateway(**opts: Any) -> None:
     """Serve an OpenAI-compatible API that sends each request to a prefill and a decode instance."""
     from gateway.proxy import GatewayConfig
     from gateway.proxy import serve as run
     from gateway.routes import Upstream
+    from protocols.grants import read_key
 
     configure_logging(opts["log_format"] or ("console" if sys.stderr.isatty() else "json"), opts["log_level"])
     try:
@@ -189,8 +192,9 @@ def gateway(**opts: Any) -> None:
             max_body_bytes=opts["max_body_bytes"], curve_server_key=opts["curve_server_key"],
             curve_client_secret=Path(opts["curve_client_secret_file"]).read_bytes() if opts["curve_client_secret_file"] else None,
             port_file=opts["port_file"],
+            grant_key=read_key(opts["grant_key_file"], what="--grant-key-file") if opts["grant_key_file"] else None,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # a GrantKeyError too
         raise click.UsageError(str(exc)) from None
     run(config, backend=opts["backend"])
 

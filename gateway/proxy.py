@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -52,6 +52,7 @@ import zmq
 from anyio.abc import SocketStream, TaskStatus
 
 from protocols.ask import cancel_transfer, fetch_status
+from protocols.grants import GRANT_PARAM, sign
 from protocols.signals import run_until_signalled
 
 from .http import (
@@ -95,6 +96,8 @@ class GatewayConfig:
     curve_server_key: str | None = None
     curve_client_secret: bytes | None = None
     port_file: str | None = None
+    # The secret of the decode instances' grant_key_file: D's requests then carry a grant.
+    grant_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "connect_timeout_s", "read_timeout_s", "poll_s"):
@@ -123,10 +126,24 @@ def prefill_body(request: dict[str, Any], route: Route) -> dict[str, Any]:
     return body
 
 
-def decode_body(request: dict[str, Any], route: Route) -> dict[str, Any]:
+def decode_body(request: dict[str, Any], route: Route, grant: str | None = None) -> dict[str, Any]:
+    """D loads the route's transfer from its prefill instance; `grant` signs that claim for a
+    decode instance that loads only granted transfers (its `grant_key_file`)."""
     body = dict(request)
-    body["kv_transfer_params"] = {"transfer_id": route.transfer_id, "prefill_instance_id": route.prefill.instance_id}
+    params = {"transfer_id": route.transfer_id, "prefill_instance_id": route.prefill.instance_id}
+    if grant is not None:
+        params[GRANT_PARAM] = grant
+    body["kv_transfer_params"] = params
     return body
+
+
+def route_grant(key: bytes | None, route: Route, ttl_s: float, now: float) -> str | None:
+    """The grant for `route`, valid `ttl_s` from Unix time `now` (None without a key). The
+    gateway never sees token ids, so it binds no prompt: the broker still checks that P's
+    and D's prompts agree."""
+    if key is None:
+        return None
+    return sign(key, transfer_id=route.transfer_id, prefill=route.prefill.instance_id, expires=now + ttl_s)
 
 
 def parse_request(raw: bytes) -> dict[str, Any]:
@@ -377,7 +394,8 @@ class Gateway:
         client has its answer, or an `HttpError` says what to send."""
         hdrs = [("Content-Type", "application/json"), *headers]
         p_raw = msgspec.json.encode(prefill_body(request, route))
-        d_raw = msgspec.json.encode(decode_body(request, route))
+        grant = route_grant(self.config.grant_key, route, self.config.request_timeout_s, time.time())
+        d_raw = msgspec.json.encode(decode_body(request, route, grant))
         p_result: dict[str, Any] = {}
         d_scope = anyio.CancelScope()
         p_scope = anyio.CancelScope()

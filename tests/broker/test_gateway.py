@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.http import HttpError
-from gateway.proxy import decode_body, parse_request, prefill_body
+from gateway.proxy import decode_body, parse_request, prefill_body, route_grant
+from protocols import grants
 from gateway.routes import Route, Upstream
 
 
@@ -44,3 +45,17 @@ def test_prefill_is_asked_for_one_token_and_neither_side_gets_the_clients_kv_par
     d = decode_body(request, route)
     assert d == {**request, "kv_transfer_params": {"transfer_id": "gw-1", "prefill_instance_id": "p0"}}
     assert "kv_transfer_params" not in request  # the client's request is left as it was
+
+
+def test_with_a_grant_key_d_is_sent_a_grant_that_verifies_for_that_route_only() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    route = Route("gw-1", up("p0"), up("d0"))
+    assert "grant" not in decode_body({"prompt": [1]}, route, route_grant(None, route, 60, 1000.0))["kv_transfer_params"]
+    params = decode_body({"prompt": [1]}, route, route_grant(key, route, 60, 1000.0))["kv_transfer_params"]
+    grant = params[grants.GRANT_PARAM]
+    ok = dict(transfer_id="gw-1", prefill="p0", prompt="", now=1030.0)
+    assert grants.verify(key, grant, **ok) is None
+    assert "does not verify" in grants.verify(other, grant, **ok)
+    assert "does not verify" in grants.verify(key, grant, **{**ok, "transfer_id": "gw-2"})
+    assert "does not verify" in grants.verify(key, grant, **{**ok, "prefill": "p1"})
+    assert "expired" in grants.verify(key, grant, **{**ok, "now": 1061.0})

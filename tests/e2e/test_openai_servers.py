@@ -240,7 +240,8 @@ def gateway(cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
                 return ""
             url = f"http://127.0.0.1:{port_file.read_text().strip()}"
             try:  # both instances registered, as the gateway sees the broker
-                return url if httpx.get(f"{url}/health", timeout=5).status_code == 200 else ""
+                r = httpx.get(f"{url}/health", timeout=5)
+                return url if r.status_code == 200 and r.json().get("status") == "ok" else ""
             except httpx.HTTPError:
                 return ""
 

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbroker-ready
 
-.PHONY: test demo bench clean-venv
+.PHONY: test demo demo-sim bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m workers.sim.demo
+	$(PY) -m sim.demo
+
+# The same story without vLLM: simulated workers with real paged caches, a real broker, real TCP.
+demo-sim: $(STAMP)
+	$(PY) -m sim.demo
 
 bench: $(STAMP)
 	$(PY) bench/control_plane.py

@@ -1,4 +1,4 @@
-# `make test` and `make demo` create .venv on a fresh machine, then run.
+# `make test`, `make demo` and `make demo-sim` create .venv on a fresh machine, then run.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Real vLLM servers on the CPU (a tiny model made on the spot) behind the broker and the gateway.
 demo: $(STAMP)
-	$(PY) -m sim.demo
+	$(PY) -m demo
 
-# The same story without vLLM: simulated workers with real paged caches, a real broker, real TCP.
+# Without vLLM: simulated workers with real paged caches, a real broker, real TCP.
 demo-sim: $(STAMP)
 	$(PY) -m sim.demo
 

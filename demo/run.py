@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping goes on to the end
+        # Stopping goes on to the end (each wait in it has a deadline): a second Ctrl-C
+        # would leave servers behind.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping every process the demo started ...", file=sys.stderr, flush=True)
         demo.stop()
         print(f"stopped; logs in {logdir}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ non-zero if any request failed or any answer differs from the plain run's token 
 Every process it starts is stopped by its PID at the end, also on an error or Ctrl-C;
 their logs stay in a temp directory (printed at the start and the end).
 
-    python -m demo [--requests 60] [--rate 2] [--distinct 12]
+    python -m demo [--requests 72] [--rate 3] [--distinct 12]
 """
 
 from __future__ import annotations
@@ -264,8 +264,8 @@ def _interrupted(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--rate", type=float, default=2.0, help="requests sent per second")
+    parser.add_argument("--requests", type=int, default=72)
+    parser.add_argument("--rate", type=float, default=3.0, help="requests sent per second")
     parser.add_argument("--distinct", type=int, default=12, help="distinct prompts; the other requests repeat them")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

@@ -110,7 +110,7 @@ def summary(answers: list[Answer], reference: dict[int, list[int]]) -> Summary:
     return Summary(
         requests=len(answers), distinct=len(reference), rate=2.0, comparison=compare(answers, reference),
         completed=[3, 1], retried=1, claims_moved=1, gateway_retries=2.0, loaded=4, load_failed=0,
-        in_flight_at_end=0, wall_s=171.25, phases=[("SIGKILL decode-1", 90.5)], logdir="/tmp/logs",
+        in_flight_at_end=0, wall_s=171.25, phases=[("SIGKILL decode-1", 90.5)], logdir="demo-logs",
     )
 
 
@@ -125,7 +125,7 @@ def test_the_summary_names_each_field_and_fails_on_a_failed_request_or_a_differi
     assert table["failed requests"] == "0"
     assert table["wall time"] == "171.2 s"
     text = render(good)
-    assert "SIGKILL decode-1" in text and "logs: /tmp/logs" in text and "failed or differ" not in text
+    assert "SIGKILL decode-1" in text and "logs: demo-logs" in text and "failed or differ" not in text
 
     bad = summary([answer(0, 0, [1, 2]), answer(1, 1, None, 503, "HTTP 503: no prefill instance"),
                    answer(2, 0, [3, 4])], reference)

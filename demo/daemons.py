@@ -148,10 +148,7 @@ class Gateway(Daemon):
             if not self.port_file.exists():
                 return ""
             port = int(self.port_file.read_text().strip())
-            try:
-                return f"http://127.0.0.1:{port}" if http_status(port, "/health") == 200 else ""
-            except OSError:
-                return ""
+            return f"http://127.0.0.1:{port}" if http_status(port, "/health") == 200 else ""
 
         self.url = wait_for(healthy, timeout, "the gateway seeing every instance registered", interval=0.2)
         return self.url

@@ -136,14 +136,17 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def http_status(port: int, path: str, timeout: float = 2.0) -> int:
-    """The status of GET 127.0.0.1:port/path. The standard library's client: polled
-    twice a second per server while they start, httpx's per-call setup (an SSL context
-    each time) took CPU from the servers on a small host."""
+def http_status(port: int, path: str, timeout: float = 2.0) -> int | None:
+    """The status of GET 127.0.0.1:port/path, or None without an HTTP answer (nothing
+    listens yet, or another program took the port). The standard library's client:
+    polled twice a second per server while they start, httpx's per-call setup (an SSL
+    context each time) took CPU from the servers on a small host."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("GET", path)
         return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
     finally:
         conn.close()
 
@@ -251,10 +254,7 @@ class ServerProcess:
                 self.start()
                 return False
             raise ServerError(f"{self.name}: exited with {rc} before it was healthy{self.log_tail()}")
-        try:
-            return http_status(self.port, "/health") == 200
-        except OSError:
-            return False
+        return http_status(self.port, "/health") == 200
 
     def ready(self) -> ApiServer:
         assert self.proc is not None

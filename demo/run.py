@@ -29,7 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
+import msgspec
+
+from broker.status import fetch_status
 
 from .daemons import Broker, Gateway, child_env, wait_for
 from .servers import HEALTH_TIMEOUT_S, ROOT, ServerError, ServerProcess, completion, kv_transfer_config, wait_all_healthy
@@ -95,7 +99,7 @@ class Demo:
                         for name, ktc in specs.items()]
         for s in self.servers:
             s.start()
-        self.note(f"starting vLLM servers {', '.join(specs)} (about a minute on a small CPU host)")
+        self.note(f"starting vLLM servers {', '.join(specs)} (a minute or more: each imports vLLM in three processes)")
         wait_all_healthy(self.servers, HEALTH_TIMEOUT_S)
         self.note("servers healthy: " + ", ".join(f"{s.name} :{s.port}" for s in self.servers))
         urls = {s.name: f"http://127.0.0.1:{s.port}" for s in self.servers}
@@ -126,12 +130,8 @@ class Demo:
 
     # --- the broker's counters ---
 
-    def broker_counters(self) -> dict[str, Any]:
-        import anyio
-        import msgspec
-
-        from broker.status import fetch_status
-
+    def broker_status(self) -> dict[str, Any]:
+        """`kvbroker status --json`'s answer, through its client function."""
         return msgspec.to_builtins(anyio.run(fetch_status, self.broker.endpoint, 5.0))
 
     # --- the run ---
@@ -168,7 +168,7 @@ class Demo:
                 if self.stopping.is_set():
                     return
                 # Read just before the kill: the next broker counts from zero.
-                self.counters.append(self.broker_counters()["counters"])
+                self.counters.append(self.broker_status()["counters"])
                 self.broker.kill(signal.SIGKILL)
                 self.note("SIGKILL broker")
                 self.broker.start()
@@ -216,7 +216,7 @@ class Demo:
 
         def idle() -> bool:
             nonlocal last
-            last = self.broker_counters()
+            last = self.broker_status()
             return not last["transfers"]
 
         try:

@@ -36,7 +36,16 @@ import msgspec
 from broker.status import fetch_status
 
 from .daemons import Broker, Gateway, child_env, wait_for
-from .servers import HEALTH_TIMEOUT_S, ROOT, ServerError, ServerProcess, completion, kv_transfer_config, wait_all_healthy
+from .servers import (
+    HEALTH_TIMEOUT_S,
+    ROOT,
+    STOP_TIMEOUT_S,
+    ServerError,
+    ServerProcess,
+    completion,
+    kv_transfer_config,
+    wait_all_healthy,
+)
 from .stream import Answer, make_prompts, prompt_lengths, send, stream_order, token_ids_of
 from .summary import Summary, compare, count_events, counter_total, problems, prometheus_value, render
 
@@ -124,8 +133,11 @@ class Demo:
             self.gateway.stop()
         for s in self.servers:  # all at once: each takes a few seconds to shut down
             s.terminate()
+        # One deadline for all: a server still starting ignores SIGTERM, and each would
+        # otherwise get its own before the SIGKILL.
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for s in self.servers:
-            s.wait_stopped()
+            s.wait_stopped(max(1.0, deadline - time.monotonic()))
         self.broker.stop()
 
     # --- the broker's counters ---

@@ -1,6 +1,6 @@
 """`kvbroker serve` and `kvbroker gateway` as child processes on 127.0.0.1, stopped by PID.
 
-Each runs in its own session (a Ctrl-C at the terminal reaches only the demo, which
+Each runs in its own process group (a Ctrl-C at the terminal reaches only the demo, which
 then stops them in order), with its output in `<log_dir>/<name>.log`.
 """
 

@@ -1,10 +1,10 @@
-# `make test` and `make demo` create .venv on a fresh machine, then run.
+# `make test`, `make demo` and `make demo-sim` create .venv on a fresh machine, then run.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvbroker-ready
 
-.PHONY: test demo bench clean-venv
+.PHONY: test demo demo-sim bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Real vLLM servers on the CPU (a tiny model made on the spot) behind the broker and the gateway.
 demo: $(STAMP)
-	$(PY) -m workers.sim.demo
+	$(PY) -m demo
+
+# Without vLLM: simulated workers with real paged caches, a real broker, real TCP.
+demo-sim: $(STAMP)
+	$(PY) -m sim.demo
 
 bench: $(STAMP)
 	$(PY) bench/control_plane.py

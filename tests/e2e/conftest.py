@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-# engine_runner.py and tiny_model.py sit next to this file and are imported by
-# name, here and inside the engine processes.
+from demo.tiny_model import make_tiny_llama
+
+# engine_runner.py sits next to this file and is imported by name, here and inside
+# the engine processes.
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-
-from tiny_model import make_tiny_llama
 
 
 @pytest.fixture(scope="session")

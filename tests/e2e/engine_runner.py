@@ -2,8 +2,8 @@
 
 Server (the child):
 
-    python tests/e2e/engine_runner.py '<config JSON>'
-    python tests/e2e/engine_runner.py @config.json
+    PYTHONPATH=. python tests/e2e/engine_runner.py '<config JSON>'
+    PYTHONPATH=. python tests/e2e/engine_runner.py @config.json
 
 Config keys (all but "model" optional):
 
@@ -64,7 +64,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from demo.servers import BASE_ENV
+
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 DEFAULTS: dict[str, Any] = {
     "kv_transfer_config": None,
     "enable_prefix_caching": None,
@@ -75,19 +78,6 @@ DEFAULTS: dict[str, Any] = {
     "max_num_seqs": None,
     "multiprocessing": False,
     "engine_kwargs": {},
-}
-BASE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # vLLM's CPU backend otherwise pins each engine, every thread of it (the connector's
-    # too), to the cores it would pick alone: the same for all five engines here. On a
-    # 2-core host a decode engine then went 15 s without CPU while the others computed,
-    # missed its heartbeats, and the broker evicted it (as `api_servers.py` found).
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 
 
@@ -139,7 +129,7 @@ class EngineProcess:
         )
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(HERE), env.get("PYTHONPATH", "")) if p
+            p for p in (str(HERE), str(ROOT), env.get("PYTHONPATH", "")) if p
         )
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)

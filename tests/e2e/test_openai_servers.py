@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 import pytest
-from api_servers import ApiServer, api_servers, completion, kv_transfer_config
 
+from demo.servers import ApiServer, api_servers, completion, kv_transfer_config
 from tests.support import ROOT, BrokerProcess, env, wait_until
 
 pytestmark = [

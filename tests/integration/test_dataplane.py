@@ -1,6 +1,6 @@
 """The data plane end to end: staged saves, backpressure, oversized transfers, dead workers.
 
-The simulated workers (`workers.sim`) carry real paged caches, a real broker and real
+The simulated workers (`sim/`) carry real paged caches, a real broker and real
 TCP; process tests kill them with SIGKILL and check that nothing hangs, nothing is
 corrupted and every credit comes back.
 """
@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from broker.status import fetch_status
+from sim.decode import DecodeConfig, DecodeWorker
+from sim.demo import Child
+from sim.kv import CacheGeometry, PagedCache
+from sim.prefill import PrefillConfig, PrefillWorker
 from tests.support import BrokerProcess, wait_until
 from workers.pool import BufferPool
-from workers.sim.decode import DecodeConfig, DecodeWorker
-from workers.sim.demo import Child
-from workers.sim.kv import CacheGeometry, PagedCache
-from workers.sim.prefill import PrefillConfig, PrefillWorker
 from workers.transports.tcp import TcpReceiver, TcpSender
 
 MiB = 1 << 20
@@ -245,10 +245,10 @@ class Cluster:
         self.children: list[Child] = []
 
     def decode(self, name: str, *args: str) -> Child:
-        return self._start(name, ["workers.sim.decode", "--broker", self.broker, "--instance", name, *args])
+        return self._start(name, ["sim.decode", "--broker", self.broker, "--instance", name, *args])
 
     def prefill(self, name: str, *args: str) -> Child:
-        return self._start(name, ["workers.sim.prefill", "--broker", self.broker, "--instance", name, *args])
+        return self._start(name, ["sim.prefill", "--broker", self.broker, "--instance", name, *args])
 
     def _start(self, name: str, args: list[str]) -> Child:
         child = Child(name, PY + args, self.tmp, self.events)

@@ -1,8 +1,10 @@
-"""A tiny random-weight Llama checkpoint for end-to-end tests on the CPU.
+"""A tiny random-weight Llama checkpoint, made on the spot, for the demo and the end-to-end tests.
 
-No model can be downloaded in the test environment, so the tests build one
-locally. Greedy decoding of a random model is deterministic, which is all the
-tests need: they compare token ids between engines.
+Nothing is downloaded: the checkpoint is built locally from a seed. Greedy decoding of
+a random model is deterministic, which is all the demo and the tests need: they
+compare token ids between engines.
+
+    python -m demo.tiny_model DIR
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def make_tiny_llama(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
         torch.random.set_rng_state(rng_state)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
-    # A generation config that does not stop early; the tests pass
-    # ignore_eos anyway, this only keeps vLLM from looking elsewhere.
+    # A generation config that does not stop early; requests pass ignore_eos
+    # anyway, this only keeps vLLM from looking elsewhere.
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     )

@@ -1,7 +1,7 @@
-"""Real vLLM OpenAI API servers on the CPU, for end-to-end tests.
+"""Real vLLM OpenAI API servers on the CPU, for the demo and the end-to-end tests.
 
 Each server is `python -m vllm.entrypoints.openai.api_server` in a child process,
-bound to 127.0.0.1 on a free port, serving the tiny test model as "tiny", with an
+bound to 127.0.0.1 on a free port, serving the tiny model as "tiny", with an
 optional kv-transfer-config for KVBrokerConnector:
 
     ktc = kv_transfer_config(broker_endpoint, "kv_consumer", "decode-0")
@@ -21,6 +21,7 @@ SIGTERM, then SIGKILL after a deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -35,16 +36,30 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from engine_runner import BASE_ENV
 
 SERVED_MODEL = "tiny"
 HEALTH_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
 PORT_RETRIES = 2
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
-# As engine_runner's engines (block size a multiple of 32 on the CPU backend). The KV
-# cache is VLLM_CPU_KVCACHE_SPACE (1 GiB, BASE_ENV): three or four servers fit in memory.
+# The environment of every vLLM engine on the CPU, here and in the tests' engine runner.
+BASE_ENV = {
+    # GiB of KV cache per engine: ample for the tiny model, and three or four servers fit in memory.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's CPU backend otherwise pins each engine, every thread of it (the connector's
+    # too), to the cores it would pick alone: the same for all engines on one host. On a
+    # 2-core host a decode engine then went 15 s without CPU while the others computed,
+    # missed its heartbeats, and the broker evicted it.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+# Block size a multiple of 32 (the CPU backend's rule).
 SERVER_ARGS = (
     "--skip-tokenizer-init",
     "--enforce-eager",
@@ -121,6 +136,21 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def http_status(port: int, path: str, timeout: float = 2.0) -> int | None:
+    """The status of GET 127.0.0.1:port/path, or None without an HTTP answer (nothing
+    listens yet, or another program took the port). The standard library's client:
+    polled twice a second per server while they start, httpx's per-call setup (an SSL
+    context each time) took CPU from the servers on a small host."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -140,6 +170,7 @@ class ServerProcess:
         *,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -147,6 +178,8 @@ class ServerProcess:
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        # KV cache space in bytes, instead of BASE_ENV's whole GiB (which vLLM takes first).
+        self.kv_cache_bytes = kv_cache_bytes
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
@@ -173,21 +206,25 @@ class ServerProcess:
         ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        if self.kv_cache_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         return cmd + self.extra_args
 
     def start(self) -> None:
         env = dict(os.environ)
+        # BASE_ENV's VLLM_CPU_OMP_THREADS_BIND=nobind: by default vLLM's CPU backend pins
+        # every server's worker process, all its threads (the connector's included), to
+        # core 0. Several servers on one small host then share one core, and a prefill
+        # worker went without CPU for over 5 s while a decode server waited for its KV:
+        # the broker evicted it and every transfer failed.
         env.update(BASE_ENV)
         # The server's engine core runs in its own process, as in production.
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        # By default vLLM's CPU backend pins every server's worker process, all its threads
-        # (the connector's included), to core 0. Several servers on one small host then
-        # share one core, and a prefill worker went without CPU for over 5 s while a decode
-        # server waited for its KV: the broker evicted it and every transfer failed.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         env.update(self.env)
+        if self.kv_cache_bytes is not None:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
@@ -217,10 +254,7 @@ class ServerProcess:
                 self.start()
                 return False
             raise ServerError(f"{self.name}: exited with {rc} before it was healthy{self.log_tail()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return http_status(self.port, "/health") == 200
 
     def ready(self) -> ApiServer:
         assert self.proc is not None
@@ -347,11 +381,26 @@ def api_server(
 
 
 def post_json(server: ApiServer, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    """POST `body` to the server; the parsed answer, or an AssertionError with the
-    status and body when it is not 200."""
+    """POST `body` to the server; the parsed answer, or a ServerError with the status
+    and body when it is not 200."""
     r = httpx.post(server.base_url + path, json=body, timeout=timeout)
-    assert r.status_code == 200, f"{server.name} {path}: HTTP {r.status_code}: {r.text}"
+    if r.status_code != 200:
+        raise ServerError(f"{server.name} {path}: HTTP {r.status_code}: {r.text}")
     return r.json()
+
+
+def completion_body(prompt: list[int], max_tokens: int, **fields: Any) -> dict[str, Any]:
+    """A /v1/completions body for one prompt of token ids, greedy, ignoring EOS, asking
+    for the generated token ids (choices[0]["token_ids"]); `fields` add to or override it."""
+    return {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
 
 
 def completion(
@@ -362,17 +411,8 @@ def completion(
     timeout: float = 120.0,
     **fields: Any,
 ) -> dict[str, Any]:
-    """POST /v1/completions for one prompt of token ids, greedy, ignoring EOS, with the
-    generated token ids in choices[0]["token_ids"]; `fields` add to or override the body."""
-    body: dict[str, Any] = {
-        "model": SERVED_MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        **fields,
-    }
+    """POST /v1/completions (`completion_body`) to the server; the parsed answer."""
+    body = completion_body(prompt, max_tokens, **fields)
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params
     return post_json(server, "/v1/completions", body, timeout=timeout)

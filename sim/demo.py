@@ -11,7 +11,7 @@ corrupt, lost without being counted, or if the broker still holds credit at the 
 Every process it starts is ended by its PID in a ``finally``; logs (JSON lines, one
 file per process, ready for ``kvbroker trace ID <files>``) stay in a temp directory.
 
-    python -m workers.sim.demo [--prompts 300] [--distinct 40] [--kill-at 0.33]
+    python -m sim.demo [--prompts 300] [--distinct 40] [--kill-at 0.33]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 
 
@@ -161,12 +161,12 @@ def run(args: argparse.Namespace) -> int:
         broker, endpoint = start_broker(logdir)
         for name in ("d1", "d2"):
             children.append(
-                Child(name, py + ["workers.sim.decode", "--broker", endpoint, "--instance", name, "--pool-mib", str(args.pool_mib)], logdir, events)
+                Child(name, py + ["sim.decode", "--broker", endpoint, "--instance", name, "--pool-mib", str(args.pool_mib)], logdir, events)
             )
         wait_for(events, {"d1", "d2"}, time.monotonic() + 60, "the decode workers")
         prefill = Child(
             "p1",
-            py + ["workers.sim.prefill", "--broker", endpoint, "--instance", "p1", "--prompts", str(args.prompts),
+            py + ["sim.prefill", "--broker", endpoint, "--instance", "p1", "--prompts", str(args.prompts),
                   "--distinct", str(args.distinct), "--seed", str(args.seed)],
             logdir,
             events,
@@ -274,7 +274,7 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.sim.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=300)
     parser.add_argument("--distinct", type=int, default=40, help="distinct prompts; the rest are repeats")
     parser.add_argument("--seed", type=int, default=0)

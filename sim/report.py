@@ -2,7 +2,7 @@
 
 stdout carries only machine-readable JSON lines (one object each: ``ready``,
 ``progress``, ``transfer``, ``stalled``, ``summary``, ``error``) for an orchestrator
-such as `workers.sim.demo`; logs go to stderr.
+such as `sim.demo`; logs go to stderr.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import IO, Any
 
 import torch
 
-from workers.sim.kv import CacheGeometry
+from sim.kv import CacheGeometry
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup

@@ -42,8 +42,8 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig
 from workers.pool import BufferPool, Lease, PoolError
-from workers.sim.kv import CacheGeometry, PagedCache, transfer_id
-from workers.sim.report import add_geometry_args, describe_error, emit, geometry_from_args
+from sim.kv import CacheGeometry, PagedCache, transfer_id
+from sim.report import add_geometry_args, describe_error, emit, geometry_from_args
 from workers.transports.tcp import TcpConfig, TcpSender
 
 MiB = 1 << 20
@@ -332,7 +332,7 @@ class PrefillWorker:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PrefillConfig, str]:
-    p = argparse.ArgumentParser(prog="python -m workers.sim.prefill", description="Simulated prefill worker.")
+    p = argparse.ArgumentParser(prog="python -m sim.prefill", description="Simulated prefill worker.")
     p.add_argument("--broker", default="tcp://127.0.0.1:7100")
     p.add_argument("--instance", default="p0")
     p.add_argument("--prompts", type=int, default=300, help="prompts in the workload")

@@ -40,8 +40,8 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Prepare, Register, Registered, Relay, Release
 from workers.client import BrokerClient, ClientConfig
 from workers.pool import BufferPool, Lease, PoolTooSmall
-from workers.sim.kv import CacheGeometry, PagedCache, seed_of
-from workers.sim.report import add_geometry_args, describe_error, emit, geometry_from_args
+from sim.kv import CacheGeometry, PagedCache, seed_of
+from sim.report import add_geometry_args, describe_error, emit, geometry_from_args
 from workers.transports.tcp import TcpConfig, TcpReceiver
 
 MiB = 1 << 20
@@ -322,7 +322,7 @@ class DecodeWorker:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[DecodeConfig, str]:
-    p = argparse.ArgumentParser(prog="python -m workers.sim.decode", description="Simulated decode worker.")
+    p = argparse.ArgumentParser(prog="python -m sim.decode", description="Simulated decode worker.")
     p.add_argument("--broker", default="tcp://127.0.0.1:7100")
     p.add_argument("--instance", default="d0")
     p.add_argument("--pool-mib", type=float, default=32, help="receive pool size")

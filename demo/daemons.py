@@ -7,6 +7,8 @@ then stops them in order), with its output in `<log_dir>/<name>.log`.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +21,7 @@ from typing import TypeVar
 
 import httpx
 
-from .servers import ROOT, http_status
+from .servers import ROOT
 
 T = TypeVar("T")
 
@@ -141,14 +143,15 @@ class Gateway(Daemon):
         self.url = ""
 
     def wait_healthy(self, timeout: float = 60.0) -> str:
-        """Wait until GET /health answers 200 (every instance registered, as the gateway sees the broker)."""
+        """Wait until GET /health says "ok": every instance registered, as the gateway sees
+        the broker (it answers 200 with "degraded" while it serves without that)."""
 
         def healthy() -> str:
             self.check_alive()
             if not self.port_file.exists():
                 return ""
             port = int(self.port_file.read_text().strip())
-            return f"http://127.0.0.1:{port}" if http_status(port, "/health") == 200 else ""
+            return f"http://127.0.0.1:{port}" if gateway_health(port) == "ok" else ""
 
         self.url = wait_for(healthy, timeout, "the gateway seeing every instance registered", interval=0.2)
         return self.url
@@ -160,3 +163,17 @@ class Gateway(Daemon):
         except httpx.HTTPError:
             return ""
         return r.text if r.status_code == 200 else ""
+
+
+def gateway_health(port: int) -> str | None:
+    """The `status` of the gateway's GET /health ("ok" or "degraded"), or None without a
+    JSON answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+    try:
+        conn.request("GET", "/health")
+        body = json.loads(conn.getresponse().read())
+        return body.get("status") if isinstance(body, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .stream import Answer
 
@@ -54,10 +55,10 @@ def prometheus_value(text: str, name: str) -> float | None:
     return total if found else None
 
 
-def count_events(lines: Iterable[str], event: str) -> int:
-    """How many JSON log lines carry this event. A line is read from its first brace:
+def log_events(lines: Iterable[str], event: str) -> list[dict[str, Any]]:
+    """The JSON log lines that carry this event. A line is read from its first brace:
     vLLM may put a process tag before the lines its engine core writes."""
-    n = 0
+    out = []
     for line in lines:
         start = line.find("{")
         if start < 0 or f'"{event}"' not in line:
@@ -66,8 +67,14 @@ def count_events(lines: Iterable[str], event: str) -> int:
             rec = json.loads(line[start:])
         except ValueError:
             continue
-        n += isinstance(rec, dict) and rec.get("event") == event
-    return n
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
+def count_events(lines: Iterable[str], event: str) -> int:
+    """How many JSON log lines carry this event."""
+    return len(log_events(lines, event))
 
 
 @dataclass

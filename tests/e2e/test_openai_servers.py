@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
+from demo import summary
 from demo.servers import ApiServer, api_servers, completion, kv_transfer_config
 from tests.support import ROOT, BrokerProcess, env, wait_until
 
@@ -53,21 +54,8 @@ def make_prompts(lengths: list[int], salt: int) -> list[list[int]]:
 
 
 def log_events(server: ApiServer, event: str) -> list[dict[str, Any]]:
-    """The connector's JSON log lines with this event name in a server's log. vLLM may
-    put a process tag before a line its engine core writes, so a line is read from its
-    first brace."""
-    out = []
-    for line in server.log_text().splitlines():
-        start = line.find("{")
-        if start < 0 or f'"{event}"' not in line:
-            continue
-        try:
-            rec = json.loads(line[start:])
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
+    """The connector's JSON log lines with this event name in a server's log."""
+    return summary.log_events(server.log_text().splitlines(), event)
 
 
 # Events about a whole process, not one transfer, that explain a transfer's fate.

@@ -37,7 +37,8 @@ from typing import Any
 
 import httpx
 import pytest
-from api_servers import SERVED_MODEL, ApiServer, api_servers, completion, kv_transfer_config
+from demo import summary
+from demo.servers import SERVED_MODEL, ApiServer, api_servers, completion, kv_transfer_config
 
 from tests.support import BrokerProcess, wait_until
 
@@ -132,19 +133,8 @@ class RouterProxy:
 
 
 def log_events(server: ApiServer, event: str) -> list[dict[str, Any]]:
-    """The connector's JSON log lines with this event name (read from the first brace)."""
-    out = []
-    for line in server.log_text().splitlines():
-        start = line.find("{")
-        if start < 0 or f'"{event}"' not in line:
-            continue
-        try:
-            rec = json.loads(line[start:])
-        except ValueError:
-            continue
-        if rec.get("event") == event:
-            out.append(rec)
-    return out
+    """The connector's JSON log lines with this event name in a server's log."""
+    return summary.log_events(server.log_text().splitlines(), event)
 
 
 def ask(url: str, prompt: list[int], **fields: Any) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from protocols.messages import (
     Goodbye,
     Heartbeat,
     Id,
+    Layout,
     Message,
     Offer,
     PeerInfo,
@@ -73,6 +74,9 @@ from protocols.messages import (
     TransferInfo,
 )
 
+from protocols.heads import Lane
+
+from .lanes import lane_share, one_size, pairing_refusal, plan, wire_heads
 from .latency import PHASES, Histogram
 from .transfers import (
     HOLDS_CREDIT,
@@ -82,6 +86,7 @@ from .transfers import (
     TransferState,
     cancellable,
     check_transition,
+    lane_id,
 )
 
 S = TransferState
@@ -202,6 +207,7 @@ class Broker:
         self.peers: dict[str, Peer] = {}
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
+        self.by_tid: dict[str, set[TransferKey]] = {}  # every lane of a transfer id
         # Why a transfer was aborted, where one was delivered, and why a prefill peer was
         # lost, each until `transfer_lease_s` after: a message behind them is answered at once.
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
@@ -357,6 +363,10 @@ class Broker:
                 f"{reg.role} instance {reg.instance_id} is incompatible with {o.role} instance "
                 f"{o.instance_id} ({compat_diff(reg, o)}); serve the same model, dtype and cache layout on both"
             )
+        same = [o for o in others if o.compat_hash == reg.compat_hash]
+        why = [pairing_refusal(*((reg, o) if reg.role == "prefill" else (o, reg))) for o in same]
+        if same and all(why):
+            raise _Refused(str(why[0]))
 
     def _evict(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         del self.peers[peer.peer_id]
@@ -397,7 +407,7 @@ class Broker:
     def _expects_naming(self, peer_id: str) -> list[Transfer]:
         """The transfers only expected so far whose Expect names prefill peer `peer_id`."""
         return [t for t in self.transfers.values()
-                if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" == peer_id]
+                if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.source_rank}" == peer_id]
 
     def _absent(self, now: float, t: Transfer, out: list[Effect]) -> None:
         """The instance a transfer names (an Expect's prefill instance, an unrouted Offer's
@@ -407,7 +417,7 @@ class Broker:
         was down when the others registered again sends and claims nothing."""
         t.absent_until = None
         if t.state is S.EXPECTED:
-            name, which = f"{t.expected_from}:{t.rank}", "prefill peer {} named by the request"
+            name, which = f"{t.expected_from}:{t.source_rank}", "prefill peer {} named by the request"
             if self._is_prefill(name):
                 return
         elif t.state is S.UNROUTED and t.decode_hint:
@@ -466,47 +476,134 @@ class Broker:
             raise _Unexpected(f"{type(msg).__name__} is a broker-to-peer message; peers may not send it")
 
     def _offer(self, now: float, peer: Peer, msg: Offer, out: list[Effect]) -> None:
-        key = (msg.transfer_id, peer.reg.rank)
-        t = self.transfers.get(key)
-        if t is not None and t.prefill == peer.peer_id and (t.nbytes, t.layout, t.decode_hint, t.prompt) == (
-            msg.nbytes, msg.layout, msg.decode, msg.prompt
-        ):
-            self.counters["repeated"] += 1
-            return  # the same Offer again (a client re-sending after a reconnect): nothing moves
-        if t is not None:
-            check_transition(t.state, Offer, peer.role, msg.transfer_id)
-        else:
-            if peer.role != "prefill":
-                raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
-            if self._answer_ended(now, peer, key, out, offer=True):
-                return
-            t = self._new(now, key, S.UNROUTED)
-        t.prefill, t.absent_until, t.offered_at = peer.peer_id, None, now
-        t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
-        t.prompt = msg.prompt
-        peer.transfers.add(key)
-        self.counters["offered"] += 1
-        out.append(Note("transfer.offered", {"transfer_id": msg.transfer_id, "nbytes": msg.nbytes, "peer": peer.peer_id}))
-        self._route(now, t, out)
-        if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
-            out.append(Note("transfer.unrouted", {"transfer_id": t.transfer_id, "waiting_for": self._waiting_for(t)},
-                            level="debug"))
+        if peer.role != "prefill":
+            raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
+        tid = msg.transfer_id
+        d_reg = self._decode_side(tid, peer, msg.decode)
+        mine = self._plan(peer, peer.reg, d_reg, tid, out)
+        if mine is None:
+            return
+        if not mine:  # a replica that another rank sends: nothing to move from here
+            out.append(Send(peer.identity, Release(transfer_id=tid)))
+            return
+        work: list[tuple[Lane, TransferKey, int, Layout]] = []
+        for lane in mine:  # checked before anything changes: a refused Offer changes nothing
+            nbytes, layout = lane_share(msg.nbytes, msg.layout, lane, peer.reg)
+            key = (tid, lane_id(lane.source, lane.rank))
+            t = self.transfers.get(key)
+            if t is not None and t.prefill == peer.peer_id and (t.nbytes, t.layout, t.decode_hint, t.prompt) == (
+                nbytes, layout, msg.decode, msg.prompt
+            ):
+                self.counters["repeated"] += 1
+                continue  # the same Offer again (a client re-sending after a reconnect): nothing moves
+            if t is not None:
+                check_transition(t.state, Offer, peer.role, tid)
+            work.append((lane, key, nbytes, layout))
+        if not work:
+            return
+        fresh = [key for _, key, _, _ in work if key not in self.transfers]
+        if len(fresh) == len(mine) and self._answer_ended(now, peer, fresh, out, offer=True):
+            return
+        self._room_for(len(fresh))
+        for lane, key, nbytes, layout in work:
+            t = self.transfers.get(key)
+            if t is None:
+                if self._ended(now, key):
+                    continue  # this lane ended already; the others go on
+                t = self._new(now, tid, lane, d_reg.world_size, S.UNROUTED)
+            t.prefill, t.absent_until, t.offered_at = peer.peer_id, None, now
+            t.nbytes, t.layout, t.decode_hint, t.compat_hash = nbytes, layout, msg.decode, peer.reg.compat_hash
+            t.prompt, t.heads = msg.prompt, wire_heads(lane, peer.reg, d_reg)
+            peer.transfers.add(key)
+            self.counters["offered"] += 1
+            out.append(Note("transfer.offered", {"transfer_id": tid, "nbytes": nbytes, "peer": peer.peer_id}))
+            self._route(now, t, out)
+            if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
+                out.append(Note("transfer.unrouted", {"transfer_id": tid, "waiting_for": self._waiting_for(t)},
+                                level="debug"))
+
+    def _plan(self, peer: Peer, p: Register, d: Register, tid: str, out: list[Effect]) -> list[Lane] | None:
+        """`peer`'s lanes between instances `p` and `d`; None, with an Abort to it, when
+        those cannot pair (`broker.lanes`)."""
+        try:
+            side = "source" if peer.role == "prefill" else "rank"
+            return [lane for lane in plan(p, d) if getattr(lane, side) == peer.reg.rank]
+        except ValueError as exc:
+            out.append(Send(peer.identity, Abort(transfer_id=tid, reason=str(exc)[:2000])))
+            out.append(Note("transfer.refused", {"transfer_id": tid, "peer": peer.peer_id, "reason": str(exc)}))
+            return None
+
+    def _instance(self, name: str, role: str) -> Register | None:
+        """The registration of a live peer of instance `name` in `role`, if any."""
+        p = self.peers.get(f"{name}:0") or next((q for q in self.peers.values() if q.reg.instance_id == name), None)
+        return p.reg if p is not None and p.role == role else None
+
+    def _decode_side(self, tid: str, p: Peer, hint: str) -> Register:
+        """The decode instance an Offer's lanes are planned for (see broker/lanes.py)."""
+        named = self._instance(hint, "decode") if hint else None
+        if named is not None:
+            return named
+        for key in sorted(self.by_tid.get(tid, ())):
+            pid = self.transfers[key].expected_by or self.transfers[key].decode
+            if pid in self.peers:
+                return self.peers[pid].reg
+        same = (q.reg for q in self.peers.values() if q.role == "decode" and q.reg.compat_hash == p.reg.compat_hash)
+        return one_size(same) or p.reg
+
+    def _prefill_side(self, tid: str, d: Peer, named: str) -> Register:
+        """The prefill instance an Expect's lanes are planned for (see broker/lanes.py)."""
+        reg = self._instance(named, "prefill") if named else None
+        if reg is not None:
+            return reg
+        for key in sorted(self.by_tid.get(tid, ())):
+            pid = self.transfers[key].prefill
+            if pid in self.peers:
+                return self.peers[pid].reg
+        same = (q.reg for q in self.peers.values() if q.role == "prefill" and q.reg.compat_hash == d.reg.compat_hash)
+        return one_size(same) or d.reg
 
     def _expect(self, now: float, peer: Peer, msg: Expect, out: list[Effect]) -> None:
         if peer.role != "decode":
             raise ProtocolViolation(Expect, None, msg.transfer_id, "only a decode peer may expect a transfer")
-        key = (msg.transfer_id, peer.reg.rank)
+        tid = msg.transfer_id
+        mine = self._plan(peer, self._prefill_side(tid, peer, msg.prefill), peer.reg, tid, out)
+        if not mine:
+            return
+        keys = [(tid, lane_id(lane.source, lane.rank)) for lane in mine]
+        for key in keys:  # checked before anything changes: a refused Expect changes nothing
+            if key in self.transfers:
+                self._check_claim(self.transfers[key], peer)
+        if not any(key in self.transfers for key in keys):
+            lost = next((kept for lane in mine if msg.prefill and (kept := self.lost.get(f"{msg.prefill}:{lane.source}"))),
+                        None)  # until it registers again
+            if self._answer_ended(now, peer, keys, out, offer=False, lost=lost):
+                return
+        self._room_for(sum(key not in self.transfers for key in keys))
+        for lane, key in zip(mine, keys):
+            self._expect_lane(now, peer, msg, lane, key, out)
+
+    def _check_claim(self, t: Transfer, peer: Peer) -> None:
+        """Raise what `_expect_lane` would refuse for `peer`'s claim on `t`."""
+        check_transition(t.state, Expect, peer.role, t.transfer_id)
+        if peer.peer_id in (t.expected_by, t.waiting_claim) or (t.decode == peer.peer_id and t.expected_by is None):
+            return
+        holder = self.peers.get(t.decode or "")
+        if t.state in HOLDS_CREDIT and t.waiting_claim is not None and not (
+            t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only
+        ):
+            raise ProtocolViolation(Expect, t.state, t.transfer_id,
+                                    f"it is held by {t.decode}, and {t.waiting_claim} waits for it")
+
+    def _expect_lane(self, now: float, peer: Peer, msg: Expect, lane: Lane, key: TransferKey, out: list[Effect]) -> None:
         t = self.transfers.get(key)
         if t is None:
-            lost = self.lost.get(f"{msg.prefill}:{key[1]}") if msg.prefill else None  # until it registers again
-            if self._answer_ended(now, peer, key, out, offer=False, lost=lost):
-                return
-            t = self._new(now, key, S.EXPECTED)
+            if self._ended(now, key):
+                return  # this lane ended already; the others go on
+            t = self._new(now, msg.transfer_id, lane, peer.reg.world_size, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
             self._await_named_prefill(now, t)
             peer.transfers.add(key)
             return
-        check_transition(t.state, Expect, peer.role, msg.transfer_id)
         if t.expected_by == peer.peer_id or t.waiting_claim == peer.peer_id:
             self.counters["repeated"] += 1
             return  # the same claim again (re-sent after a reconnect): nothing moves
@@ -520,9 +617,6 @@ class Broker:
             if not (t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only):
                 # Granted to a peer that claimed it or takes anything: its bytes may be
                 # moving. Wait behind it; its loss hands the transfer over (`_decode_lost`).
-                if t.waiting_claim is not None:
-                    raise ProtocolViolation(Expect, t.state, msg.transfer_id,
-                                            f"it is held by {t.decode}, and {t.waiting_claim} waits for it")
                 t.waiting_claim = peer.peer_id
                 peer.transfers.add(key)
                 self.counters["claims_waited"] += 1
@@ -550,8 +644,34 @@ class Broker:
         self._unroute(t, out)
         self._route(now, t, out)
 
+    def _lane_keys(self, peer: Peer, msg: Ready | Done | Abort) -> list[TransferKey]:
+        """The lanes a message from `peer` is about: an Abort, every lane it is part of; a
+        Ready or a Done, the lane from the source it names (none named: its only lane)."""
+        tid, rank = msg.transfer_id, peer.reg.rank
+        lanes_of = sorted(self.by_tid.get(tid, ()))
+        if isinstance(msg, Abort):
+            mine = [k for k in lanes_of if peer.peer_id in self._parties(self.transfers[k])]
+            return mine or [(tid, rank)]
+        if msg.source:
+            src = self.peers.get(msg.source)
+            source_rank = src.reg.rank if src is not None else _rank_in(msg.source, type(msg), tid)
+            return [(tid, lane_id(source_rank, rank))]
+        if (tid, rank) not in self.transfers:
+            mine = [k for k in lanes_of if self.transfers[k].decode == peer.peer_id]
+            if len(mine) == 1:
+                return mine
+        return [(tid, rank)]
+
+    @staticmethod
+    def _parties(t: Transfer) -> tuple[str | None, ...]:
+        return (t.prefill, t.decode, t.expected_by, t.waiting_claim)
+
     def _advance(self, now: float, peer: Peer, msg: Ready | Done | Abort, out: list[Effect]) -> None:
-        key = (msg.transfer_id, peer.reg.rank)
+        for key in self._lane_keys(peer, msg):
+            self._advance_lane(now, peer, msg, key, out)
+
+    def _advance_lane(self, now: float, peer: Peer, msg: Ready | Done | Abort, key: TransferKey,
+                      out: list[Effect]) -> None:
         t = self.transfers.get(key)
         if t is None:
             if isinstance(msg, Abort):
@@ -588,6 +708,8 @@ class Broker:
                         attempt=t.attempt,
                         comm=msg.comm,
                         seq=msg.seq,
+                        head_start=t.heads[0],
+                        head_stop=t.heads[1],
                     ),
                 )
             )
@@ -610,61 +732,82 @@ class Broker:
                 self.latency["handshake"].observe(t.go_at - t.offered_at)
                 self.latency["data"].observe(now - t.go_at)
                 self.latency["total"].observe(now - t.offered_at)
-            out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
+            if not self._feeds(p.peer_id, t.transfer_id):  # its staging serves no other lane
+                out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
             out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
 
+    def _feeds(self, prefill: str, tid: str) -> bool:
+        """Whether prefill peer `prefill` still has a lane of transfer `tid`."""
+        return any(self.transfers[k].prefill == prefill for k in self.by_tid.get(tid, ()))
+
+    def _ended(self, now: float, key: TransferKey) -> tuple[bool, str] | None:
+        """(delivered, why) for a lane that ended within its lease, else None."""
+        for memory, delivered in ((self.delivered, True), (self.aborted, False)):
+            for k in (key, (key[0], -1)):  # (tid, -1): a Cancel ended every lane
+                kept = memory.get(k)
+                if kept is not None and kept[0] > now:
+                    return delivered, kept[1]
+        return None
+
     def _answer_ended(
-        self, now: float, peer: Peer, key: TransferKey, out: list[Effect], *, offer: bool,
+        self, now: float, peer: Peer, keys: list[TransferKey], out: list[Effect], *, offer: bool,
         lost: tuple[float, str] | None = None,
     ) -> bool:
-        """Answer an Offer (`offer`) or an Expect for a transfer that ended within its lease,
+        """Answer an Offer (`offer`) or an Expect whose every lane ended within its lease,
         or whose named prefill peer is `lost`, with that ending; True if it did. Nothing will
         come for it: say so now, not at the peer's deadline, and make no transfer for it."""
-        tid = key[0]
-
-        def live(kept: tuple[float, str] | None) -> tuple[float, str] | None:
-            return kept if kept is not None and kept[0] > now else None
-
-        reply: Message
-        if ended := live(self.delivered.get(key)):
-            reply = Release(transfer_id=tid) if offer else Abort(transfer_id=tid, reason=ended[1])
-        elif ended := live(self.aborted.get(key)) or live(lost):
-            reply = Abort(transfer_id=tid, reason=ended[1][:2000])
+        tid = keys[0][0]
+        endings = [self._ended(now, key) for key in keys]
+        if all(endings):
+            delivered, why = next((e for e in endings if e and not e[0]), endings[0])  # type: ignore[misc]
+        elif lost is not None and lost[0] > now:
+            delivered, why = False, lost[1]
         else:
             return False
+        reply: Message
+        if delivered:
+            reply = Release(transfer_id=tid) if offer else Abort(transfer_id=tid, reason=why)
+        else:
+            reply = Abort(transfer_id=tid, reason=why[:2000])
         out.append(Send(peer.identity, reply))
-        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": ended[1]}))
+        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": why}))
         return True
 
     def _cancel(self, now: float, identity: bytes, msg: Cancel, out: list[Effect]) -> None:
-        """End what nothing moves for yet of every rank's transfer `msg.transfer_id`; a rank
-        with none gets the ending remembered, so its Offer or Expect is answered at once."""
+        """End what nothing moves for yet of every lane of transfer `msg.transfer_id`; the
+        ending is remembered, so a lane's later Offer or Expect is answered at once. The
+        lanes into one decode rank end together or not at all: that rank needs them all."""
         tid = msg.transfer_id
         reason = f"the request was cancelled ({msg.reason or 'its front end gave up on it'})"
         ended = left = 0
-        for rank in sorted({p.reg.rank for p in self.peers.values()} | {0}):  # every transfer has a peer of its rank
-            key = (tid, rank)
-            t = self.transfers.get(key)
-            if t is None:
-                if key not in self.delivered and key not in self.aborted:
-                    _remember(self.aborted, key, now + self.config.transfer_lease_s, reason)
-            elif cancellable(t.state, t.expected_by is not None):
-                self._abort(now, t, reason, out)
-                ended += 1
+        groups: dict[tuple[int, int], list[Transfer]] = {}
+        for key in sorted(self.by_tid.get(tid, ())):
+            t = self.transfers[key]
+            groups.setdefault((t.rank, t.decode_tp), []).append(t)
+        if not any((tid, -1) in memory for memory in (self.delivered, self.aborted)):
+            _remember(self.aborted, (tid, -1), now + self.config.transfer_lease_s, reason)
+        for group in groups.values():
+            if all(cancellable(t.state, t.expected_by is not None) for t in group):
+                self._abort(now, group[0], reason, out)
+                ended += len(group)
             else:
-                left += 1
+                left += len(group)
         self.counters["cancelled"] += ended
         out.append(Send(identity, Cancelled(transfer_id=tid, ended=ended, left=left)))
         out.append(Note("transfer.cancelled", {"transfer_id": tid, "ended": ended, "left": left, "reason": reason}))
 
     # -- routing and credit ---------------------------------------------------------
 
-    def _new(self, now: float, key: TransferKey, state: TransferState) -> Transfer:
-        if len(self.transfers) >= self.config.max_transfers:
-            raise _Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
-        t = Transfer(transfer_id=key[0], rank=key[1], state=state, lease_until=now + self.config.transfer_lease_s)
-        self.transfers[key] = t
+    def _new(self, now: float, tid: str, lane: Lane, decode_tp: int, state: TransferState) -> Transfer:
+        t = Transfer(transfer_id=tid, rank=lane.rank, source_rank=lane.source, state=state,
+                     lease_until=now + self.config.transfer_lease_s, decode_tp=decode_tp)
+        self.transfers[t.key] = t
+        self.by_tid.setdefault(tid, set()).add(t.key)
         return t
+
+    def _room_for(self, n: int) -> None:
+        if len(self.transfers) + n > self.config.max_transfers:
+            raise _Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
 
     def _candidates(self, t: Transfer) -> list[Peer]:
         return [
@@ -672,6 +815,7 @@ class Broker:
             for p in self.peers.values()
             if p.pool is not None
             and p.reg.rank == t.rank
+            and p.reg.world_size == t.decode_tp
             and p.reg.compat_hash == t.compat_hash
             and p.peer_id not in t.tried
         ]
@@ -693,7 +837,7 @@ class Broker:
 
     def _await_named_prefill(self, now: float, t: Transfer) -> None:
         """An Expect names a prefill instance that is not registered: one lease for it to register in."""
-        if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.rank}"):
+        if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.source_rank}"):
             t.absent_until = now + self.config.peer_lease_s
 
     def _is_prefill(self, peer_id: str) -> bool:
@@ -713,7 +857,13 @@ class Broker:
                 if prefill is not None and d.reg.compat_hash != t.compat_hash:
                     self._abort(now, t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)
                     return
+                if d.reg.world_size != t.decode_tp:
+                    self._abort(now, t, f"{d.peer_id} runs TP {d.reg.world_size}, but the transfer's lanes were "
+                                f"planned for TP {t.decode_tp}; name the decode instance in the request", out)
+                    return
                 break
+        if d is None and t.source_rank != t.rank:
+            d = self._with_siblings(t)
         if d is None:
             candidates = self._unclaimed_candidates(t)
             fits = [p for p in candidates if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
@@ -742,6 +892,17 @@ class Broker:
         d.pool.waiting[t.key] = None
         self._grant(d, out)
 
+    def _with_siblings(self, t: Transfer) -> Peer | None:
+        """The decode instance another lane of the transfer went to: a request's lanes
+        must all reach one instance, and unclaimed ones would be spread by pool room."""
+        for key in sorted(self.by_tid.get(t.transfer_id, ())):
+            other = self.transfers[key].decode
+            if other is not None and other in self.peers:
+                d = self.peers.get(f"{self.peers[other].reg.instance_id}:{t.rank}")
+                if d is not None and d in self._candidates(t):
+                    return d
+        return None
+
     def _grant(self, d: Peer, out: list[Effect]) -> None:
         """Serve waiting transfers FIFO while the head fits; a large head blocks the rest (no starvation)."""
         pool = d.pool
@@ -761,7 +922,7 @@ class Broker:
                     d.identity,
                     Prepare(
                         transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill,
-                        attempt=t.attempt, prompt=t.prompt,
+                        attempt=t.attempt, prompt=t.prompt, head_start=t.heads[0], head_stop=t.heads[1],
                     ),
                 )
             )
@@ -786,19 +947,32 @@ class Broker:
         """Remove a finished transfer from every table; its credit returns."""
         self._unroute(t, out)
         self.transfers.pop(t.key, None)
+        lanes_left = self.by_tid.get(t.transfer_id)
+        if lanes_left is not None:
+            lanes_left.discard(t.key)
+            if not lanes_left:
+                del self.by_tid[t.transfer_id]
         for pid in (t.prefill, t.expected_by, t.waiting_claim):
             if pid and pid in self.peers:
                 self.peers[pid].transfers.discard(t.key)
 
     def _abort(self, now: float, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
-        peers = {pid for pid in (t.prefill, t.decode, t.expected_by, t.waiting_claim)
-                 if pid and pid != skip and pid in self.peers}
-        self._drop(t, out)
-        _remember(self.aborted, t.key, now + self.config.transfer_lease_s, reason)
-        self.counters["aborted"] += 1
-        for pid in sorted(peers):
-            out.append(Send(self.peers[pid].identity, Abort(transfer_id=t.transfer_id, reason=reason[:2000])))
-        out.append(Note("transfer.aborted", {"transfer_id": t.transfer_id, "reason": reason}))
+        """End `t` and the other lanes into its decode rank (that rank needs them all). A
+        prefill peer hears of it once it has no lane of the transfer left: until then its
+        staging serves the others."""
+        tid = t.transfer_id
+        group = [t] + [s for k in sorted(self.by_tid.get(tid, ()))
+                       if (s := self.transfers[k]) is not t and s.rank == t.rank and s.decode_tp == t.decode_tp]
+        peers = {pid for s in group for pid in (s.decode, s.expected_by, s.waiting_claim)}
+        prefills = {s.prefill for s in group}
+        for s in group:
+            self._drop(s, out)
+            _remember(self.aborted, s.key, now + self.config.transfer_lease_s, reason)
+            self.counters["aborted"] += 1
+        peers |= {pid for pid in prefills if pid and not self._feeds(pid, tid)}
+        for pid in sorted(pid for pid in peers if pid and pid != skip and pid in self.peers):
+            out.append(Send(self.peers[pid].identity, Abort(transfer_id=tid, reason=reason[:2000])))
+        out.append(Note("transfer.aborted", {"transfer_id": tid, "reason": reason}))
 
     # -- status ---------------------------------------------------------------------
 
@@ -845,7 +1019,7 @@ class Broker:
         if t.state is S.EXPECTED:
             if not t.expected_from:
                 return "an Offer"
-            name = f"{t.expected_from}:{t.rank}"
+            name = f"{t.expected_from}:{t.source_rank}"
             return f"an Offer from {name}" + ("" if self._is_prefill(name) else " (not registered)")
         if t.state is S.UNROUTED:
             if self._hint_absent(t):
@@ -857,6 +1031,14 @@ class Broker:
             return f"room in the pool of {t.decode}"
         step = f"Ready from {t.decode}" if t.state is S.PREPARING else f"Done from {t.decode}"
         return f"{step} ({t.waiting_claim} waits behind it)" if t.waiting_claim else step
+
+
+def _rank_in(peer_id: str, msg_type: type, tid: str) -> int:
+    """The rank in a peer id ("instance:rank") that names a lane's source."""
+    rank = peer_id.rpartition(":")[2]
+    if not rank.isdigit():
+        raise ProtocolViolation(msg_type, None, tid, f"source {peer_id[:80]!r} is not a peer id (instance:rank)")
+    return int(rank)
 
 
 class _NotRegistered(RemoteProtocolError):

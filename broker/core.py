@@ -2,13 +2,19 @@
 
 No sockets, no logging, no `time.time()`: `Broker.handle(now, identity, msg)` and
 `Broker.tick(now)` return the messages to send and notes for the log. The daemon in
-`broker/daemon.py` is a thin shell that feeds it frames and timer ticks.
+`broker/daemon.py` is a thin shell that feeds it frames and timer ticks. The handshake's
+handlers are in `broker/handshake.py`, the records in `broker/ledger.py`.
+
+A transfer is one *lane* of a request: a (prefill rank, decode rank) pair and the KV
+heads on it (`broker/lanes.py`); with equal TP sizes, rank r to rank r, all its heads.
 
 Invariants this module keeps (each one has a test):
 
 - Credits are conserved: for every decode pool, `reserved` is the sum of the credit held
-  by its transfers in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
+  by its lanes in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
   sequence of messages, ticks and evictions.
+- A prefill rank is released once its last lane of a transfer ended; the lanes into one
+  decode rank end together (one that fails ends the others: that rank needs them all).
 - Every wait has a deadline: a transfer lives at most `transfer_lease_s`; a credit wait
   at most `credit_timeout_s`; a peer at most `peer_lease_s` past its last heartbeat; an
   Expect naming a prefill instance that is not registered at most `peer_lease_s` until

@@ -288,7 +288,11 @@ class ConsumerSide:
             self._give_up_stuck(load)
         with w.lock:
             for load in self._loads.values():
-                if load.state == "waiting" and (now > load.deadline or load.spec.req_id in finished_req_ids):
+                # A load some of whose lanes came, waiting for another lane's Prepare, waits as one.
+                between_lanes = load.state == "receiving" and load.lanes and not any(
+                    lane.active for lane in load.lanes.values())
+                if (load.state == "waiting" or between_lanes) and (
+                        now > load.deadline or load.spec.req_id in finished_req_ids):
                     load.state = "failed"
                     load.reason = (
                         f"no Prepare within the load deadline of {w.config.load_timeout_s:g} s"
@@ -780,6 +784,8 @@ class ConsumerSide:
         scope.cancel()
         for lane in list(load.lanes.values()):
             lane.scope.cancel()
+        if load.lanes and not any(lane.active for lane in load.lanes.values()):
+            self._fail(load, load.reason, telling=False)  # no lane's task is left to end it
 
 def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
     """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES (caller holds the lock)."""

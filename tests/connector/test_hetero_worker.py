@@ -124,3 +124,43 @@ def test_hybrid_and_attention_free_models_are_refused_with_one_sentence() -> Non
         kv_cache_spec_of(_CacheConfig([]))
     with pytest.raises(ConfigError, match=r"one KV cache group; this one has 2 \(a hybrid model"):
         kv_cache_spec_of(_CacheConfig([_Group(spec), _Group(spec)]))
+
+
+def test_hetero_a_lost_prefill_rank_fails_the_load_and_frees_every_lease(broker: BrokerProcess) -> None:
+    """P TP 2 -> D TP 1: P rank 1 leaves before it offers. D's one rank cannot have all
+    its heads, so its load fails at once (not at its deadline), its blocks are reported,
+    P rank 0 frees the copy it staged, and D's pool is whole again."""
+    whole = model(seed=5)
+    p_caches = [heads_of(whole, 2, r) for r in range(2)]
+    d_caches = heads_of(model(seed=6), 1, 0)
+    p0, p1 = (rank_worker(broker.endpoint, "p", "p", r, 2, p_caches[r]) for r in range(2))
+    d = rank_worker(broker.endpoint, "d", "d", 0, 1, d_caches, load_timeout_s=30.0)
+    try:
+        d.bind(KvBrokerMetadata(loads={"t2": LoadSpec(req_id="r2", block_ids=[4, 5], num_cached_blocks=0,
+                                                      num_tokens=2 * BLOCK - 3, prefill="p")}))
+        d.start_load_kv()
+        d.clear()
+        p0.bind(KvBrokerMetadata(saves={"t2": SaveSpec(req_id="r2", block_ids=[1, 2], num_tokens=2 * BLOCK - 3,
+                                                       decode="d")}))
+        for name in LAYERS:
+            p0.save_kv_layer(name, p_caches[0][name])
+        p0.wait_for_save()
+        p0.clear()
+        wait_until(lambda: any(t["transfer_id"] == "t2" for t in broker.status()["transfers"]), 10, "t2 at the broker")
+        p1.close()  # says goodbye: its lane will never come
+        t0 = time.monotonic()
+        errors: set[int] = set()
+        finished: set[str] = set()
+        while "r2" not in finished:
+            assert time.monotonic() - t0 < 20, "the load did not fail"
+            finished |= d.get_finished(set())[1] or set()
+            errors |= d.get_block_ids_with_load_errors()
+            engine_step_pause()
+        assert errors == {4, 5}
+        wait_until(lambda: p0.statistics()["staged_now"] == 0, 10, "P rank 0 to free its copy")
+        assert d.pool is not None
+        wait_until(lambda: d.pool.statistics().reserved == 0, 10, "D's leases to go back")
+        assert d.statistics()["failed"] == 1 and d.statistics()["loaded"] == 0
+    finally:
+        for w in (d, p0, p1):
+            w.close()

@@ -455,7 +455,9 @@ class ProducerSide:
                 if msg.head_stop:  # a decode rank of another TP size takes some of this rank's heads
                     assert w.client is not None
                     key = lane_key(tid, w.client.registered.peer_id)
-                    data = split_for_go(w, staged.staging, msg.head_start, msg.head_stop)
+                    # a copy of the lane's heads (tens of ms for a long prompt): off the client's loop
+                    data = await anyio.to_thread.run_sync(split_for_go, w, staged.staging, msg.head_start,
+                                                          msg.head_stop)
                 with anyio.fail_after(w.config.load_timeout_s):
                     await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
         except (TransferFailed, TimeoutError, OSError) as exc:

@@ -2,13 +2,19 @@
 
 No sockets, no logging, no `time.time()`: `Broker.handle(now, identity, msg)` and
 `Broker.tick(now)` return the messages to send and notes for the log. The daemon in
-`broker/daemon.py` is a thin shell that feeds it frames and timer ticks.
+`broker/daemon.py` is a thin shell that feeds it frames and timer ticks. The handshake's
+handlers are in `broker/handshake.py`, the records in `broker/ledger.py`.
+
+A transfer is one *lane* of a request: a (prefill rank, decode rank) pair and the KV
+heads on it (`broker/lanes.py`); with equal TP sizes, rank r to rank r, all its heads.
 
 Invariants this module keeps (each one has a test):
 
 - Credits are conserved: for every decode pool, `reserved` is the sum of the credit held
-  by its transfers in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
+  by its lanes in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
   sequence of messages, ticks and evictions.
+- A prefill rank is released once its last lane of a transfer ended; the lanes into one
+  decode rank end together (one that fails ends the others: that rank needs them all).
 - Every wait has a deadline: a transfer lives at most `transfer_lease_s`; a credit wait
   at most `credit_timeout_s`; a peer at most `peer_lease_s` past its last heartbeat; an
   Expect naming a prefill instance that is not registered at most `peer_lease_s` until
@@ -43,18 +49,17 @@ Invariants this module keeps (each one has a test):
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Literal, TypeVar, get_args
+from dataclasses import dataclass
+from typing import get_args
 
 from protocols.errors import RemoteProtocolError
+from protocols.heads import Lane
 from protocols.messages import (
     Abort,
     Cancel,
-    Cancelled,
     Done,
     Error,
     Expect,
-    Go,
     Goodbye,
     Heartbeat,
     Id,
@@ -67,27 +72,36 @@ from protocols.messages import (
     Register,
     Registered,
     Relay,
-    Release,
     Status,
     StatusRequest,
     TransferInfo,
 )
 
+from .handshake import Handshake
+from .lanes import pairing_refusal
 from .latency import PHASES, Histogram
-from .transfers import (
-    HOLDS_CREDIT,
-    ProtocolViolation,
-    Transfer,
-    TransferKey,
-    TransferState,
-    cancellable,
-    check_transition,
+from .ledger import (
+    Busy,
+    Effect,
+    Note,
+    NotRegistered,
+    Peer,
+    PeerRefused,
+    Pool,
+    Send,
+    Unexpected,
+    UnknownPeer,
+    compat_diff,
+    keep_until,
+    peer_id_of,
+    remember,
 )
+from .transfers import Transfer, TransferKey, TransferState
+
+__all__ = ["Broker", "BrokerConfig", "Effect", "Note", "Send"]
 
 S = TransferState
 _MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
-_K = TypeVar("_K")
-MAX_REMEMBERED = 16_384  # ended transfers and lost prefill peers kept for late messages (a few MB at most)
 
 
 @dataclass(frozen=True)
@@ -113,95 +127,13 @@ class BrokerConfig:
             raise ValueError("transfer_lease_s and credit_timeout_s must be > 0 and max_attempts >= 1")
 
 
-@dataclass(frozen=True)
-class Send:
-    """Send `msg` to the peer whose ZMQ routing id is `identity`."""
-
-    identity: bytes
-    msg: Message
-
-
-@dataclass(frozen=True)
-class Note:
-    """Something the shell should log: an event name, its fields, and at which level
-    (a transfer's message steps, `BrokerConfig.note_steps`, are "debug": at info the
-    broker writes two lines a transfer, and each costs it about 5 us to render)."""
-
-    event: str
-    fields: dict[str, object]
-    level: Literal["debug", "info"] = "info"
-
-
-Effect = Send | Note
-
-
-@dataclass
-class Pool:
-    """The credit ledger of one decode peer's receive pool."""
-
-    capacity: int
-    alignment: int = 1
-    reserved: int = 0
-    reported_free: int = -1
-    # FIFO of transfers routed here and waiting for credit; bounded by max_transfers.
-    waiting: OrderedDict[TransferKey, None] = field(default_factory=OrderedDict)
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.reserved
-
-    def credit_for(self, nbytes: int) -> int:
-        """The room a transfer takes in this pool: leases come in whole alignment units."""
-        return -(-nbytes // self.alignment) * self.alignment
-
-
-@dataclass
-class Peer:
-    peer_id: str
-    identity: bytes
-    reg: Register
-    lease_until: float
-    pool: Pool | None
-    transfers: set[TransferKey] = field(default_factory=set)
-
-    @property
-    def role(self) -> str:
-        return self.reg.role
-
-
-def peer_id_of(reg: Register) -> str:
-    return f"{reg.instance_id}:{reg.rank}"
-
-
-def compat_diff(a: Register, b: Register) -> str:
-    """Name the compatibility fields on which two peers differ, for a refusal message."""
-    keys = sorted(set(a.compat) | set(b.compat))
-    diffs = [f"{k}: {a.compat.get(k, '?')} vs {b.compat.get(k, '?')}" for k in keys if a.compat.get(k) != b.compat.get(k)]
-    if not diffs:
-        diffs = [f"compat_hash: {a.compat_hash[:12]} vs {b.compat_hash[:12]}"]
-    return "; ".join(diffs)
-
-
-def _remember(memory: OrderedDict[_K, tuple[float, str]], key: _K, until: float, reason: str) -> None:
-    """Keep `reason` for `key` until `until`; oldest first, so expiry pops from the front."""
-    memory.pop(key, None)
-    memory[key] = (until, reason)
-    while len(memory) > MAX_REMEMBERED:
-        memory.popitem(last=False)
-
-
-def _keep_until(memory: OrderedDict[_K, tuple[float, str]], until: float) -> None:
-    """Keep everything in `memory` at least until `until`; it stays oldest first."""
-    for key, (kept, reason) in memory.items():
-        memory[key] = (max(kept, until), reason)
-
-
-class Broker:
+class Broker(Handshake):
     def __init__(self, config: BrokerConfig | None = None) -> None:
         self.config = config or BrokerConfig()
         self.peers: dict[str, Peer] = {}
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
+        self.by_tid: dict[str, set[TransferKey]] = {}  # every lane of a transfer id
         # Why a transfer was aborted, where one was delivered, and why a prefill peer was
         # lost, each until `transfer_lease_s` after: a message behind them is answered at once.
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
@@ -281,9 +213,9 @@ class Broker:
                 t.credit_deadline = max(t.credit_deadline, until)
             if t.absent_until is not None:
                 t.absent_until = max(t.absent_until, until)
-        _keep_until(self.aborted, until)
-        _keep_until(self.delivered, until)
-        _keep_until(self.lost, until)
+        keep_until(self.aborted, until)
+        keep_until(self.delivered, until)
+        keep_until(self.lost, until)
 
     def next_deadline(self) -> float | None:
         """The earliest time at which `tick` has something to do, for the shell's timer."""
@@ -301,23 +233,23 @@ class Broker:
     def _peer_for(self, identity: bytes, msg: Message) -> Peer:
         pid = self.by_identity.get(identity)
         if pid is None:
-            raise _NotRegistered(f"{type(msg).__name__} from a peer that has not registered; send Register first")
+            raise NotRegistered(f"{type(msg).__name__} from a peer that has not registered; send Register first")
         return self.peers[pid]
 
     def _register(self, now: float, identity: bytes, reg: Register, out: list[Effect]) -> None:
         if reg.rank >= reg.world_size:
-            raise _Refused(f"rank {reg.rank} is not below world_size {reg.world_size}; fix the worker's rank")
+            raise PeerRefused(f"rank {reg.rank} is not below world_size {reg.world_size}; fix the worker's rank")
         if reg.role == "decode" and reg.pool_capacity <= 0:
-            raise _Refused("a decode peer must register a receive pool; set pool_capacity (bytes) above 0")
+            raise PeerRefused("a decode peer must register a receive pool; set pool_capacity (bytes) above 0")
         pid = peer_id_of(reg)
         if len(pid) > _MAX_ID:
-            raise _Refused(
+            raise PeerRefused(
                 f"peer id {pid[:40]}... is {len(pid)} characters, over the {_MAX_ID} that messages carry; "
                 "use a shorter instance_id"
             )
         old = self.peers.get(pid)
         if old is None and len(self.peers) >= self.config.max_peers:
-            raise _Refused(f"the broker already holds {self.config.max_peers} peers; raise --max-peers")
+            raise PeerRefused(f"the broker already holds {self.config.max_peers} peers; raise --max-peers")
         self._check_compat(reg)
         if old is not None:
             if old.reg.incarnation == reg.incarnation:  # the same process reconnected: its Offers follow
@@ -346,17 +278,21 @@ class Broker:
         siblings = [p.reg for p in self.peers.values() if p.reg.instance_id == reg.instance_id and p.reg.rank != reg.rank]
         for s in siblings:
             if s.compat_hash != reg.compat_hash or s.world_size != reg.world_size or s.role != reg.role:
-                raise _Refused(
+                raise PeerRefused(
                     f"rank {reg.rank} of instance {reg.instance_id} does not match rank {s.rank} "
                     f"({compat_diff(reg, s) if s.compat_hash != reg.compat_hash else 'role or world_size differs'})"
                 )
         others = [p.reg for p in self.peers.values() if p.reg.role != reg.role]
         if others and not any(o.compat_hash == reg.compat_hash for o in others):
             o = others[0]
-            raise _Refused(
+            raise PeerRefused(
                 f"{reg.role} instance {reg.instance_id} is incompatible with {o.role} instance "
                 f"{o.instance_id} ({compat_diff(reg, o)}); serve the same model, dtype and cache layout on both"
             )
+        same = [o for o in others if o.compat_hash == reg.compat_hash]
+        why = [pairing_refusal(*((reg, o) if reg.role == "prefill" else (o, reg))) for o in same]
+        if same and all(why):
+            raise PeerRefused(str(why[0]))
 
     def _evict(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         del self.peers[peer.peer_id]
@@ -390,14 +326,14 @@ class Broker:
         if peer.role != "prefill":
             return
         reason = f"prefill peer {peer.peer_id} was lost ({why}) before it offered"
-        _remember(self.lost, peer.peer_id, now + self.config.transfer_lease_s, reason)
+        remember(self.lost, peer.peer_id, now + self.config.transfer_lease_s, reason)
         for t in self._expects_naming(peer.peer_id):
             self._abort(now, t, reason, out)
 
     def _expects_naming(self, peer_id: str) -> list[Transfer]:
         """The transfers only expected so far whose Expect names prefill peer `peer_id`."""
         return [t for t in self.transfers.values()
-                if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.rank}" == peer_id]
+                if t.state is S.EXPECTED and t.expected_from and f"{t.expected_from}:{t.source_rank}" == peer_id]
 
     def _absent(self, now: float, t: Transfer, out: list[Effect]) -> None:
         """The instance a transfer names (an Expect's prefill instance, an unrouted Offer's
@@ -407,7 +343,7 @@ class Broker:
         was down when the others registered again sends and claims nothing."""
         t.absent_until = None
         if t.state is S.EXPECTED:
-            name, which = f"{t.expected_from}:{t.rank}", "prefill peer {} named by the request"
+            name, which = f"{t.expected_from}:{t.source_rank}", "prefill peer {} named by the request"
             if self._is_prefill(name):
                 return
         elif t.state is S.UNROUTED and t.decode_hint:
@@ -454,7 +390,7 @@ class Broker:
         elif isinstance(msg, Relay):
             target = self.peers.get(msg.to)
             if target is None:
-                raise _Unknown(f"relay target {msg.to} is not a registered peer")
+                raise UnknownPeer(f"relay target {msg.to} is not a registered peer")
             out.append(Send(target.identity, Relay(to=msg.to, key=msg.key, payload=msg.payload, sender=peer.peer_id)))
         elif isinstance(msg, Offer):
             self._offer(now, peer, msg, out)
@@ -463,208 +399,20 @@ class Broker:
         elif isinstance(msg, (Ready, Done, Abort)):
             self._advance(now, peer, msg, out)
         else:
-            raise _Unexpected(f"{type(msg).__name__} is a broker-to-peer message; peers may not send it")
-
-    def _offer(self, now: float, peer: Peer, msg: Offer, out: list[Effect]) -> None:
-        key = (msg.transfer_id, peer.reg.rank)
-        t = self.transfers.get(key)
-        if t is not None and t.prefill == peer.peer_id and (t.nbytes, t.layout, t.decode_hint, t.prompt) == (
-            msg.nbytes, msg.layout, msg.decode, msg.prompt
-        ):
-            self.counters["repeated"] += 1
-            return  # the same Offer again (a client re-sending after a reconnect): nothing moves
-        if t is not None:
-            check_transition(t.state, Offer, peer.role, msg.transfer_id)
-        else:
-            if peer.role != "prefill":
-                raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
-            if self._answer_ended(now, peer, key, out, offer=True):
-                return
-            t = self._new(now, key, S.UNROUTED)
-        t.prefill, t.absent_until, t.offered_at = peer.peer_id, None, now
-        t.nbytes, t.layout, t.decode_hint, t.compat_hash = msg.nbytes, msg.layout, msg.decode, peer.reg.compat_hash
-        t.prompt = msg.prompt
-        peer.transfers.add(key)
-        self.counters["offered"] += 1
-        out.append(Note("transfer.offered", {"transfer_id": msg.transfer_id, "nbytes": msg.nbytes, "peer": peer.peer_id}))
-        self._route(now, t, out)
-        if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
-            out.append(Note("transfer.unrouted", {"transfer_id": t.transfer_id, "waiting_for": self._waiting_for(t)},
-                            level="debug"))
-
-    def _expect(self, now: float, peer: Peer, msg: Expect, out: list[Effect]) -> None:
-        if peer.role != "decode":
-            raise ProtocolViolation(Expect, None, msg.transfer_id, "only a decode peer may expect a transfer")
-        key = (msg.transfer_id, peer.reg.rank)
-        t = self.transfers.get(key)
-        if t is None:
-            lost = self.lost.get(f"{msg.prefill}:{key[1]}") if msg.prefill else None  # until it registers again
-            if self._answer_ended(now, peer, key, out, offer=False, lost=lost):
-                return
-            t = self._new(now, key, S.EXPECTED)
-            t.expected_by, t.expected_from = peer.peer_id, msg.prefill
-            self._await_named_prefill(now, t)
-            peer.transfers.add(key)
-            return
-        check_transition(t.state, Expect, peer.role, msg.transfer_id)
-        if t.expected_by == peer.peer_id or t.waiting_claim == peer.peer_id:
-            self.counters["repeated"] += 1
-            return  # the same claim again (re-sent after a reconnect): nothing moves
-        if t.decode == peer.peer_id and t.expected_by is None:
-            t.expected_by = peer.peer_id  # routed here on the Offer's word before this Expect: nothing moves
-            return
-        # A claim from another peer than the holder: the proxy sent the request there
-        # (again, after the holder failed it; or instead of the instance it named).
-        holder = self.peers.get(t.decode or "")
-        if t.state in HOLDS_CREDIT:
-            if not (t.state is S.PREPARING and t.expected_by is None and holder is not None and holder.reg.claims_only):
-                # Granted to a peer that claimed it or takes anything: its bytes may be
-                # moving. Wait behind it; its loss hands the transfer over (`_decode_lost`).
-                if t.waiting_claim is not None:
-                    raise ProtocolViolation(Expect, t.state, msg.transfer_id,
-                                            f"it is held by {t.decode}, and {t.waiting_claim} waits for it")
-                t.waiting_claim = peer.peer_id
-                peer.transfers.add(key)
-                self.counters["claims_waited"] += 1
-                out.append(Note("transfer.claim_waits", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
-                                                         "holder": t.decode}))
-                return
-            # Granted on the Offer's word to a peer that takes only its own and never
-            # claimed it: it holds no request for it and only parks the Prepare.
-            previous: Peer | None = holder
-        else:  # not granted yet: the latest claim takes it, and the one before is told
-            previous = self.peers.get(t.expected_by or "")
-        if previous is not None:
-            out.append(Send(previous.identity, Abort(transfer_id=t.transfer_id, reason=f"{peer.peer_id} claims it now")))
-            self.counters["claims_moved"] += 1
-            out.append(Note("transfer.claimed_away", {"transfer_id": t.transfer_id, "peer": peer.peer_id,
-                                                      "holder": previous.peer_id}))
-            if t.expected_by == previous.peer_id:
-                previous.transfers.discard(key)
-        t.expected_by = peer.peer_id
-        peer.transfers.add(key)
-        if t.state is S.EXPECTED:
-            t.expected_from = msg.prefill or t.expected_from
-            self._await_named_prefill(now, t)
-            return
-        self._unroute(t, out)
-        self._route(now, t, out)
-
-    def _advance(self, now: float, peer: Peer, msg: Ready | Done | Abort, out: list[Effect]) -> None:
-        key = (msg.transfer_id, peer.reg.rank)
-        t = self.transfers.get(key)
-        if t is None:
-            if isinstance(msg, Abort):
-                return  # Aborts cross in flight; one for a finished transfer is harmless.
-            raise ProtocolViolation(type(msg), None, msg.transfer_id, "no such transfer")
-        check_transition(t.state, type(msg), peer.role, msg.transfer_id)
-        if isinstance(msg, Abort) and peer.peer_id == t.waiting_claim:
-            t.waiting_claim = None  # its request gave up: the claim is withdrawn, the transfer goes on
-            peer.transfers.discard(key)
-            return
-        if peer.peer_id not in (t.prefill, t.decode, t.expected_by):
-            raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"{peer.peer_id} is not part of it")
-        if isinstance(msg, Abort):
-            self._abort(now, t, msg.reason or f"aborted by {peer.peer_id}", out, skip=peer.peer_id)
-        elif t.decode != peer.peer_id:
-            raise ProtocolViolation(type(msg), t.state, msg.transfer_id, f"it is routed to {t.decode}")
-        elif isinstance(msg, Ready):
-            if msg.offset + msg.nbytes > t.nbytes:
-                raise ProtocolViolation(
-                    Ready, t.state, t.transfer_id, f"range {msg.offset}+{msg.nbytes} exceeds the {t.nbytes} bytes offered"
-                )
-            t.state, t.go_at = S.SENDING, now
-            d = self.peers[t.decode]
-            assert t.prefill is not None
-            out.append(
-                Send(
-                    self.peers[t.prefill].identity,
-                    Go(
-                        transfer_id=t.transfer_id,
-                        decode=d.peer_id,
-                        endpoints=d.reg.endpoints,
-                        offset=msg.offset,
-                        nbytes=msg.nbytes,
-                        attempt=t.attempt,
-                        comm=msg.comm,
-                        seq=msg.seq,
-                    ),
-                )
-            )
-            if self.config.note_steps:
-                out.append(Note("transfer.go", {"transfer_id": t.transfer_id, "prefill": t.prefill,
-                                                "decode": d.peer_id}, level="debug"))
-        else:
-            assert t.prefill is not None
-            p = self.peers[t.prefill]
-            nbytes = t.nbytes
-            self._drop(t, out)
-            _remember(self.delivered, t.key, now + self.config.transfer_lease_s, f"it was delivered to {peer.peer_id}")
-            claimant = self.peers.get(t.waiting_claim or "")
-            if claimant is not None:
-                out.append(Send(claimant.identity, Abort(transfer_id=t.transfer_id,
-                                                         reason=f"it was delivered to {peer.peer_id}")))
-            self.counters["completed"] += 1
-            self.counters["bytes"] += msg.nbytes
-            if t.offered_at is not None and t.go_at is not None:
-                self.latency["handshake"].observe(t.go_at - t.offered_at)
-                self.latency["data"].observe(now - t.go_at)
-                self.latency["total"].observe(now - t.offered_at)
-            out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
-            out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
-
-    def _answer_ended(
-        self, now: float, peer: Peer, key: TransferKey, out: list[Effect], *, offer: bool,
-        lost: tuple[float, str] | None = None,
-    ) -> bool:
-        """Answer an Offer (`offer`) or an Expect for a transfer that ended within its lease,
-        or whose named prefill peer is `lost`, with that ending; True if it did. Nothing will
-        come for it: say so now, not at the peer's deadline, and make no transfer for it."""
-        tid = key[0]
-
-        def live(kept: tuple[float, str] | None) -> tuple[float, str] | None:
-            return kept if kept is not None and kept[0] > now else None
-
-        reply: Message
-        if ended := live(self.delivered.get(key)):
-            reply = Release(transfer_id=tid) if offer else Abort(transfer_id=tid, reason=ended[1])
-        elif ended := live(self.aborted.get(key)) or live(lost):
-            reply = Abort(transfer_id=tid, reason=ended[1][:2000])
-        else:
-            return False
-        out.append(Send(peer.identity, reply))
-        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": ended[1]}))
-        return True
-
-    def _cancel(self, now: float, identity: bytes, msg: Cancel, out: list[Effect]) -> None:
-        """End what nothing moves for yet of every rank's transfer `msg.transfer_id`; a rank
-        with none gets the ending remembered, so its Offer or Expect is answered at once."""
-        tid = msg.transfer_id
-        reason = f"the request was cancelled ({msg.reason or 'its front end gave up on it'})"
-        ended = left = 0
-        for rank in sorted({p.reg.rank for p in self.peers.values()} | {0}):  # every transfer has a peer of its rank
-            key = (tid, rank)
-            t = self.transfers.get(key)
-            if t is None:
-                if key not in self.delivered and key not in self.aborted:
-                    _remember(self.aborted, key, now + self.config.transfer_lease_s, reason)
-            elif cancellable(t.state, t.expected_by is not None):
-                self._abort(now, t, reason, out)
-                ended += 1
-            else:
-                left += 1
-        self.counters["cancelled"] += ended
-        out.append(Send(identity, Cancelled(transfer_id=tid, ended=ended, left=left)))
-        out.append(Note("transfer.cancelled", {"transfer_id": tid, "ended": ended, "left": left, "reason": reason}))
+            raise Unexpected(f"{type(msg).__name__} is a broker-to-peer message; peers may not send it")
 
     # -- routing and credit ---------------------------------------------------------
 
-    def _new(self, now: float, key: TransferKey, state: TransferState) -> Transfer:
-        if len(self.transfers) >= self.config.max_transfers:
-            raise _Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
-        t = Transfer(transfer_id=key[0], rank=key[1], state=state, lease_until=now + self.config.transfer_lease_s)
-        self.transfers[key] = t
+    def _new(self, now: float, tid: str, lane: Lane, decode_tp: int, state: TransferState) -> Transfer:
+        t = Transfer(transfer_id=tid, rank=lane.rank, source_rank=lane.source, state=state,
+                     lease_until=now + self.config.transfer_lease_s, decode_tp=decode_tp)
+        self.transfers[t.key] = t
+        self.by_tid.setdefault(tid, set()).add(t.key)
         return t
+
+    def _room_for(self, n: int) -> None:
+        if len(self.transfers) + n > self.config.max_transfers:
+            raise Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
 
     def _candidates(self, t: Transfer) -> list[Peer]:
         return [
@@ -672,6 +420,7 @@ class Broker:
             for p in self.peers.values()
             if p.pool is not None
             and p.reg.rank == t.rank
+            and p.reg.world_size == t.decode_tp
             and p.reg.compat_hash == t.compat_hash
             and p.peer_id not in t.tried
         ]
@@ -693,7 +442,7 @@ class Broker:
 
     def _await_named_prefill(self, now: float, t: Transfer) -> None:
         """An Expect names a prefill instance that is not registered: one lease for it to register in."""
-        if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.rank}"):
+        if t.expected_from and t.absent_until is None and not self._is_prefill(f"{t.expected_from}:{t.source_rank}"):
             t.absent_until = now + self.config.peer_lease_s
 
     def _is_prefill(self, peer_id: str) -> bool:
@@ -713,7 +462,13 @@ class Broker:
                 if prefill is not None and d.reg.compat_hash != t.compat_hash:
                     self._abort(now, t, f"{d.peer_id} cannot take it: {compat_diff(prefill.reg, d.reg)}", out)
                     return
+                if d.reg.world_size != t.decode_tp:
+                    self._abort(now, t, f"{d.peer_id} runs TP {d.reg.world_size}, but the transfer's lanes were "
+                                f"planned for TP {t.decode_tp}; name the decode instance in the request", out)
+                    return
                 break
+        if d is None and t.source_rank != t.rank:
+            d = self._with_siblings(t)
         if d is None:
             candidates = self._unclaimed_candidates(t)
             fits = [p for p in candidates if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
@@ -742,6 +497,17 @@ class Broker:
         d.pool.waiting[t.key] = None
         self._grant(d, out)
 
+    def _with_siblings(self, t: Transfer) -> Peer | None:
+        """The decode instance another lane of the transfer went to: a request's lanes
+        must all reach one instance, and unclaimed ones would be spread by pool room."""
+        for key in sorted(self.by_tid.get(t.transfer_id, ())):
+            other = self.transfers[key].decode
+            if other is not None and other in self.peers:
+                d = self.peers.get(f"{self.peers[other].reg.instance_id}:{t.rank}")
+                if d is not None and d in self._candidates(t):
+                    return d
+        return None
+
     def _grant(self, d: Peer, out: list[Effect]) -> None:
         """Serve waiting transfers FIFO while the head fits; a large head blocks the rest (no starvation)."""
         pool = d.pool
@@ -761,7 +527,7 @@ class Broker:
                     d.identity,
                     Prepare(
                         transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill,
-                        attempt=t.attempt, prompt=t.prompt,
+                        attempt=t.attempt, prompt=t.prompt, head_start=t.heads[0], head_stop=t.heads[1],
                     ),
                 )
             )
@@ -786,19 +552,32 @@ class Broker:
         """Remove a finished transfer from every table; its credit returns."""
         self._unroute(t, out)
         self.transfers.pop(t.key, None)
+        lanes_left = self.by_tid.get(t.transfer_id)
+        if lanes_left is not None:
+            lanes_left.discard(t.key)
+            if not lanes_left:
+                del self.by_tid[t.transfer_id]
         for pid in (t.prefill, t.expected_by, t.waiting_claim):
             if pid and pid in self.peers:
                 self.peers[pid].transfers.discard(t.key)
 
     def _abort(self, now: float, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None:
-        peers = {pid for pid in (t.prefill, t.decode, t.expected_by, t.waiting_claim)
-                 if pid and pid != skip and pid in self.peers}
-        self._drop(t, out)
-        _remember(self.aborted, t.key, now + self.config.transfer_lease_s, reason)
-        self.counters["aborted"] += 1
-        for pid in sorted(peers):
-            out.append(Send(self.peers[pid].identity, Abort(transfer_id=t.transfer_id, reason=reason[:2000])))
-        out.append(Note("transfer.aborted", {"transfer_id": t.transfer_id, "reason": reason}))
+        """End `t` and the other lanes into its decode rank (that rank needs them all). A
+        prefill peer hears of it once it has no lane of the transfer left: until then its
+        staging serves the others."""
+        tid = t.transfer_id
+        group = [t] + [s for k in sorted(self.by_tid.get(tid, ()))
+                       if (s := self.transfers[k]) is not t and s.rank == t.rank and s.decode_tp == t.decode_tp]
+        peers = {pid for s in group for pid in (s.decode, s.expected_by, s.waiting_claim)}
+        prefills = {s.prefill for s in group}
+        for s in group:
+            self._drop(s, out)
+            remember(self.aborted, s.key, now + self.config.transfer_lease_s, reason)
+            self.counters["aborted"] += 1
+        peers |= {pid for pid in prefills if pid and not self._feeds(pid, tid)}
+        for pid in sorted(pid for pid in peers if pid and pid != skip and pid in self.peers):
+            out.append(Send(self.peers[pid].identity, Abort(transfer_id=tid, reason=reason[:2000])))
+        out.append(Note("transfer.aborted", {"transfer_id": tid, "reason": reason}))
 
     # -- status ---------------------------------------------------------------------
 
@@ -845,7 +624,7 @@ class Broker:
         if t.state is S.EXPECTED:
             if not t.expected_from:
                 return "an Offer"
-            name = f"{t.expected_from}:{t.rank}"
+            name = f"{t.expected_from}:{t.source_rank}"
             return f"an Offer from {name}" + ("" if self._is_prefill(name) else " (not registered)")
         if t.state is S.UNROUTED:
             if self._hint_absent(t):
@@ -857,23 +636,3 @@ class Broker:
             return f"room in the pool of {t.decode}"
         step = f"Ready from {t.decode}" if t.state is S.PREPARING else f"Done from {t.decode}"
         return f"{step} ({t.waiting_claim} waits behind it)" if t.waiting_claim else step
-
-
-class _NotRegistered(RemoteProtocolError):
-    code = "not_registered"
-
-
-class _Refused(RemoteProtocolError):
-    code = "refused"
-
-
-class _Unknown(RemoteProtocolError):
-    code = "unknown_peer"
-
-
-class _Unexpected(RemoteProtocolError):
-    code = "unexpected"
-
-
-class _Busy(RemoteProtocolError):
-    code = "busy"

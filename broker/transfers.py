@@ -1,7 +1,10 @@
 """Transfer states and the one table of which message may move a transfer where.
 
-A transfer is keyed by (transfer_id, rank): each tensor-parallel rank of P sends its
-shard to the same rank of D. States, in order::
+A transfer is keyed by (transfer_id, lane): a lane is one (P rank, D rank) pair and
+the KV heads that move on it (`protocols.heads`). With equal TP sizes each rank of P
+sends its shard to the same rank of D and the lane is that rank; with different sizes
+a D rank gets a lane from each P rank that holds some of its heads, and a P rank feeds
+each D rank that needs some of its heads. States, in order::
 
     EXPECTED        D announced it waits; no Offer yet.
     UNROUTED        P offered; no live, compatible decode peer yet.
@@ -75,6 +78,12 @@ def check_transition(state: TransferState, msg_type: type, role: str, transfer_i
 TransferKey = tuple[str, int]
 
 
+def lane_id(source_rank: int, rank: int) -> int:
+    """The key's lane for P rank `source_rank` to D rank `rank`: the rank itself when
+    they are equal (so equal TP keys by rank), a number past every rank otherwise."""
+    return rank if source_rank == rank else (source_rank + 1) << 16 | rank
+
+
 def cancellable(state: TransferState, claimed: bool) -> bool:
     """Whether a front end's Cancel ends a transfer in `state` (`claimed`: a decode peer
     that holds its request expects it). Not once the Go is sent, nor once a decode peer
@@ -86,9 +95,15 @@ def cancellable(state: TransferState, claimed: bool) -> bool:
 @dataclass
 class Transfer:
     transfer_id: str
-    rank: int
+    rank: int  # the D rank
     state: TransferState
     lease_until: float
+    source_rank: int = -1  # the P rank (-1: the same as `rank`)
+    # The model's KV heads this lane moves ((0, 0): all of the P rank's), and the TP size
+    # of the decode instance the lane was planned for: a re-delivery goes to the same
+    # rank of an instance of that size.
+    heads: tuple[int, int] = (0, 0)
+    decode_tp: int = 0
     prefill: str | None = None
     decode: str | None = None
     expected_by: str | None = None
@@ -114,6 +129,10 @@ class Transfer:
     attempt: int = 0
     tried: set[str] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if self.source_rank < 0:
+            self.source_rank = self.rank
+
     @property
     def key(self) -> TransferKey:
-        return (self.transfer_id, self.rank)
+        return (self.transfer_id, lane_id(self.source_rank, self.rank))

@@ -319,6 +319,9 @@ class EngineInfo:
     world_size: int = 1
     rank: int = 0
     backend: str = ""
+    # The model's KV heads over all ranks (0: not known): with them, P and D may run
+    # different TP sizes (`protocols.heads`).
+    kv_heads: int = 0
 
 
 def kv_cache_spec_of(kv_cache_config: Any) -> Any:
@@ -328,10 +331,15 @@ def kv_cache_spec_of(kv_cache_config: Any) -> Any:
         ConfigError: a hybrid or attention-free model (not exactly one group).
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not groups:
+        raise ConfigError(
+            "this model keeps no KV cache (an attention-free model), so there is nothing for the KVBrokerConnector "
+            "to move; serve it without a kv_transfer_config."
+        )
     if len(groups) != 1:
         raise ConfigError(
-            f"the KVBrokerConnector moves models with one KV cache group; this one has {len(groups)} "
-            "(hybrid or attention-free models are not supported)."
+            f"the KVBrokerConnector moves models with one KV cache group; this one has {len(groups)} (a hybrid "
+            "model, such as sliding-window plus full attention), so serve it without a kv_transfer_config."
         )
     return groups[0].kv_cache_spec
 
@@ -364,7 +372,16 @@ def engine_info_from_vllm(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         world_size=world_size,
         rank=rank,
         backend=_attention_backend(vllm_config, spec, cache_dtype),
+        kv_heads=_total_kv_heads(vllm_config),
     )
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all TP ranks (0 where this vLLM does not say)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 (then only equal TP pairs, as before)
+        return 0
 
 
 def _attention_backend(vllm_config: Any, spec: Any, cache_dtype: str) -> str:

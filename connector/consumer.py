@@ -40,6 +40,7 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
 from __future__ import annotations
 
 import threading
+from functools import partial
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from workers.layout import scatter_layers_from_staging, staging_view, tail, tail
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
+from .lanes import Lane, lane_key, on_lane, release_ended, scatter_lanes
 from .scheduler import KvBrokerMetadata, LoadSpec
 
 # Programs (CTAs) of a scatter that overlaps later chunks' receives: at full width (about
@@ -122,6 +124,8 @@ class _Load:
     # lock, never after it). A landing then waits neither for another load's landing nor
     # for get_finished, and the lease cannot go back while a scatter from it is launched.
     landing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Heterogeneous TP: the lanes (by source) that bring this rank's heads (`connector.lanes`).
+    lanes: dict[str, Lane] = field(default_factory=dict)
 
 
 class ConsumerSide:
@@ -201,14 +205,15 @@ class ConsumerSide:
         if not done:
             return None
         finished: set[str] = set()
-        dones: list[tuple[str, int]] = []
+        dones: list[tuple[str, int, str]] = []
         aborts: list[tuple[str, str]] = []
         for load in done:
             scattered = False
             if load.state == "received":
                 error = self._scatter(load)
                 if error is None:
-                    dones.append((load.transfer_id, load.nbytes))
+                    dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
+                        (load.transfer_id, load.nbytes, "")]
                     scattered = True
                 else:
                     load.state, load.reason = "failed", error
@@ -220,6 +225,12 @@ class ConsumerSide:
                 # scattered (or some chunks were): the room goes back once that ran; else at once
                 self._give_back(load.lease, scattered, load.scattered)
                 load.lease = None
+            with w.lock:  # a lane still receiving frees its own lease when it ends
+                lane_leases = [lane.lease for lane in load.lanes.values() if not lane.active and lane.lease is not None]
+                for lane in load.lanes.values():
+                    lane.lease = lane.lease if lane.active else None
+            for lease in lane_leases:
+                self._give_back(lease, scattered, None)
             finished.add(load.spec.req_id)
             if load.state != "failed":
                 continue
@@ -285,7 +296,11 @@ class ConsumerSide:
             self._give_up_stuck(load)
         with w.lock:
             for load in self._loads.values():
-                if load.state == "waiting" and (now > load.deadline or load.spec.req_id in finished_req_ids):
+                # A load some of whose lanes came, waiting for another lane's Prepare, waits as one.
+                between_lanes = load.state == "receiving" and load.lanes and not any(
+                    lane.active for lane in load.lanes.values())
+                if (load.state == "waiting" or between_lanes) and (
+                        now > load.deadline or load.spec.req_id in finished_req_ids):
                     load.state = "failed"
                     load.reason = (
                         f"no Prepare within the load deadline of {w.config.load_timeout_s:g} s"
@@ -309,6 +324,20 @@ class ConsumerSide:
             self._fail(load, reason, telling=False)
             return
         assert self.receiver is not None
+        for lane in list(load.lanes.values()):  # heterogeneous TP: each lane's receive, then its lease
+            if lane.active:
+                try:
+                    self.receiver.cancel_blocking(lane_key(load.transfer_id, lane.source), reason)
+                    lane.active = False
+                except TcpTransportError as exc:
+                    self.w.log.error("transfer.lease_quarantined", transfer_id=load.transfer_id, reason=str(exc))
+                    with self.w.lock:
+                        if lane.lease is not None:
+                            self._quarantined.append(lane.lease)
+                            lane.lease = None
+        if load.lanes:
+            self._fail(load, reason, telling=False)
+            return
         try:
             self.receiver.cancel_blocking(load.transfer_id, reason)
         except TcpTransportError as exc:
@@ -316,9 +345,11 @@ class ConsumerSide:
         self._fail(load, reason, telling=False)
 
     def _fail(self, load: _Load, reason: str, *, telling: bool) -> bool:
-        """Mark `load` failed and free its lease; True if the caller must tell the broker now.
-        Waits for a chunk's landing under way, whose scatter reads the lease."""
+        """Mark `load` failed and free its lease (its lanes' whose receive ended); True if
+        the caller must tell the broker now. Waits for a chunk's landing under way, whose
+        scatter reads the lease."""
         with load.landing, self.w.lock:
+            lane_leases = release_ended(self.w, load)
             lease, load.lease = load.lease, None
             load.state, load.reason = "failed", load.reason or reason
             tell = telling and not load.settled
@@ -329,6 +360,8 @@ class ConsumerSide:
                 lease = None
         if lease is not None:
             lease.release()
+        for lane_lease in lane_leases:
+            lane_lease.release()
         return tell
 
     def _quarantine(self, load: _Load, why: str) -> None:
@@ -348,18 +381,24 @@ class ConsumerSide:
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
         w, spec = self.w, load.spec
-        assert load.lease is not None
+        assert load.lease is not None or load.lanes
         count = len(spec.block_ids) - spec.num_cached_blocks
         try:
             if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
-                self._inject_fault(load.transfer_id, load.lease.tensor)
+                for lease in [load.lease] if load.lease is not None else [lane.lease for lane in load.lanes.values()]:
+                    assert lease is not None
+                    self._inject_fault(load.transfer_id, lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
+            if load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
+                scatter_lanes(w, load, list(targets), count)
+            elif load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
                 torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
+                assert load.lease is not None
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
             else:
+                assert load.lease is not None
                 staging = staging_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
                 scatter_layers_from_staging(staging, w.staged_layers, targets)
         except Exception as exc:
@@ -421,11 +460,14 @@ class ConsumerSide:
             await self.w.send_bounded("expect", tid, client.expect, tid, load.spec.prefill)
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
 
-    async def _finish(self, dones: list[tuple[str, int]], aborts: list[tuple[str, str]]) -> None:
+    async def _finish(self, dones: list[tuple[str, int, str]], aborts: list[tuple[str, str]]) -> None:
         assert self.w.client is not None
         client = self.w.client.client
-        for tid, nbytes in dones:
-            await self.w.send_bounded("done", tid, client.done, tid, nbytes)
+        for tid, nbytes, source in dones:
+            if source:  # one lane of several: the Done names it
+                await self.w.send_bounded("done", tid, partial(client.done, source=source), tid, nbytes)
+            else:
+                await self.w.send_bounded("done", tid, client.done, tid, nbytes)
         for tid, reason in aborts:
             await self._abort(tid, reason)
 
@@ -447,6 +489,9 @@ class ConsumerSide:
             load = await self._wait_for_request(tid)
             if load is None:
                 return
+        if msg.head_stop:  # one of the lanes of a producer of another TP size
+            await on_lane(self, msg, load, arrived)
+            return
         with w.lock:
             start = load.state == "waiting"
             if start:
@@ -744,6 +789,10 @@ class ConsumerSide:
         if self.w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
             await anyio.to_thread.run_sync(self.w.nccl.cancel, load.source, load.transfer_id)  # blocks: off the loop
         scope.cancel()
+        for lane in list(load.lanes.values()):
+            lane.scope.cancel()
+        if load.lanes and not any(lane.active for lane in load.lanes.values()):
+            self._fail(load, load.reason, telling=False)  # no lane's task is left to end it
 
 def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
     """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES (caller holds the lock)."""

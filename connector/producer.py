@@ -48,6 +48,7 @@ from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender
 
+from .lanes import lane_key, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
@@ -450,9 +451,15 @@ class ProducerSide:
                     ours = (f"decode peer {msg.decode} advertises no tcp endpoint; run prefill and decode with "
                             "the same transport")
                     raise TransferFailed(tid, ours)
-                data = staged.lease.tensor[msg.offset : msg.offset + msg.nbytes]
+                key, data = tid, staged.lease.tensor
+                if msg.head_stop:  # a decode rank of another TP size takes some of this rank's heads
+                    assert w.client is not None
+                    key = lane_key(tid, w.client.registered.peer_id)
+                    # a copy of the lane's heads (tens of ms for a long prompt): off the client's loop
+                    data = await anyio.to_thread.run_sync(split_for_go, w, staged.staging, msg.head_start,
+                                                          msg.head_stop)
                 with anyio.fail_after(w.config.load_timeout_s):
-                    await self.sender.send(endpoint, tid, msg.attempt, data)
+                    await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
         except (TransferFailed, TimeoutError, OSError) as exc:
             # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"

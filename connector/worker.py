@@ -24,13 +24,18 @@ the compute stream waits for those copies when it is (`connector.consumer`).
 Compatibility
 -------------
 P and D must agree on everything that shapes a block's bytes: model, dtype, KV cache
-dtype, block size, layer count, KV heads, head size, layout kind, attention kernel
-variant (the CPU kernel stores K transposed per ISA) and tensor-parallel size; and on
-how the bytes travel: the transport and, over nccl, how a transfer is cut into ops
-(`nccl_link.plan`). Those
+dtype, block size, layer count, KV heads, head size, layout kind and attention kernel
+variant (the CPU kernel stores K transposed per ISA); and on how the bytes travel: the
+transport and, over nccl, how a transfer is cut into ops (`nccl_link.plan`). Those
 fields travel in ``Register.compat`` with their hash; the broker refuses a peer that
 matches no peer of the other role and names the fields that differ
 ("dtype: float16 vs bfloat16").
+
+The tensor-parallel size may differ over tcp when the model's KV heads are known
+(`EngineInfo.kv_heads`) or the cache is MLA's replicated latent: the hash then holds
+the model's KV heads instead of a rank's, and the broker plans lanes between the ranks
+(`connector.lanes`), refusing sizes that do not split the heads. Otherwise, and over
+nccl, the TP sizes must be equal.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import structlog
 import torch
 
 from protocols.channel import curve_client_keys
+from protocols.heads import rank_heads
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from workers.gpu_staging import PagedKv
@@ -71,8 +77,22 @@ def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transp
     `transport` is the config's; over nccl both sides must also cut a transfer into the
     same chunks (`connector.nccl_link.plan`)."""
     spec = CacheSpec.from_vllm(info.spec)
+    hetero = transport == "tcp" and (info.kv_heads > 0 or spec.use_mla)
     if transport == "nccl":
         transport = f"nccl, {plan()}"
+    if hetero:  # what a rank holds may differ: the model's heads, the cache's shape per head must not
+        return {
+            "transport": transport,
+            "model": info.model,
+            "dtype": str(layout.dtype).removeprefix("torch."),
+            "kv_cache_dtype": info.kv_cache_dtype,
+            "block_size": str(info.block_size),
+            "num_layers": str(num_layers),
+            "kv_heads": "mla" if spec.use_mla else str(info.kv_heads),
+            "head_size": str(spec.head_size),
+            "layout": layout.kind,
+            "backend": info.backend or "unknown",
+        }
     return {
         "transport": transport,
         "model": info.model,
@@ -133,6 +153,7 @@ class ConnectorWorker:
         self.staged_layers: list[tuple[torch.Tensor, LayerLayout]] = []  # (cache, layout) in staged order
         self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
+        self.heads = (0, 0)  # the model's KV heads this rank holds (`protocols.heads`)
         self.compat: dict[str, str] = {}
         self.pool: BufferPool | None = None
         self.client: SyncBrokerClient | None = None
@@ -188,6 +209,11 @@ class ConnectorWorker:
         self.block_nbytes = first.block_nbytes
         self.staged_layers = [(self.caches[name], self.layouts[name]) for name in self.layers]
         self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport)
+        lanes = "kv_heads" in self.compat  # this rank may pair with ranks of another TP size
+        if lanes:
+            self.heads = rank_heads(self.info.kv_heads, self.info.world_size, self.info.rank, replicated=spec.use_mla)
+        else:
+            self.heads = (0, spec.num_kv_heads)
         if nccl:
             self.paged = self._triton_copies(first)
         else:
@@ -210,6 +236,8 @@ class ConnectorWorker:
             compat_hash=compat_hash(self.compat),
             compat=self.compat,
             claims_only=not self.is_producer,  # vLLM loads KV only for requests it holds
+            kv_heads=self.info.kv_heads if lanes and not spec.use_mla else 0,
+            kv_replicated=lanes and spec.use_mla,
         )
         pool = self.pool
         client = BrokerClient(

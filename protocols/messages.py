@@ -27,8 +27,9 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta
 
-# History: 1 = first release.
-PROTOCOL_VERSION = 1
+# History: 1 = first release. 2 = heterogeneous TP: Register.kv_heads/kv_replicated,
+# the head run a lane moves in Prepare and Go, the lane's source in Ready and Done.
+PROTOCOL_VERSION = 2
 
 Role = Literal["prefill", "decode"]
 Id = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -80,6 +81,13 @@ class Register(_Msg, kw_only=True, tag="register"):
     # guesses between several such peers for an Offer nobody claimed yet; it waits for
     # the Expect. False: any transfer routed here is welcome (a pool that serves anyone).
     claims_only: bool = False
+    # The model's KV heads over all `world_size` ranks (0: not told, or a cache with no
+    # head axis): with them a prefill and a decode instance of different TP sizes pair,
+    # each decode rank receiving its heads from the prefill ranks that hold them
+    # (`protocols.heads`). `kv_replicated`: every rank holds the whole cache (MLA's
+    # latent), so any prefill rank's copy serves any decode rank.
+    kv_heads: Count = 0
+    kv_replicated: bool = False
 
 
 class Registered(_Msg, kw_only=True, tag="registered"):
@@ -124,6 +132,11 @@ class Prepare(_Msg, kw_only=True, tag="prepare"):
     source: Id
     attempt: Count = 0
     prompt: Digest = ""
+    # The model's KV heads [head_start, head_stop) this lane brings (both 0: all of the
+    # source rank's, which are the receiving rank's: equal TP). `layout.block_nbytes` is
+    # then that run's share of a block.
+    head_start: Count = 0
+    head_stop: Count = 0
 
 
 class Ready(_Msg, kw_only=True, tag="ready"):
@@ -136,6 +149,8 @@ class Ready(_Msg, kw_only=True, tag="ready"):
     # on the same communicator in the same order (NCCL pairs ops by posting order).
     comm: OptId = ""
     seq: Count = 0
+    # The Prepare's source: with several lanes into one rank, the one this answers.
+    source: OptId = ""
 
 
 class Go(_Msg, kw_only=True, tag="go"):
@@ -147,11 +162,15 @@ class Go(_Msg, kw_only=True, tag="go"):
     attempt: Count = 0
     comm: OptId = ""  # Ready's, relayed
     seq: Count = 0
+    # The heads to send, as in Prepare: the sender cuts them out of its staging.
+    head_start: Count = 0
+    head_stop: Count = 0
 
 
 class Done(_Msg, kw_only=True, tag="done"):
     transfer_id: Id
     nbytes: Bytes = 0
+    source: OptId = ""  # as in Ready
 
 
 class Release(_Msg, kw_only=True, tag="release"):

@@ -312,12 +312,15 @@ class BrokerClient:
         if announce:
             await self.send(msg, tracked=True)
 
-    async def ready(self, transfer_id: str, nbytes: int, offset: int = 0, *, comm: str = "", seq: int = 0) -> None:
-        await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes, comm=comm, seq=seq))
+    async def ready(
+        self, transfer_id: str, nbytes: int, offset: int = 0, *, comm: str = "", seq: int = 0, source: str = ""
+    ) -> None:
+        """`source`: the Prepare's, where several lanes (prefill ranks) feed this rank."""
+        await self.send(Ready(transfer_id=transfer_id, offset=offset, nbytes=nbytes, comm=comm, seq=seq, source=source))
 
-    async def done(self, transfer_id: str, nbytes: int) -> None:
+    async def done(self, transfer_id: str, nbytes: int, *, source: str = "") -> None:
         self._expects.pop(transfer_id, None)
-        await self.send(Done(transfer_id=transfer_id, nbytes=nbytes))
+        await self.send(Done(transfer_id=transfer_id, nbytes=nbytes, source=source))
 
     async def abort(self, transfer_id: str, reason: str) -> None:
         self._offers.pop(transfer_id, None)

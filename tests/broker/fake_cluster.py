@@ -66,8 +66,14 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
                 assert b.transfers[key].state is S.WAITING_CREDIT and b.transfers[key].decode == pid
             if pool.waiting:  # FIFO: the head waits only because it does not fit
                 assert pool.credit_for(b.transfers[next(iter(pool.waiting))].nbytes) > pool.free
+    assert b.by_tid == {tid: {k for k in b.transfers if k[0] == tid} for tid in {k[0] for k in b.transfers}}
     for key, t in b.transfers.items():
         assert t.key == key
+        # a lane joins a P peer of its source rank to a D peer of its rank
+        for ref, rank in ((t.prefill, t.source_rank), (t.decode, t.rank), (t.expected_by, t.rank)):
+            assert ref is None or ref not in b.peers or b.peers[ref].reg.rank == rank, (key, ref)
+        if t.decode is not None and t.decode in b.peers:
+            assert b.peers[t.decode].reg.world_size == t.decode_tp
         assert t.waiting_claim is None or (
             t.waiting_claim not in (t.decode, t.expected_by) and (t.expected_by or t.decode) is not None)
         for ref in (t.prefill, t.decode, t.expected_by, t.waiting_claim):
@@ -84,7 +90,7 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
         # or an unrouted Offer's decode instance.
         assert t.absent_until is None or (t.state is S.EXPECTED and t.expected_from) or (
             t.state is S.UNROUTED and t.decode_hint)
-        named = b.peers.get(f"{t.expected_from}:{t.rank}")
+        named = b.peers.get(f"{t.expected_from}:{t.source_rank}")
         if t.state is S.EXPECTED and t.expected_from and (named is None or named.role != "prefill"):
             assert t.absent_until is not None, f"{key} waits for {t.expected_from}, which is absent, with no deadline"
         if t.state is S.EXPECTED:
@@ -146,13 +152,13 @@ class FakePeer:
     def expect_from(self, tid: str, prefill: str) -> list[Send | Note]:
         return self.send(Expect(transfer_id=tid, prefill=prefill))
 
-    def ready(self, tid: str, nbytes: int | None = None, offset: int = 0) -> list[Send | Note]:
+    def ready(self, tid: str, nbytes: int | None = None, offset: int = 0, *, source: str = "") -> list[Send | Note]:
         if nbytes is None:
-            nbytes = self.cluster.prepared[(self.identity, tid)].nbytes - offset
-        return self.send(Ready(transfer_id=tid, offset=offset, nbytes=nbytes))
+            nbytes = self.cluster.prepared[(self.identity, tid + source)].nbytes - offset
+        return self.send(Ready(transfer_id=tid, offset=offset, nbytes=nbytes, source=source))
 
-    def done(self, tid: str, nbytes: int = 0) -> list[Send | Note]:
-        return self.send(Done(transfer_id=tid, nbytes=nbytes))
+    def done(self, tid: str, nbytes: int = 0, *, source: str = "") -> list[Send | Note]:
+        return self.send(Done(transfer_id=tid, nbytes=nbytes, source=source))
 
     def abort(self, tid: str, reason: str = "") -> list[Send | Note]:
         return self.send(Abort(transfer_id=tid, reason=reason))
@@ -225,6 +231,7 @@ class FakeCluster:
             self.inboxes[e.identity].append(e.msg)
             if isinstance(e.msg, Prepare):
                 self.prepared[(e.identity, e.msg.transfer_id)] = e.msg
+                self.prepared[(e.identity, e.msg.transfer_id + e.msg.source)] = e.msg
         if self.check:
             check_invariants(self.broker, ticked_at=self.now if ticked else None)
 
@@ -242,6 +249,8 @@ class FakeCluster:
         identity: bytes | None = None,
         incarnation: str = "",
         claims_only: bool = False,
+        kv_heads: int = 0,
+        kv_replicated: bool = False,
     ) -> FakePeer:
         """Send a Register; the reply (Registered or Error) is left in the peer's inbox."""
         reg = Register(
@@ -256,6 +265,8 @@ class FakeCluster:
             compat=compat or {},
             incarnation=incarnation,
             claims_only=claims_only,
+            kv_heads=kv_heads,
+            kv_replicated=kv_replicated,
         )
         peer = FakePeer(self, identity or f"{instance}/{rank}".encode(), reg)
         self.peers.append(peer)

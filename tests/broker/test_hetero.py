@@ -1,0 +1,250 @@
+"""The broker core with prefill and decode instances of different TP sizes: lanes per
+(P rank, D rank) pair, each D rank's pool credited for its own lanes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.transfers import TransferState, lane_id
+from protocols.heads import lanes, rank_heads
+from protocols.messages import Abort, Cancel, Error, Go, Layout, Prepare, Registered, Release
+
+from .fake_cluster import FakeCluster, FakePeer
+
+S = TransferState
+
+
+@pytest.fixture
+def c() -> FakeCluster:
+    return FakeCluster()
+
+
+LAYOUT = Layout(kind="kv_first", dtype="bfloat16", num_layers=2, num_blocks=4, block_nbytes=64)
+
+
+def instance(c: FakeCluster, name: str, role: str, tp: int, *, heads: int = 4, pool: int = 1000,
+             replicated: bool = False, claims_only: bool = False) -> list[FakePeer]:
+    peers = []
+    for r in range(tp):
+        if role == "prefill":
+            peers.append(c.prefill(name, rank=r, world_size=tp, kv_heads=heads, kv_replicated=replicated))
+        else:
+            peers.append(c.decode(name, pool=pool, rank=r, world_size=tp, kv_heads=heads, kv_replicated=replicated,
+                                  claims_only=claims_only))
+    return peers
+
+
+def test_hetero_p_tp1_to_d_tp2_splits_heads_and_releases_once(c: FakeCluster) -> None:
+    [p] = instance(c, "p", "prefill", 1)
+    d0, d1 = instance(c, "d", "decode", 2)
+    p.offer("t", 512, layout=LAYOUT, decode="d")
+    half = Layout(kind="kv_first", dtype="bfloat16", num_layers=2, num_blocks=4, block_nbytes=32)
+    assert d0.take_one(Prepare) == Prepare(transfer_id="t", nbytes=256, layout=half, source="p:0", head_start=0,
+                                           head_stop=2)
+    assert d1.take_one(Prepare) == Prepare(transfer_id="t", nbytes=256, layout=half, source="p:0", head_start=2,
+                                           head_stop=4)
+    assert c.pool(d0) == (1000, 256, 0) and c.pool(d1) == (1000, 256, 0)
+    d1.ready("t", source="p:0")
+    d0.ready("t", offset=64, source="p:0")  # D rank 0 holds the first block already
+    gos = p.take()
+    assert [(g.decode, g.offset, g.nbytes, g.head_start, g.head_stop) for g in gos if isinstance(g, Go)] == [
+        ("d:1", 0, 256, 2, 4), ("d:0", 64, 192, 0, 2)]
+    d0.done("t", 192, source="p:0")
+    assert p.take() == []  # its staging still serves D rank 1
+    d1.done("t", 256, source="p:0")
+    assert p.take_one(Release) == Release(transfer_id="t")
+    assert c.broker.transfers == {} and c.pool(d0)[1] == c.pool(d1)[1] == 0
+    assert c.status().counters["completed"] == 2
+
+
+def test_hetero_p_tp2_to_d_tp1_merges_two_lanes_into_one_rank(c: FakeCluster) -> None:
+    p0, p1 = instance(c, "p", "prefill", 2)
+    [d] = instance(c, "d", "decode", 1)
+    p1.offer("t", 256, layout=LAYOUT, decode="d")
+    p0.offer("t", 256, layout=LAYOUT, decode="d")
+    preps = d.take()
+    assert sorted((m.source, m.nbytes, m.head_start, m.head_stop) for m in preps if isinstance(m, Prepare)) == [
+        ("p:0", 256, 0, 2), ("p:1", 256, 2, 4)]
+    assert c.pool(d) == (1000, 512, 0)
+    d.ready("t", source="p:1")
+    assert p1.take_one(Go).head_start == 2 and p0.take() == []
+    d.ready("t", source="p:0")
+    assert p0.take_one(Go).head_stop == 2
+    d.done("t", 256, source="p:0")
+    assert p0.take_one(Release) == Release(transfer_id="t") and p1.take() == []
+    assert c.pool(d) == (1000, 256, 0)
+    d.done("t", 256, source="p:1")
+    assert p1.take_one(Release) == Release(transfer_id="t")
+    assert c.pool(d) == (1000, 0, 0)
+
+
+def test_hetero_expect_before_offer_plans_lanes_from_the_named_prefill(c: FakeCluster) -> None:
+    p0, p1 = instance(c, "p", "prefill", 2)
+    [d] = instance(c, "d", "decode", 1, claims_only=True)
+    d.expect_from("t", "p")
+    assert {k: t.state for k, t in c.broker.transfers.items()} == {
+        ("t", lane_id(0, 0)): S.EXPECTED, ("t", lane_id(1, 0)): S.EXPECTED}
+    p0.offer("t", 100)
+    p1.offer("t", 100)
+    assert sorted(m.source for m in d.take() if isinstance(m, Prepare)) == ["p:0", "p:1"]
+
+
+def test_hetero_unnamed_instances_plan_against_the_one_tp_size_registered(c: FakeCluster) -> None:
+    """No instance named: every decode instance runs TP 2, so the Offer is planned for it."""
+    [p] = instance(c, "p", "prefill", 1)
+    d0, d1 = instance(c, "d", "decode", 2)
+    p.offer("t", 100)
+    assert [m.head_start for m in d0.take()] == [0] and [m.head_start for m in d1.take()] == [2]
+
+
+def test_hetero_a_decode_instance_of_another_size_than_planned_is_refused_for_it(c: FakeCluster) -> None:
+    [p] = instance(c, "p", "prefill", 1)
+    instance(c, "a", "decode", 2, claims_only=True)
+    b0, b1, b2, b3 = instance(c, "b", "decode", 4, claims_only=True)
+    p.offer("t", 100)  # two sizes registered and none named: planned as equal TP
+    b0.expect("t")
+    [abort] = [m for m in b0.take() if isinstance(m, Abort)]
+    assert "runs TP 4, but the transfer's lanes were planned for TP 1" in abort.reason
+
+
+def test_hetero_registration_refuses_heads_that_cannot_split(c: FakeCluster) -> None:
+    instance(c, "p", "prefill", 2, heads=6)
+    peer = c.register("d", "decode", pool=100, rank=0, world_size=4, kv_heads=6)
+    [err] = peer.take()
+    assert isinstance(err, Error) and err.code == "refused"
+    assert err.detail == (
+        "prefill instance p (TP 2) cannot feed decode instance d (TP 4): 6 KV heads do not split over 4 ranks "
+        "(neither count divides the other) on the decode side; serve both with TP sizes that divide the model's "
+        "KV heads, or with equal TP")
+    # without a head count, only equal TP pairs
+    c2 = FakeCluster()
+    c2.prefill("p", world_size=2, rank=0)
+    lone = c2.register("d", "decode", pool=100, world_size=1)
+    [err] = lone.take()
+    assert isinstance(err, Error) and "prefill TP 2 and decode TP 1 must be equal" in err.detail
+    ok = c2.register("e", "decode", pool=100, world_size=2, rank=1)
+    assert isinstance(ok.take_one(Registered), Registered)
+
+
+def test_hetero_a_lost_prefill_rank_aborts_every_lane_into_its_decode_rank(c: FakeCluster) -> None:
+    """D rank 0 needs both P ranks' heads: losing P rank 1 ends P rank 0's lane to it too,
+    and P rank 0, whose staging then serves nobody, is told."""
+    p0, p1 = instance(c, "p", "prefill", 2)
+    [d] = instance(c, "d", "decode", 1)
+    p0.offer("t", 100, decode="d")
+    p1.offer("t", 100, decode="d")
+    d.take()
+    p1.goodbye()
+    assert [type(m) for m in d.take()] == [Abort] and [type(m) for m in p0.take()] == [Abort]
+    assert c.broker.transfers == {} and c.pool(d) == (1000, 0, 0)
+
+
+def test_hetero_one_decode_rank_failing_leaves_the_others_lanes(c: FakeCluster) -> None:
+    [p] = instance(c, "p", "prefill", 1)
+    d0, d1 = instance(c, "d", "decode", 2)
+    p.offer("t", 100, decode="d")
+    d0.take(), d1.take()
+    d1.abort("t", "load failed")
+    assert p.take() == []  # the lane to D rank 0 still needs its staging
+    d0.ready("t", source="p:0")
+    assert p.take_one(Go).decode == "d:0"
+    d0.done("t", 50, source="p:0")
+    assert p.take_one(Release) == Release(transfer_id="t")
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 4), (4, 1)])
+def test_hetero_mla_takes_one_prefill_copy_per_decode_rank(c: FakeCluster, p_tp: int, d_tp: int) -> None:
+    ps = instance(c, "p", "prefill", p_tp, heads=1, replicated=True)
+    ds = instance(c, "d", "decode", d_tp, heads=1, replicated=True)
+    for p in ps:
+        p.offer("t", 100, decode="d")
+    for r, d in enumerate(ds):
+        [prep] = d.take()
+        assert isinstance(prep, Prepare) and prep.source == f"p:{r % p_tp}" and prep.nbytes == 100
+    unused = [p for p in ps if p.reg.rank >= d_tp]  # replicas nobody needs: released at once
+    for p in unused:
+        assert p.take_one(Release) == Release(transfer_id="t")
+
+
+def test_hetero_a_cancel_ends_a_decode_ranks_lanes_together(c: FakeCluster) -> None:
+    p0, p1 = instance(c, "p", "prefill", 2)
+    [d] = instance(c, "d", "decode", 1, pool=300)
+    p0.offer("t", 200, decode="d")
+    p1.offer("t", 200, decode="d")  # waits for credit while p0's lane holds it
+    d.ready("t", source="p:0")  # p0's lane moves
+    c.deliver(b"gw", Cancel(transfer_id="t"))
+    assert len(c.broker.transfers) == 2  # one lane moves: the rank's lanes go on together
+    assert c.state("t", lane_id(1, 0)) is S.WAITING_CREDIT
+
+
+# -- credit conservation across rank pairs -------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    heads=st.sampled_from([4, 8]),
+    p_tp=st.sampled_from([1, 2, 4]),
+    d_tp=st.sampled_from([1, 2, 4]),
+    pool=st.integers(100, 900),
+    transfers=st.integers(1, 4),
+    steps=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 99)), max_size=60),
+)
+def test_hetero_credit_is_conserved_across_rank_pairs(
+    heads: int, p_tp: int, d_tp: int, pool: int, transfers: int, steps: list[tuple[int, int]]
+) -> None:
+    """Random Offers, Readies, Dones, Aborts, lost peers and clock jumps between a P and a
+    D instance of any TP sizes: the cluster checks after every message that each D rank's
+    pool holds exactly its granted lanes' credit; a Done ends one lane; at the end every
+    pool is whole again, and each D rank got each of its heads from exactly one lane."""
+    c = FakeCluster()
+    ps = instance(c, "p", "prefill", p_tp, heads=heads)
+    ds = instance(c, "d", "decode", d_tp, heads=heads, pool=pool)
+    got: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    tids = [f"t{i}" for i in range(transfers)]
+    for tid in tids:
+        for p in ps:
+            p.offer(tid, 64 * heads // p_tp, decode="d")
+    for kind, pick in steps:
+        live = sorted(c.broker.transfers)
+        if kind == 5:
+            c.advance(0.5 + pick / 10)
+            continue
+        if not live:
+            break
+        t = c.broker.transfers[live[pick % len(live)]]
+        d = ds[t.rank]
+        source = f"p:{t.source_rank}"
+        if kind <= 2 and t.state is S.PREPARING:
+            d.ready(t.transfer_id, source=source)
+        elif kind <= 3 and t.state is S.SENDING:
+            got.setdefault((t.transfer_id, t.rank), []).append(t.heads)
+            d.done(t.transfer_id, t.nbytes, source=source)
+        elif kind == 4 and pick % 7 == 0:
+            d.abort(t.transfer_id, "gave up")
+    # drive what is left to its end
+    for _ in range(4 * len(tids) * max(p_tp, d_tp)):
+        for key in sorted(c.broker.transfers):
+            t = c.broker.transfers.get(key)
+            if t is None:
+                continue
+            source = f"p:{t.source_rank}"
+            if t.state is S.PREPARING:
+                ds[t.rank].ready(t.transfer_id, source=source)
+            elif t.state is S.SENDING:
+                got.setdefault((t.transfer_id, t.rank), []).append(t.heads)
+                ds[t.rank].done(t.transfer_id, t.nbytes, source=source)
+    c.advance(100.0)
+    assert c.broker.transfers == {}
+    for d in ds:
+        assert c.pool(d) == (pool, 0, 0)
+    plan = lanes(heads, p_tp, d_tp)
+    for (tid, rank), runs in got.items():
+        if p_tp == d_tp:
+            assert runs == [(0, 0)]
+            continue
+        want = [(lane.start, lane.stop) for lane in plan if lane.rank == rank]
+        assert len(runs) == len(set(runs)) and set(runs) <= set(want)
+        if len(runs) == len(want):  # delivered in full: exactly its heads, each once
+            assert sorted(h for a, b in runs for h in range(a, b)) == list(range(*rank_heads(heads, d_tp, rank)))

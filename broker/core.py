@@ -49,7 +49,6 @@ Invariants this module keeps (each one has a test):
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import get_args
 
 from protocols.errors import RemoteProtocolError
@@ -81,6 +80,7 @@ from .handshake import Handshake
 from .lanes import pairing_refusal
 from .latency import PHASES, Histogram
 from .ledger import (
+    BrokerConfig,
     Busy,
     Effect,
     Note,
@@ -102,29 +102,6 @@ __all__ = ["Broker", "BrokerConfig", "Effect", "Note", "Send"]
 
 S = TransferState
 _MAX_ID: int = get_args(Id)[1].max_length  # peer ids travel in Id fields (Registered, Prepare.source, Go.decode)
-
-
-@dataclass(frozen=True)
-class BrokerConfig:
-    heartbeat_s: float = 1.0
-    peer_lease_s: float = 5.0
-    transfer_lease_s: float = 30.0
-    credit_timeout_s: float = 10.0
-    max_attempts: int = 3
-    max_transfers: int = 100_000
-    max_peers: int = 4096
-    # Whether to note each message step of a transfer too (its Prepare sent, its Go
-    # relayed): the shell logs them at debug level, and asks for them only then.
-    note_steps: bool = False
-
-    def __post_init__(self) -> None:
-        if self.peer_lease_s <= self.heartbeat_s:
-            raise ValueError(
-                f"peer_lease_s ({self.peer_lease_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
-                "or every peer is evicted between two heartbeats"
-            )
-        if min(self.transfer_lease_s, self.credit_timeout_s) <= 0 or self.max_attempts < 1:
-            raise ValueError("transfer_lease_s and credit_timeout_s must be > 0 and max_attempts >= 1")
 
 
 class Broker(Handshake):

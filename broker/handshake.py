@@ -26,7 +26,7 @@ from protocols.messages import (
 )
 
 from .lanes import lane_share, one_size, plan, wire_heads
-from .ledger import Effect, Note, Peer, Send, rank_in, remember
+from .ledger import BrokerConfig, Effect, Note, Peer, Send, rank_in, remember
 from .transfers import (
     HOLDS_CREDIT,
     ProtocolViolation,
@@ -41,7 +41,6 @@ from .transfers import (
 if TYPE_CHECKING:
     from collections import OrderedDict
 
-    from .core import BrokerConfig
     from .latency import Histogram
 
 S = TransferState

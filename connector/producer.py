@@ -35,9 +35,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -76,6 +77,11 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
+    # nccl into D's blocks: sends posted during the forward pass (communicator, send number,
+    # blocks), each told by the compute stream how many layers are gathered (`_mark`)
+    streams: list[tuple[Any, int, int]] = field(default_factory=list)
+    gathered: int = 0  # layers 0..gathered-1 are gathered (enqueued): what a streamed send may copy
+    settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
 
 
 @dataclass
@@ -100,6 +106,14 @@ class ProducerSide:
         self._step: list[tuple[str, _Staged]] = []
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
+        self._marks: torch.cuda.Stream | None = None  # `_Streaming.started`'s late marks
+
+    def marks_stream(self) -> torch.cuda.Stream:
+        """A stream for marks made off the main thread (made on first use)."""
+        assert self.w.paged is not None
+        if self._marks is None:
+            self._marks = torch.cuda.Stream(self.w.paged.device)
+        return self._marks
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
@@ -274,6 +288,24 @@ class ProducerSide:
                     staged.layers_done.add(idx)
         if failed:
             self._copy_failed(layer_name, failed)
+        self._mark_gathered()
+
+    def _mark_gathered(self) -> None:
+        """Tell the sends posted during the forward pass (`_Streaming`) how many layers of
+        their copy are gathered, on the compute stream after those gathers: the copy
+        kernel reads a layer's rows only after that mark (the seed's invariant)."""
+        w = self.w
+        marks = []
+        with w.lock:
+            for _, staged in self._step:
+                while staged.gathered in staged.layers_done:
+                    staged.gathered += 1
+                if staged.streams:
+                    marks += [(comm, seq, count * staged.gathered) for comm, seq, count in staged.streams]
+        if marks and w.paged is not None:
+            stream = torch.cuda.current_stream(w.paged.device)
+            for comm, seq, blocks in marks:
+                comm.mark_staged(stream, seq, blocks * w.paged.pre)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -301,10 +333,16 @@ class ProducerSide:
                 self._drop(tid, "aborted", reason)  # offered at bind: D's load fails now, not at its deadline
                 continue
             w.count("staged")
-            with w.lock:
+            with w.lock:  # one section: a send posted meanwhile is marked here or by itself
                 staged.event = event
                 staged.complete = True
                 waiter = staged.waiter
+                streams = list(staged.streams)
+            staged.settled.set()
+            if streams and w.paged is not None:
+                stream = torch.cuda.current_stream(w.paged.device)
+                for comm, seq, count in streams:
+                    comm.mark_staged(stream, seq, count * len(w.layers) * w.paged.pre)
             if waiter is not None:  # a Go already waits for this copy
                 w.spawn(self._wake, waiter)
         self._expire()
@@ -386,6 +424,7 @@ class ProducerSide:
                 staged.dropped = reason or phase
             free_now = staged.sends == 0
             waiter = staged.waiter
+        staged.settled.set()
         if waiter is not None:  # a Go waiting for the copy gives up
             if on_loop:
                 waiter.set()
@@ -408,9 +447,13 @@ class ProducerSide:
         waiter = None
         with w.lock:
             staged = self._staged.get(tid)
+            # The Go came during the forward pass: over nccl into D's blocks the send is
+            # posted now and copies each layer as it is gathered (`_Streaming`); else it
+            # waits for the copy.
+            streaming = staged is not None and not staged.complete and w.nccl is not None and w.paged is not None
             if staged is not None:
                 staged.sends += 1
-                if not staged.complete:  # the Go came during the forward pass
+                if not staged.complete and not streaming:
                     waiter = staged.waiter = staged.waiter or anyio.Event()
         if staged is None:
             w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
@@ -436,10 +479,11 @@ class ProducerSide:
                 try:
                     staged.sending_to = msg.decode
                     posting = True
+                    deadline = time.monotonic() + w.config.load_timeout_s
                     waited = await w.nccl.send(
-                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
-                        time.monotonic() + w.config.load_timeout_s,
-                        block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq), paged=w.paged)
+                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, None if streaming else staged.event,
+                        deadline, block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq),
+                        paged=w.paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.
@@ -518,3 +562,32 @@ class ProducerSide:
             # building its communicator, wait that long for D (an abort blocks: off the loop).
             await anyio.to_thread.run_sync(w.nccl.cancel, sending_to, msg.transfer_id)
         self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)
+
+
+class _Streaming:
+    """A send posted while the forward pass is still gathering its copy
+    (`connector.nccl_link.Streaming`): the main thread marks each layer gathered
+    (`ProducerSide._mark_gathered`, and `wait_for_save`'s last)."""
+
+    def __init__(self, side: ProducerSide, tid: str, staged: _Staged, deadline: float) -> None:
+        self.side, self.tid, self.staged, self.deadline = side, tid, staged, deadline
+
+    def started(self, comm: Any, seq: int, count: int) -> None:
+        w, staged = self.side.w, self.staged
+        with w.lock:
+            complete = staged.complete
+            if not complete:  # the main thread marks it from its next gather on
+                staged.streams.append((comm, seq, count))
+        if complete and w.paged is not None:
+            # wait_for_save ran meanwhile, without this send to mark: mark it whole, after
+            # the step's gathers, on a stream of its own (the send's is busy with its copy).
+            stream = self.side.marks_stream()
+            stream.wait_event(staged.event)
+            comm.mark_staged(stream, seq, count * len(w.layers) * w.paged.pre)
+
+    def wait(self) -> torch.cuda.Event | None:
+        staged = self.staged
+        if not staged.settled.wait(max(self.deadline - time.monotonic(), 0.0)) or staged.dead \
+                or not staged.complete:
+            raise TransferFailed(self.tid, "its copy was dropped or not complete within load_timeout_s")
+        return staged.event

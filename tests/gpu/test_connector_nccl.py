@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector import consumer, nccl_link
+from connector import consumer, nccl_link, producer
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
@@ -507,6 +507,65 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
         assert in_place == [(f"b{i}", 5 - i % 2) for i in range(10)]
         assert sorted(set(scattered)) == sorted(f"b{i}" for i in range(10, 20))
+        leases_come_back(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
+@pytest.mark.parametrize("twin", ["shipped", "unsafe"])
+def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
+) -> None:
+    """The Go comes while P's forward pass runs (the test waits for it after the first
+    layer's save): P posts the send into D's blocks at once, and its copy reads each
+    layer only once the compute stream marked that layer gathered. Each layer is
+    computed (a few ms of GPU time) before its gather and overwritten on the compute
+    stream right after its save; D's blocks hold what P's held at each save. The unsafe
+    twin marks every row staged as soon as the send is posted (injected here): the copy
+    then reads staging the gathers have not written yet, and every transfer differs."""
+    if twin == "unsafe":
+        real_started = producer._Streaming.started
+
+        def started(self: producer._Streaming, comm: object, seq: int, count: int) -> None:
+            real_started(self, comm, seq, count)
+            w = self.side.w
+            assert w.paged is not None
+            comm.mark_staged(self.side.marks_stream(), seq, count * len(w.layers) * w.paged.pre)  # type: ignore[attr-defined]
+
+        monkeypatch.setattr(producer._Streaming, "started", started)
+    pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    assert p.producer is not None
+    transfers, mismatched = 10, 0
+    try:
+        for i in range(transfers):
+            tid, src, dst = f"s{i}", [3, 17, 40, 9], [50, 2, 33, 21]
+            for t in pc.values():
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            load(d, tid, dst, cached=0)
+            p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
+                                                         num_tokens=len(src) * 32 - 5, decode="d0")}))
+            staged = p.producer._staged[tid]
+            for k, name in enumerate(LAYERS):
+                torch.cuda._sleep(10_000_000)  # the layer's compute, a few ms, before its gather
+                p.save_kv_layer(name, pc[name])
+                pc[name][:, src] = -7.0  # the compute stream writes the blocks right after the save
+                if k == 0:
+                    wait_until(lambda: bool(staged.streams), 10, f"{tid}'s send posted during the forward pass")
+            p.wait_for_save()
+            p.clear()
+            assert not run_steps(d, {f"req-{tid}"}, timeout=30)[1], f"transfer {tid} failed to load"
+            torch.cuda.synchronize(D_GPU)
+            mismatched += any(not torch.equal(t[:, dst].cpu(), saved[n].cpu()) for n, t in dc.items())
+        print(f"streamed sends, {twin}: {transfers} transfers, {mismatched} mismatched")
+        if twin == "shipped":
+            assert mismatched == 0
+        else:
+            assert mismatched == transfers, "the copy read staging before its gathers: the test can fail"
         leases_come_back(p, d)
     finally:
         p.close()

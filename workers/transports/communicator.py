@@ -208,6 +208,10 @@ class Communicator:
                     keep: Sequence[torch.Tensor] = (), programs: int | None = None) -> Any:
         raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
 
+    def mark_staged(self, stream: torch.cuda.Stream, seq: int, rows: int) -> None:
+        """After `stream`'s work so far, block send `seq` may copy its first `rows` rows."""
+        raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
+
     # -- shared --------------------------------------------------------------------------
 
     def idle(self) -> bool:

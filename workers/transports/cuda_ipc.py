@@ -156,12 +156,15 @@ def _kernel() -> Any:
             # later, while a peer's stream in this process waits on a count, would wait for
             # that stream (a module load synchronizes the context) and never end.
             # Send number `seq` of a whole staged transfer, straight into the receiver's
-            # blocks. Staging row t is (block i, layer, pre p), t = (i * NUM_LAYERS + layer)
-            # * PRE + p, as P's gathers write it; it goes to row p of block ids[i] of the
-            # receiver's `layer`. A row is copied once P's compute stream says it is staged:
-            # `progress` holds base + the rows gathered so far (base = seq << 32, so a word
-            # left by an earlier send reads as nothing staged). All waits read this GPU's
-            # own memory; the receiver wrote `ready` and the ids over NVLink.
+            # blocks. Staging row (block i, layer, pre p) is (i * NUM_LAYERS + layer) * PRE
+            # + p, as P's gathers write it; it goes to row p of block ids[i] of the
+            # receiver's `layer`. Rows are taken in layer order (t = (layer * blocks + i) *
+            # PRE + p), the order P's forward pass stages them, and a row is copied once
+            # P's compute stream says it is staged: `progress` holds base + the rows of
+            # the layers gathered so far (base = seq << 32, so a word left by an earlier
+            # send reads as nothing staged). So a send posted during the forward pass
+            # copies each layer as its gather ends. All waits read this GPU's own memory;
+            # the receiver wrote `ready` and the ids over NVLink.
             seq64 = seq.to(tl.int64)
             ready_at = ready.to(tl.pointer_type(tl.int64))
             r = tl.load(ready_at, volatile=True)
@@ -180,6 +183,7 @@ def _kernel() -> Any:
             ROW = row_words.to(tl.int64)
             NUM_LAYERS = num_layers.to(tl.int64)
             PRE = pre.to(tl.int64)
+            NB = n // (NUM_LAYERS * PRE)  # the transfer's blocks
             for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
                 while live & (have <= t):
                     have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
@@ -190,13 +194,13 @@ def _kernel() -> Any:
                     # its blocks up (a failed load whose blocks vLLM may reuse) gets no row
                     # started after it said so.
                     gate = tl.load(ready_at, volatile=True)
-                    i = t // (NUM_LAYERS * PRE)
-                    layer = (t // PRE) % NUM_LAYERS
+                    layer = t // (NB * PRE)
+                    i = (t // PRE) % NB
                     p = t % PRE
                     dst = tl.load(lp + layer).to(tl.pointer_type(tl.int64))
                     blk = tl.load(ip + i, cache_modifier=".cg")
                     d_row = dst + (p * ncb + blk) * ROW
-                    s_row = s + t * ROW
+                    s_row = s + ((i * NUM_LAYERS + layer) * PRE + p) * ROW
                     for start in tl.range(0, ROW, BLOCK):
                         offs = start + tl.arange(0, BLOCK)
                         mask = offs < ROW
@@ -616,7 +620,8 @@ class IpcCommunicator(Communicator):
 
     def mark_staged(self, stream: torch.cuda.Stream, seq: int, rows: int) -> None:
         """After `stream`'s work so far (a gather), block send `seq` may copy its first
-        `rows` staged rows."""
+        `rows` staged rows in layer order: ``layers x blocks x pre`` once the gathers of
+        its first `layers` layers are in."""
         self.drv.make_current(self.ctx)
         self.drv.write_value(stream.cuda_stream, self._progress(seq), (seq << 32) + rows)
 

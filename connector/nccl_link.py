@@ -213,13 +213,13 @@ class SendOrder:
 
 
 class Streaming(Protocol):
-    """A send posted while its copy is still being staged (P's forward pass is running):
-    what the link needs from the producer."""
+    """A send that may be posted while its copy is still being staged (P's forward pass
+    may still be running on the GPU): what the link needs from the producer."""
 
-    def started(self, comm: Communicator, seq: int, count: int) -> None:
-        """Block send `seq` of `count` blocks is posted on `comm` and copies each staged
-        row once marked (`Communicator.mark_staged`): mark the layers gathered so far
-        and each one after it (called under `comm.lock`, on the thread that posts)."""
+    # (address, base) of a word in P's GPU memory that P's compute stream sets to base +
+    # the layers of the copy gathered so far: a send into D's blocks copies each layer
+    # once that word says so (`Communicator.send_blocks`).
+    progress: tuple[int, int]
 
     def wait(self) -> torch.cuda.Event | None:
         """Block until the copy is staged; the event after its gathers.
@@ -598,10 +598,10 @@ class NcclLink:
         when its end was seen. Over the ipc backend, when D posted its receive straight
         into its blocks, as one op into them (`paged`: this side's cache, its shape).
 
-        `streaming` (with `after` None): the copy is still being staged by the forward
-        pass. Sent into D's blocks, the op is posted now and copies each layer as the
-        compute stream marks it staged (`Streaming.started`); any other op waits for
-        the staging in a worker thread (`Streaming.wait`) and is posted after it.
+        `streaming` (with `after` None): the copy may still be being gathered on the GPU.
+        Sent into D's blocks, the op is posted now and copies each layer as the compute
+        stream counts it gathered (`Streaming.progress`); any other op waits for the
+        copy in a worker thread (`Streaming.wait`) and is posted after its gathers.
 
         Raises:
             TransferFailed: not in order, not sent by `deadline` (a `time.monotonic()`
@@ -845,11 +845,10 @@ class NcclLink:
             else:
                 if not comm.next_receive_takes_blocks():
                     return None
-                seq = comm.next_send
-                work = comm.send_blocks(seq, blocks, lease.base.data_ptr() + start, count, after=[after],
-                                        staged=streaming is None, keep=[lease.base])
-                if streaming is not None:  # its rows are copied as the compute stream marks them staged
-                    streaming.started(comm, seq, count)
+                # Streaming: each layer is copied once the compute stream counts it gathered.
+                work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
+                                        staged=streaming is None, keep=[lease.base],
+                                        progress=None if streaming is None else streaming.progress)
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

@@ -21,8 +21,11 @@
 3. `wait_for_save`: marks the step's copies complete; a step that missed a layer is
    dropped rather than sent half-written, and its transfer aborted at the broker. On a
    GPU it records an event after the step's gathers; the NCCL send waits on it.
-4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
-   at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
+4. On Go: over nccl with the copy kernel, post the send at once, even during the
+   forward pass: sent into D's blocks, it copies each layer once the compute stream has
+   counted that layer gathered (`_StepProgress`), so the transfer runs beside the
+   forward pass and only the last layers' bytes remain when it ends; any other send
+   first waits for the copy (at most load_timeout_s). Then send the requested byte range straight to D's TCP endpoint
    (returns once D acknowledged all of it), or over NCCL on the communicator the Go
    names, when it is next there in D's order (returns once the send has ended on the
    GPU). On Release (D has it) or Abort: free the lease, after any send still reading
@@ -38,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import torch
@@ -77,10 +80,8 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
-    # nccl into D's blocks: sends posted during the forward pass (communicator, send number,
-    # blocks), each told by the compute stream how many layers are gathered (`_mark`)
-    streams: list[tuple[Any, int, int]] = field(default_factory=list)
-    gathered: int = 0  # layers 0..gathered-1 are gathered (enqueued): what a streamed send may copy
+    # nccl with the copy kernel: its step's progress word, (address, base) (`ProducerSide._steps`)
+    progress: tuple[int, int] | None = None
     settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
 
 
@@ -106,19 +107,14 @@ class ProducerSide:
         self._step: list[tuple[str, _Staged]] = []
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
-        self._marks: torch.cuda.Stream | None = None  # `_Streaming.started`'s late marks
-
-    def marks_stream(self) -> torch.cuda.Stream:
-        """A stream for marks made off the main thread (made on first use)."""
-        assert self.w.paged is not None
-        if self._marks is None:
-            self._marks = torch.cuda.Stream(self.w.paged.device)
-        return self._marks
+        self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
         if self.w.config.transport == "tcp":
             self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
+        elif self.w.paged is not None:
+            self._steps = _StepProgress(self.w.paged.device)
         return {}
 
     def close(self) -> None:
@@ -136,11 +132,13 @@ class ProducerSide:
         # One wait for staging room per step, shared by its saves: a step with many saves
         # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
         deadline = time.monotonic() + self.w.config.load_timeout_s
+        progress = self._steps.begin() if self._steps is not None else None
         offers: list[tuple[str, _Staged]] = []
         together = self._lease_together(meta.saves) if len(meta.saves) > 1 else {}
         for tid, spec in meta.saves.items():
             staged = together.get(tid) or self._lease(tid, spec, deadline)
             if staged is not None:
+                staged.progress = progress
                 with self.w.lock:
                     self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
@@ -288,24 +286,8 @@ class ProducerSide:
                     staged.layers_done.add(idx)
         if failed:
             self._copy_failed(layer_name, failed)
-        self._mark_gathered()
-
-    def _mark_gathered(self) -> None:
-        """Tell the sends posted during the forward pass (`_Streaming`) how many layers of
-        their copy are gathered, on the compute stream after those gathers: the copy
-        kernel reads a layer's rows only after that mark (the seed's invariant)."""
-        w = self.w
-        marks = []
-        with w.lock:
-            for _, staged in self._step:
-                while staged.gathered in staged.layers_done:
-                    staged.gathered += 1
-                if staged.streams:
-                    marks += [(comm, seq, count * staged.gathered) for comm, seq, count in staged.streams]
-        if marks and w.paged is not None:
-            stream = torch.cuda.current_stream(w.paged.device)
-            for comm, seq, blocks in marks:
-                comm.mark_staged(stream, seq, blocks * w.paged.pre)
+        if self._steps is not None:  # after this layer's gathers, in stream order (the seed's invariant)
+            self._steps.gathered(idx, torch.cuda.current_stream(self._steps.device))
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -333,16 +315,11 @@ class ProducerSide:
                 self._drop(tid, "aborted", reason)  # offered at bind: D's load fails now, not at its deadline
                 continue
             w.count("staged")
-            with w.lock:  # one section: a send posted meanwhile is marked here or by itself
+            with w.lock:
                 staged.event = event
                 staged.complete = True
                 waiter = staged.waiter
-                streams = list(staged.streams)
             staged.settled.set()
-            if streams and w.paged is not None:
-                stream = torch.cuda.current_stream(w.paged.device)
-                for comm, seq, count in streams:
-                    comm.mark_staged(stream, seq, count * len(w.layers) * w.paged.pre)
             if waiter is not None:  # a Go already waits for this copy
                 w.spawn(self._wake, waiter)
         self._expire()
@@ -447,10 +424,11 @@ class ProducerSide:
         waiter = None
         with w.lock:
             staged = self._staged.get(tid)
-            # The Go came during the forward pass: over nccl into D's blocks the send is
-            # posted now and copies each layer as it is gathered (`_Streaming`); else it
-            # waits for the copy.
-            streaming = staged is not None and not staged.complete and w.nccl is not None and w.paged is not None
+            # Over nccl with the copy kernel the send is posted at once, during the forward
+            # pass too, and a send into D's blocks copies each layer as the compute stream
+            # counts it gathered (`_Streaming`); else a Go during the forward pass waits.
+            streaming = (staged is not None and w.nccl is not None and w.paged is not None
+                         and staged.progress is not None)
             if staged is not None:
                 staged.sends += 1
                 if not staged.complete and not streaming:
@@ -564,26 +542,56 @@ class ProducerSide:
         self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)
 
 
+class _StepProgress:
+    """Where P's compute stream counts the layers each step has gathered: a word in GPU
+    memory per step (one of `SLOTS`, in turn), set to ``step << 32`` + the layers gathered
+    so far, after their gathers. A send into D's blocks (`_Streaming`) copies a layer once
+    its step's word says so, so it may be posted before the forward pass ends, and the
+    transfer runs beside it. A word holding a later step's count (written later on the
+    same stream, so after this step's gathers) reads as every layer gathered."""
+
+    SLOTS = 64
+
+    def __init__(self, device: torch.device) -> None:
+        from workers.transports.cuda_driver import driver
+
+        drv = driver()
+        if drv is None:
+            raise RuntimeError("the CUDA driver is needed to count a step's gathered layers")
+        self.drv, self.device = drv, device
+        self.words = torch.zeros(self.SLOTS, dtype=torch.int64, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        self.step = 0
+        self._done: set[int] = set()
+        self._prefix = 0
+
+    def begin(self) -> tuple[int, int]:
+        """A new step: its word's (address, base)."""
+        self.step += 1
+        self._done, self._prefix = set(), 0
+        return self.words.data_ptr() + 8 * (self.step % self.SLOTS), self.step << 32
+
+    def gathered(self, layer: int, stream: torch.cuda.Stream) -> None:
+        """Layer `layer`'s gathers of this step are enqueued on `stream`: count the
+        layers gathered in order so far."""
+        self._done.add(layer)
+        prefix = self._prefix
+        while prefix in self._done:
+            prefix += 1
+        if prefix > self._prefix:
+            self._prefix = prefix
+            self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),
+                                 (self.step << 32) + prefix)
+
+
 class _Streaming:
-    """A send posted while the forward pass is still gathering its copy
-    (`connector.nccl_link.Streaming`): the main thread marks each layer gathered
-    (`ProducerSide._mark_gathered`, and `wait_for_save`'s last)."""
+    """A send posted at the Go, whatever the forward pass has gathered yet
+    (`connector.nccl_link.Streaming`): its progress is its step's word (`_StepProgress`)."""
 
     def __init__(self, side: ProducerSide, tid: str, staged: _Staged, deadline: float) -> None:
+        assert staged.progress is not None
         self.side, self.tid, self.staged, self.deadline = side, tid, staged, deadline
-
-    def started(self, comm: Any, seq: int, count: int) -> None:
-        w, staged = self.side.w, self.staged
-        with w.lock:
-            complete = staged.complete
-            if not complete:  # the main thread marks it from its next gather on
-                staged.streams.append((comm, seq, count))
-        if complete and w.paged is not None:
-            # wait_for_save ran meanwhile, without this send to mark: mark it whole, after
-            # the step's gathers, on a stream of its own (the send's is busy with its copy).
-            stream = self.side.marks_stream()
-            stream.wait_event(staged.event)
-            comm.mark_staged(stream, seq, count * len(w.layers) * w.paged.pre)
+        self.progress = staged.progress
 
     def wait(self) -> torch.cuda.Event | None:
         staged = self.staged

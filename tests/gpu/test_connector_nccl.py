@@ -520,21 +520,23 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
 ) -> None:
     """The Go comes while P's forward pass runs (the test waits for it after the first
     layer's save): P posts the send into D's blocks at once, and its copy reads each
-    layer only once the compute stream marked that layer gathered. Each layer is
+    layer only once the compute stream counted that layer gathered. Each layer is
     computed (a few ms of GPU time) before its gather and overwritten on the compute
     stream right after its save; D's blocks hold what P's held at each save. The unsafe
-    twin marks every row staged as soon as the send is posted (injected here): the copy
-    then reads staging the gathers have not written yet, and every transfer differs."""
+    twin counts every layer gathered at bind (injected here): the copy then reads
+    staging the gathers have not written yet, and every transfer differs."""
     if twin == "unsafe":
-        real_started = producer._Streaming.started
+        real_bind = producer.ProducerSide.bind
 
-        def started(self: producer._Streaming, comm: object, seq: int, count: int) -> None:
-            real_started(self, comm, seq, count)
-            w = self.side.w
-            assert w.paged is not None
-            comm.mark_staged(self.side.marks_stream(), seq, count * len(w.layers) * w.paged.pre)  # type: ignore[attr-defined]
+        def bind(self: producer.ProducerSide, meta: KvBrokerMetadata) -> None:
+            real_bind(self, meta)
+            steps = self._steps
+            assert steps is not None
+            for layer in range(len(self.w.layers)):  # before any gather, in stream order
+                steps.gathered(layer, torch.cuda.current_stream(steps.device))
+            steps._done, steps._prefix = set(), 0
 
-        monkeypatch.setattr(producer._Streaming, "started", started)
+        monkeypatch.setattr(producer.ProducerSide, "bind", bind)
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
@@ -555,7 +557,7 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
                 p.save_kv_layer(name, pc[name])
                 pc[name][:, src] = -7.0  # the compute stream writes the blocks right after the save
                 if k == 0:
-                    wait_until(lambda: bool(staged.streams), 10, f"{tid}'s send posted during the forward pass")
+                    wait_until(lambda: bool(staged.sending_to), 10, f"{tid}'s send posted during the forward pass")
             p.wait_for_save()
             p.clear()
             assert not run_steps(d, {f"req-{tid}"}, timeout=30)[1], f"transfer {tid} failed to load"

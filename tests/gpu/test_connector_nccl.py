@@ -518,13 +518,14 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
 def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
     broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
 ) -> None:
-    """The Go comes while P's forward pass runs (the test waits for it after the first
-    layer's save): P posts the send into D's blocks at once, and its copy reads each
-    layer only once the compute stream counted that layer gathered. Each layer is
-    computed (a few ms of GPU time) before its gather and overwritten on the compute
-    stream right after its save; D's blocks hold what P's held at each save. The unsafe
-    twin counts every layer gathered at bind (injected here): the copy then reads
-    staging the gathers have not written yet, and every transfer differs."""
+    """The Go comes while P's forward pass runs (the test waits after the first layer's
+    save until P has posted the send): P posts the send into D's blocks at once, and its
+    copy reads each layer only once the compute stream counted that layer gathered. Each
+    layer is computed (a few ms of GPU time) before its gather and overwritten on the
+    compute stream right after its save; D's blocks hold what P's held at each save. The
+    unsafe twin counts every layer gathered at bind instead of after each layer's
+    gathers (injected here): the copy then reads staging the gathers have not written
+    yet, and every transfer differs."""
     if twin == "unsafe":
         real_bind = producer.ProducerSide.bind
 
@@ -532,15 +533,17 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
             real_bind(self, meta)
             steps = self._steps
             assert steps is not None
-            for layer in range(len(self.w.layers)):  # before any gather, in stream order
-                steps.gathered(layer, torch.cuda.current_stream(steps.device))
-            steps._done, steps._prefix = set(), 0
+            word = steps.words.data_ptr() + 8 * (steps.step % steps.SLOTS)
+            steps.drv.write_value(torch.cuda.current_stream(steps.device).cuda_stream, word,
+                                  (steps.step << 32) + len(self.w.layers))  # before any gather, in stream order
 
         monkeypatch.setattr(producer.ProducerSide, "bind", bind)
+        monkeypatch.setattr(producer._StepProgress, "gathered", lambda self, layer, stream: None)
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
-    assert p.producer is not None
+    assert p.producer is not None and p.nccl is not None and d.client is not None
+    d_peer = d.client.registered.peer_id
     transfers, mismatched = 10, 0
     try:
         for i in range(transfers):
@@ -548,16 +551,18 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
             for t in pc.values():
                 t[:, src] = torch.randn_like(t[:, src])
             saved = {n: t[:, src].clone() for n, t in pc.items()}
+            comm = p.nccl.cache.current(d_peer)
+            posted = comm.sent + 1 if comm is not None else 2  # a new communicator's first send is its warm-up
             load(d, tid, dst, cached=0)
             p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
                                                          num_tokens=len(src) * 32 - 5, decode="d0")}))
-            staged = p.producer._staged[tid]
             for k, name in enumerate(LAYERS):
                 torch.cuda._sleep(10_000_000)  # the layer's compute, a few ms, before its gather
                 p.save_kv_layer(name, pc[name])
                 pc[name][:, src] = -7.0  # the compute stream writes the blocks right after the save
                 if k == 0:
-                    wait_until(lambda: bool(staged.sending_to), 10, f"{tid}'s send posted during the forward pass")
+                    wait_until(lambda: getattr(p.nccl.cache.current(d_peer), "sent", 0) >= posted, 10,
+                               f"{tid}'s send posted during the forward pass")
             p.wait_for_save()
             p.clear()
             assert not run_steps(d, {f"req-{tid}"}, timeout=30)[1], f"transfer {tid} failed to load"

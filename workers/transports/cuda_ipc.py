@@ -36,10 +36,14 @@ How one op pairs:
   D's blocks, so D needs no pool bytes and no scatter. D's host publishes its layer
   table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer;
   D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
-  P's `ready`. P's kernel copies each staged row once P's stream has said how many rows
-  are staged (`mark_staged`, a word per send in P's own memory, written after the
-  events the send waits on): the gathers stay on the compute stream, so P's blocks may
-  be reused as soon as `save_kv_layer` returns.
+  P's `ready`, without waiting for its earlier block receives to land (only for the
+  one whose arena slot it reuses), and waits for `arrived` on a stream of its own.
+  P's kernel copies the staged rows layer by layer, each layer once a word in P's own
+  memory says it is staged: the connector's step word, which P's compute stream sets
+  after each layer's gathers (so the send may be posted during the forward pass), or a
+  word per send (`mark_staged`, written after the events the send waits on). The
+  gathers stay on the compute stream, so P's blocks may be reused as soon as
+  `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -599,7 +603,7 @@ class IpcCommunicator(Communicator):
             # the ids before it tells that arrival. Only that far back: the receives
             # between are told `ready` without waiting for one another's arrival, so the
             # sender's next copy never waits for this GPU's stream to see the last one land
-            # (two processes on one GPU take turns: that wait cost a time slice, about 2 ms).
+            # (two processes on one GPU take turns on it: that wait cost a time slice).
             if seq > _ID_SLOTS:
                 self.drv.wait_value(self._sp, self.my_arrived, seq - _ID_SLOTS)
             slot = _Counters.arena(self.peer_arena, seq)

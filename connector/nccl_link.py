@@ -46,7 +46,9 @@ A send or receive that misses its deadline aborts its communicator (see
 next transfer, through the broker's `Relay` (`workers.rendezvous.BrokerRendezvous`).
 
 Ordering against the model: P's send waits on an event recorded after the step's
-gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands in a
+gathers (`wait_for_save`), on the GPU and without a host wait; a send into D's blocks
+(below) instead waits layer by layer, on a word P's compute stream sets after each
+layer's gathers (`Streaming`), so it is posted at the Go, even during the forward pass. D's receive lands in a
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
 

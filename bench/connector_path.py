@@ -25,7 +25,10 @@ compares with two GPUs).
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
-               seen within one step.
+               seen within one step. Where P and D share one GPU, D's step is a sleep
+               (`--step-on host`): two processes time-slice one GPU, so a decode kernel of
+               D's would hold up P's forward pass and copies by up to a time slice each
+               time, which a D on a GPU of its own never does.
 * after prefill  (with `--prefill-ms X`) P's forward pass takes X ms of GPU time (on
                tcp, X ms of sleep that leaves the GIL free, as torch's CPU kernels do)
                before its gathers, spread over the 32 layers (each layer's share, then
@@ -39,7 +42,7 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--prefill-ms 0] [--log-format console|json] [--thread-cpu] [--json PATH]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--log-format console|json] [--thread-cpu] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
 while a request was timed, and how long each sat runnable without a CPU: what D's host
@@ -93,11 +96,13 @@ class Spec:
 class _Engine:
     """One side's device work: where its caches live, its syncs and its engine step."""
 
-    def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0) -> None:
+    def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0,
+                 step_on: str = "gpu") -> None:
         self.gpu = transport == "nccl"
         one = self.gpu and torch.cuda.device_count() == 1  # the ipc backend on one GPU: both caches there
         self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
+        self.step_on_gpu = self.gpu and step_on == "gpu"
         self.cycles = self.layer_cycles = 0
         self.prefill_ms = 0.0  # the forward pass's GPU time (`layer` x the layers), measured once here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
@@ -140,7 +145,7 @@ class _Engine:
 
     def step(self) -> None:
         """The rest of an engine step after get_finished, spent waiting."""
-        if self.gpu:
+        if self.step_on_gpu:
             torch.cuda._sleep(self.cycles)
             self.sync()
         else:
@@ -314,7 +319,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
 
 def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
     """D: hold each request, then step until get_finished reports it."""
-    engine = _Engine(cfg["transport"], "d", cfg["step_ms"])
+    engine = _Engine(cfg["transport"], "d", cfg["step_ms"], step_on=cfg["step_on"])
     configure_logging(cfg["log_format"], cfg["log_level"])
     d, caches = _worker(endpoint, "d", engine, cfg)
     raw_tcp = _RawTcp()
@@ -441,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
                          "connector's own choice)")
     ap.add_argument("--inflight", type=int, default=1, help="requests moved at once, all from P to D in one step")
     ap.add_argument("--step-ms", type=float, default=1.0, help="D's engine step: GPU time it waits for")
+    ap.add_argument("--step-on", default="", choices=("", "gpu", "host"),
+                    help="nccl: where D's step waits: a GPU kernel it waits for (gpu), or a sleep (host); default: "
+                         "host when P and D share one GPU (processes time-slice one GPU, so D's step kernels would "
+                         "stretch P's forward pass and copies, which a D of its own GPU never does), else gpu")
     ap.add_argument("--prefill-ms", type=float, default=0.0,
                     help="P's forward pass, ms spread over its layers before each save_kv_layer (GPU time on nccl; "
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
@@ -468,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "inflight": args.inflight,
            "thread_cpu": args.thread_cpu, "backend": backend,
+           "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

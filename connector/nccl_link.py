@@ -46,7 +46,9 @@ A send or receive that misses its deadline aborts its communicator (see
 next transfer, through the broker's `Relay` (`workers.rendezvous.BrokerRendezvous`).
 
 Ordering against the model: P's send waits on an event recorded after the step's
-gathers (`wait_for_save`), on the GPU and without a host wait. D's receive lands in a
+gathers (`wait_for_save`), on the GPU and without a host wait; a send into D's blocks
+(below) instead waits layer by layer, on a word P's compute stream sets after each
+layer's gathers (`Streaming`), so it is posted at the Go, even during the forward pass. D's receive lands in a
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
 
@@ -66,7 +68,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.to_thread
@@ -81,7 +83,7 @@ from workers.transports.communicator import Communicator
 from workers.transports.nccl_comm import CommunicatorCache
 from workers.waker import make_waker
 
-__all__ = ["Into", "NcclLink", "Poller", "RecvOrder", "SendOrder", "Waited", "chunks", "plan"]
+__all__ = ["Into", "NcclLink", "Poller", "RecvOrder", "SendOrder", "Streaming", "Waited", "chunks", "plan"]
 
 Ticket = tuple[str, int]  # (communicator nonce, "" for one still to build; place on it)
 # D's cache, the load's blocks in it and the event after which they may be written: where a
@@ -210,6 +212,23 @@ class SendOrder:
         pair = self.pairs.setdefault(peer, _Pair())
         pair.gone.update(n for n in (pair.nonce, also) if n is not None)
         pair.nonce, pair.next, pair.posting = None, 0, False
+
+
+class Streaming(Protocol):
+    """A send that may be posted while its copy is still being staged (P's forward pass
+    may still be running on the GPU): what the link needs from the producer."""
+
+    # (address, base) of a word in P's GPU memory that P's compute stream sets to base +
+    # the layers of the copy gathered so far: a send into D's blocks copies each layer
+    # once that word says so (`Communicator.send_blocks`).
+    progress: tuple[int, int]
+
+    def wait(self) -> torch.cuda.Event | None:
+        """Block until the copy is staged; the event after its gathers.
+
+        Raises:
+            TransferFailed: the copy was dropped, or not staged within its deadline.
+        """
 
 
 @dataclass
@@ -574,12 +593,17 @@ class NcclLink:
 
     async def send(self, decode: str, transfer_id: str, lease: Lease, offset: int, nbytes: int,
                    after: torch.cuda.Event | None, deadline: float, *, block_nbytes: int = 0,
-                   ticket: Ticket = ("", 0), paged: Any = None) -> Waited:
+                   ticket: Ticket = ("", 0), paged: Any = None, streaming: Streaming | None = None) -> Waited:
         """P: send bytes ``[offset, offset + nbytes)`` of the staged `lease` to `decode`,
         once `after` (the step's gathers) has completed on the GPU, in `chunks` of staged
         blocks of `block_nbytes` (0: one op), when it is next in `ticket`'s order (the Go's);
         when its end was seen. Over the ipc backend, when D posted its receive straight
         into its blocks, as one op into them (`paged`: this side's cache, its shape).
+
+        `streaming` (with `after` None): the copy may still be being gathered on the GPU.
+        Sent into D's blocks, the op is posted now and copies each layer as the compute
+        stream counts it gathered (`Streaming.progress`); any other op waits for the
+        copy in a worker thread (`Streaming.wait`) and is posted after its gathers.
 
         Raises:
             TransferFailed: not in order, not sent by `deadline` (a `time.monotonic()`
@@ -589,7 +613,7 @@ class NcclLink:
         self._send_order.begin(decode)
         try:
             posted = await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after,
-                                      deadline, block_nbytes, ticket, paged)
+                                      deadline, block_nbytes, ticket, paged, streaming)
         except BaseException:
             built = self.cache.current(decode)
             await self._end_pair(decode, None if built is None else built.nonce)
@@ -712,7 +736,7 @@ class NcclLink:
 
     async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                     after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket,
-                    blocks: Any = None) -> Posted:
+                    blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         # In a worker thread: building a communicator blocks (its rendezvous goes through
         # this loop). Not abandoned on cancellation: whether the ops were posted must be
         # known before the caller lets the next transfer post; `cancel` ends it early.
@@ -720,13 +744,13 @@ class NcclLink:
         with self._lock:
             self._inflight.setdefault(peer, {})[transfer_id] = flag
         try:
-            comm = self._postable_now(peer, op, ticket, flag)
+            comm = self._postable_now(peer, op, ticket, flag, streaming)
             if comm is not None:
                 with torch.cuda.device(self.device):
                     return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, flag, block_nbytes,
-                                         blocks)
+                                         blocks, streaming)
             return await anyio.to_thread.run_sync(self._post_ops, peer, op, transfer_id, lease, start, nbytes, after,
-                                                  flag, block_nbytes, ticket, blocks)
+                                                  flag, block_nbytes, ticket, blocks, streaming)
         except BaseException as exc:
             self._untrack(peer, transfer_id, flag)
             if isinstance(exc, (KvBrokerError, RuntimeError)) and not isinstance(exc, TransferFailed):
@@ -742,7 +766,7 @@ class NcclLink:
 
     def _post_ops(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                   after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
-                  ticket: Ticket, blocks: Any = None) -> Posted:
+                  ticket: Ticket, blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         if ticket[0]:
             # A ticket names a communicator this side had when it was taken; if it is gone
             # now (an abort of a transfer ahead dropped it), it is gone for good: building
@@ -766,9 +790,10 @@ class NcclLink:
             raise TransferFailed(transfer_id, f"the communicator with {peer} changed since its Ready "
                                  f"({ticket[0]} then, {comm.nonce} now): its op cannot be paired in order")
         return self._post_on(comm, peer, op, transfer_id, lease, start, nbytes, after, cancelled, block_nbytes,
-                             blocks)
+                             blocks, streaming)
 
-    def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event) -> Any:
+    def _postable_now(self, peer: str, op: Any, ticket: Ticket, cancelled: threading.Event,
+                      streaming: Streaming | None = None) -> Any:
         """The communicator `ticket` names, when the op may be posted on it from the loop
         thread: built, nothing to abort, and (a send) nothing to wait for on the host; None:
         post from a worker thread. Posting on the loop spares a hop to a worker thread and
@@ -778,11 +803,14 @@ class NcclLink:
         comm = self.cache.usable(peer, ticket[0], initiator=op == "send")
         if op == "send" and comm is not None and not comm.send_ready():
             return None  # it would wait on the host for D's receive: not on the loop
+        if streaming is not None and comm is not None and not (comm.writes_into_blocks
+                                                               and comm.next_receive_takes_blocks()):
+            return None  # it would wait on the host for the staging: not on the loop
         return comm
 
     def _post_on(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
                  after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
-                 blocks: Any = None) -> Posted:
+                 blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         """Post the transfer's chunks on `comm`; never blocks (the communicator is built;
         over the ipc backend a send first waits for its receive's descriptor, which D
         writes right after its Ready). `blocks`: D's `Into`, or P's cache (`PagedKv`):
@@ -790,9 +818,11 @@ class NcclLink:
         whole = block_nbytes > 0 and nbytes % block_nbytes == 0
         if whole and blocks is not None and comm.writes_into_blocks:
             posted = self._post_blocks(comm, peer, op, transfer_id, lease, start, nbytes // block_nbytes, after,
-                                       cancelled, blocks)
+                                       cancelled, blocks, streaming)
             if posted is not None:
                 return posted
+        if streaming is not None:  # these ops read the staging whole: after its gathers (a worker thread)
+            after = streaming.wait()
         parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
         step = block_nbytes if whole else nbytes
         with comm.lock:  # the chunks back to back: nothing of another transfer may come between
@@ -805,7 +835,7 @@ class NcclLink:
 
     def _post_blocks(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int,
                      count: int, after: torch.cuda.Event | None, cancelled: threading.Event,
-                     blocks: Any) -> Posted | None:
+                     blocks: Any, streaming: Streaming | None = None) -> Posted | None:
         """The transfer as one op straight into D's blocks, if both sides can: D when its
         cache takes `count` blocks so; P when D's receive is of that kind. None: chunks."""
         with comm.lock:
@@ -817,8 +847,10 @@ class NcclLink:
             else:
                 if not comm.next_receive_takes_blocks():
                     return None
+                # Streaming: each layer is copied once the compute stream counts it gathered.
                 work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
-                                        staged=True, keep=[lease.base])
+                                        staged=streaming is None, keep=[lease.base],
+                                        progress=None if streaming is None else streaming.progress)
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

@@ -21,8 +21,11 @@
 3. `wait_for_save`: marks the step's copies complete; a step that missed a layer is
    dropped rather than sent half-written, and its transfer aborted at the broker. On a
    GPU it records an event after the step's gathers; the NCCL send waits on it.
-4. On Go: once the copy is complete (a Go may come during the forward pass: it waits,
-   at most load_timeout_s), send the requested byte range straight to D's TCP endpoint
+4. On Go: over nccl with the copy kernel, post the send at once, even during the
+   forward pass: sent into D's blocks, it copies each layer once the compute stream has
+   counted that layer gathered (`_StepProgress`), so the transfer runs beside the
+   forward pass and only the last layers' bytes remain when it ends; any other send
+   first waits for the copy (at most load_timeout_s). Then send the requested byte range straight to D's TCP endpoint
    (returns once D acknowledged all of it), or over NCCL on the communicator the Go
    names, when it is next there in D's order (returns once the send has ended on the
    GPU). On Release (D has it) or Abort: free the lease, after any send still reading
@@ -35,6 +38,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -76,6 +80,9 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
+    # nccl with the copy kernel: its step's progress word, (address, base) (`ProducerSide._steps`)
+    progress: tuple[int, int] | None = None
+    settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
 
 
 @dataclass
@@ -100,11 +107,14 @@ class ProducerSide:
         self._step: list[tuple[str, _Staged]] = []
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
+        self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
         if self.w.config.transport == "tcp":
             self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
+        elif self.w.paged is not None:
+            self._steps = _StepProgress(self.w.paged.device)
         return {}
 
     def close(self) -> None:
@@ -122,11 +132,13 @@ class ProducerSide:
         # One wait for staging room per step, shared by its saves: a step with many saves
         # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
         deadline = time.monotonic() + self.w.config.load_timeout_s
+        progress = self._steps.begin() if self._steps is not None else None
         offers: list[tuple[str, _Staged]] = []
         together = self._lease_together(meta.saves) if len(meta.saves) > 1 else {}
         for tid, spec in meta.saves.items():
             staged = together.get(tid) or self._lease(tid, spec, deadline)
             if staged is not None:
+                staged.progress = progress
                 with self.w.lock:
                     self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
@@ -274,6 +286,8 @@ class ProducerSide:
                     staged.layers_done.add(idx)
         if failed:
             self._copy_failed(layer_name, failed)
+        if self._steps is not None:  # after this layer's gathers, in stream order (the seed's invariant)
+            self._steps.gathered(idx, torch.cuda.current_stream(self._steps.device))
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -305,6 +319,7 @@ class ProducerSide:
                 staged.event = event
                 staged.complete = True
                 waiter = staged.waiter
+            staged.settled.set()
             if waiter is not None:  # a Go already waits for this copy
                 w.spawn(self._wake, waiter)
         self._expire()
@@ -386,6 +401,7 @@ class ProducerSide:
                 staged.dropped = reason or phase
             free_now = staged.sends == 0
             waiter = staged.waiter
+        staged.settled.set()
         if waiter is not None:  # a Go waiting for the copy gives up
             if on_loop:
                 waiter.set()
@@ -408,9 +424,14 @@ class ProducerSide:
         waiter = None
         with w.lock:
             staged = self._staged.get(tid)
+            # Over nccl with the copy kernel the send is posted at once, during the forward
+            # pass too, and a send into D's blocks copies each layer as the compute stream
+            # counts it gathered (`_Streaming`); else a Go during the forward pass waits.
+            streaming = (staged is not None and w.nccl is not None and w.paged is not None
+                         and staged.progress is not None)
             if staged is not None:
                 staged.sends += 1
-                if not staged.complete:  # the Go came during the forward pass
+                if not staged.complete and not streaming:
                     waiter = staged.waiter = staged.waiter or anyio.Event()
         if staged is None:
             w.log.warning("transfer.go_ignored", transfer_id=tid, phase="send", reason="nothing staged")
@@ -436,10 +457,11 @@ class ProducerSide:
                 try:
                     staged.sending_to = msg.decode
                     posting = True
+                    deadline = time.monotonic() + w.config.load_timeout_s
                     waited = await w.nccl.send(
-                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
-                        time.monotonic() + w.config.load_timeout_s,
-                        block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq), paged=w.paged)
+                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, None if streaming else staged.event,
+                        deadline, block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq),
+                        paged=w.paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.
@@ -518,3 +540,62 @@ class ProducerSide:
             # building its communicator, wait that long for D (an abort blocks: off the loop).
             await anyio.to_thread.run_sync(w.nccl.cancel, sending_to, msg.transfer_id)
         self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)
+
+
+class _StepProgress:
+    """Where P's compute stream counts the layers each step has gathered: a word in GPU
+    memory per step (one of `SLOTS`, in turn), set to ``step << 32`` + the layers gathered
+    so far, after their gathers. A send into D's blocks (`_Streaming`) copies a layer once
+    its step's word says so, so it may be posted before the forward pass ends, and the
+    transfer runs beside it. A word holding a later step's count (written later on the
+    same stream, so after this step's gathers) reads as every layer gathered."""
+
+    SLOTS = 64
+
+    def __init__(self, device: torch.device) -> None:
+        from workers.transports.cuda_driver import driver
+
+        drv = driver()
+        if drv is None:
+            raise RuntimeError("the CUDA driver is needed to count a step's gathered layers")
+        self.drv, self.device = drv, device
+        self.words = torch.zeros(self.SLOTS, dtype=torch.int64, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        self.step = 0
+        self._done: set[int] = set()
+        self._prefix = 0
+
+    def begin(self) -> tuple[int, int]:
+        """A new step: its word's (address, base)."""
+        self.step += 1
+        self._done, self._prefix = set(), 0
+        return self.words.data_ptr() + 8 * (self.step % self.SLOTS), self.step << 32
+
+    def gathered(self, layer: int, stream: torch.cuda.Stream) -> None:
+        """Layer `layer`'s gathers of this step are enqueued on `stream`: count the
+        layers gathered in order so far."""
+        self._done.add(layer)
+        prefix = self._prefix
+        while prefix in self._done:
+            prefix += 1
+        if prefix > self._prefix:
+            self._prefix = prefix
+            self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),
+                                 (self.step << 32) + prefix)
+
+
+class _Streaming:
+    """A send posted at the Go, whatever the forward pass has gathered yet
+    (`connector.nccl_link.Streaming`): its progress is its step's word (`_StepProgress`)."""
+
+    def __init__(self, side: ProducerSide, tid: str, staged: _Staged, deadline: float) -> None:
+        assert staged.progress is not None
+        self.side, self.tid, self.staged, self.deadline = side, tid, staged, deadline
+        self.progress = staged.progress
+
+    def wait(self) -> torch.cuda.Event | None:
+        staged = self.staged
+        if not staged.settled.wait(max(self.deadline - time.monotonic(), 0.0)) or staged.dead \
+                or not staged.complete:
+            raise TransferFailed(self.tid, "its copy was dropped or not complete within load_timeout_s")
+        return staged.event

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector import consumer, nccl_link
+from connector import consumer, nccl_link, producer
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
@@ -507,6 +507,72 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
         assert in_place == [(f"b{i}", 5 - i % 2) for i in range(10)]
         assert sorted(set(scattered)) == sorted(f"b{i}" for i in range(10, 20))
+        leases_come_back(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
+@pytest.mark.parametrize("twin", ["shipped", "unsafe"])
+def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
+) -> None:
+    """The Go comes while P's forward pass runs (the test waits after the first layer's
+    save until P has posted the send): P posts the send into D's blocks at once, and its
+    copy reads each layer only once the compute stream counted that layer gathered. Each
+    layer is computed (a few ms of GPU time) before its gather and overwritten on the
+    compute stream right after its save; D's blocks hold what P's held at each save. The
+    unsafe twin counts every layer gathered at bind instead of after each layer's
+    gathers (injected here): the copy then reads staging the gathers have not written
+    yet, and every transfer differs."""
+    if twin == "unsafe":
+        real_bind = producer.ProducerSide.bind
+
+        def bind(self: producer.ProducerSide, meta: KvBrokerMetadata) -> None:
+            real_bind(self, meta)
+            steps = self._steps
+            assert steps is not None
+            word = steps.words.data_ptr() + 8 * (steps.step % steps.SLOTS)
+            steps.drv.write_value(torch.cuda.current_stream(steps.device).cuda_stream, word,
+                                  (steps.step << 32) + len(self.w.layers))  # before any gather, in stream order
+
+        monkeypatch.setattr(producer.ProducerSide, "bind", bind)
+        monkeypatch.setattr(producer._StepProgress, "gathered", lambda self, layer, stream: None)
+    pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    assert p.producer is not None and p.nccl is not None and d.client is not None
+    d_peer = d.client.registered.peer_id
+    transfers, mismatched = 10, 0
+    try:
+        for i in range(transfers):
+            tid, src, dst = f"s{i}", [3, 17, 40, 9], [50, 2, 33, 21]
+            for t in pc.values():
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            comm = p.nccl.cache.current(d_peer)
+            posted = comm.sent + 1 if comm is not None else 2  # a new communicator's first send is its warm-up
+            load(d, tid, dst, cached=0)
+            p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
+                                                         num_tokens=len(src) * 32 - 5, decode="d0")}))
+            for k, name in enumerate(LAYERS):
+                torch.cuda._sleep(10_000_000)  # the layer's compute, a few ms, before its gather
+                p.save_kv_layer(name, pc[name])
+                pc[name][:, src] = -7.0  # the compute stream writes the blocks right after the save
+                if k == 0:
+                    wait_until(lambda: getattr(p.nccl.cache.current(d_peer), "sent", 0) >= posted, 10,
+                               f"{tid}'s send posted during the forward pass")
+            p.wait_for_save()
+            p.clear()
+            assert not run_steps(d, {f"req-{tid}"}, timeout=30)[1], f"transfer {tid} failed to load"
+            torch.cuda.synchronize(D_GPU)
+            mismatched += any(not torch.equal(t[:, dst].cpu(), saved[n].cpu()) for n, t in dc.items())
+        print(f"streamed sends, {twin}: {transfers} transfers, {mismatched} mismatched")
+        if twin == "shipped":
+            assert mismatched == 0
+        else:
+            assert mismatched == transfers, "the copy read staging before its gathers: the test can fail"
         leases_come_back(p, d)
     finally:
         p.close()

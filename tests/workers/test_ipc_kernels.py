@@ -161,3 +161,27 @@ def test_a_byte_send_copies_exactly_its_bytes_unless_the_receiver_gave_up(
     else:
         assert torch.equal(dst[:nbytes], src) and int(dst[nbytes:].sum()) == 0
         assert int(words[arrived]) == 9 and int(words[tally]) == 0
+
+
+@pytest.mark.parametrize("word", ["its step, every layer", "a later step, no layer yet"])
+def test_a_send_copies_every_layer_once_its_step_or_a_later_one_counted(kernels: ModuleType, word: str) -> None:
+    """A block send reads the producer's step word (`progress`, with a base of its own):
+    its step's count of every layer, or any count of a later step (written later on the
+    same stream, after this step's gathers), lets every row go."""
+    p = _caches(3, 2, 4, 8, seed=11)
+    staging = torch.empty(4 * p.staged_block_nbytes, dtype=torch.uint8)
+    p.gather(torch.arange(4), p.staging_view(staging, 4))
+    d = _caches(3, 2, 6, 8, seed=None)
+    step = 7
+    words = _counters(5, given_up=False, staged_rows=0)
+    words[progress] = (step << 32) + 3 if word.startswith("its") else (step + 1) << 32
+    ids = torch.tensor([5, 0, 2, 3])
+    layers = torch.tensor([r.data_ptr() for r in d.rows], dtype=torch.int64)
+    args = kernels.block_args(
+        5, src=staging.data_ptr(), layers=layers.data_ptr(), ids=ids.data_ptr(), num_cache_blocks=d.num_blocks,
+        progress=_address(words, progress), ready=_address(words, ready), arrived=_address(words, arrived),
+        tally=_address(words, tally), shape=(4, d.num_layers, d.pre, d.row_nbytes), base=step << 32)
+    kernels._blocks_kernel()[(kernels.block_grid(3, args),)](*args, BLOCK=kernels._COPY_BLOCK, ABORT_AT=kernels.ABORT)
+    for layer in range(3):
+        assert torch.equal(d.rows[layer][:, [5, 0, 2, 3]], p.rows[layer][:, [0, 1, 2, 3]]), f"layer {layer}"
+    assert int(words[arrived]) == 5

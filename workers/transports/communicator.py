@@ -205,7 +205,12 @@ class Communicator:
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
                     after: Sequence[torch.cuda.Event | None] = (), staged: bool = False,
-                    keep: Sequence[torch.Tensor] = (), programs: int | None = None) -> Any:
+                    keep: Sequence[torch.Tensor] = (), programs: int | None = None,
+                    progress: tuple[int, int] | None = None) -> Any:
+        raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
+
+    def mark_staged(self, stream: torch.cuda.Stream, seq: int, layers: int) -> None:
+        """After `stream`'s work so far, block send `seq` may copy its first `layers` layers."""
         raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
 
     # -- shared --------------------------------------------------------------------------

@@ -36,10 +36,14 @@ How one op pairs:
   D's blocks, so D needs no pool bytes and no scatter. D's host publishes its layer
   table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer;
   D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
-  P's `ready`. P's kernel copies each staged row once P's stream has said how many rows
-  are staged (`mark_staged`, a word per send in P's own memory, written after the
-  events the send waits on): the gathers stay on the compute stream, so P's blocks may
-  be reused as soon as `save_kv_layer` returns.
+  P's `ready`, without waiting for its earlier block receives to land (only for the
+  one whose arena slot it reuses), and waits for `arrived` on a stream of its own.
+  P's kernel copies the staged rows layer by layer, each layer once a word in P's own
+  memory says it is staged: the connector's step word, which P's compute stream sets
+  after each layer's gathers (so the send may be posted during the forward pass), or a
+  word per send (`mark_staged`, written after the events the send waits on). The
+  gathers stay on the compute stream, so P's blocks may be reused as soon as
+  `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -156,12 +160,16 @@ def _kernel() -> Any:
             # later, while a peer's stream in this process waits on a count, would wait for
             # that stream (a module load synchronizes the context) and never end.
             # Send number `seq` of a whole staged transfer, straight into the receiver's
-            # blocks. Staging row t is (block i, layer, pre p), t = (i * NUM_LAYERS + layer)
-            # * PRE + p, as P's gathers write it; it goes to row p of block ids[i] of the
-            # receiver's `layer`. A row is copied once P's compute stream says it is staged:
-            # `progress` holds base + the rows gathered so far (base = seq << 32, so a word
-            # left by an earlier send reads as nothing staged). All waits read this GPU's
-            # own memory; the receiver wrote `ready` and the ids over NVLink.
+            # blocks. Staging row (block i, layer, pre p) is (i * NUM_LAYERS + layer) * PRE
+            # + p, as P's gathers write it; it goes to row p of block ids[i] of the
+            # receiver's `layer`. Rows are taken in layer order (t = (layer * blocks + i) *
+            # PRE + p), the order P's forward pass stages them, and a row is copied once
+            # P's compute stream says its layer is staged: `progress` holds base + the
+            # layers gathered so far (a word left with a smaller base reads as nothing
+            # staged, one with a larger base, written later in the same stream, as all).
+            # So a send posted during the forward pass copies each layer as its gather
+            # ends. All waits read this GPU's own memory; the receiver wrote `ready` and
+            # the ids over NVLink.
             seq64 = seq.to(tl.int64)
             ready_at = ready.to(tl.pointer_type(tl.int64))
             r = tl.load(ready_at, volatile=True)
@@ -174,29 +182,30 @@ def _kernel() -> Any:
             ip = ids.to(tl.pointer_type(tl.int64))
             staged_at = progress.to(tl.pointer_type(tl.int64))
             first = base.to(tl.int64)
-            have = first - first  # rows known staged (int64, as it is reassigned below)
+            have = first - first  # layers known staged (int64, as it is reassigned below)
             n = rows.to(tl.int64)
             ncb = num_cache_blocks.to(tl.int64)
             ROW = row_words.to(tl.int64)
             NUM_LAYERS = num_layers.to(tl.int64)
             PRE = pre.to(tl.int64)
+            NB = n // (NUM_LAYERS * PRE)  # the transfer's blocks
             for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
-                while live & (have <= t):
+                layer = t // (NB * PRE)
+                while live & (have <= layer):
                     have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
-                    if have <= t:  # still waiting: an abort on this side ends the wait
+                    if have <= layer:  # still waiting: an abort on this side ends the wait
                         live = tl.load(ready_at, volatile=True) < ABORT_AT
                 if live:
                     # Read while this row copies, looked at after it: a receiver that gave
                     # its blocks up (a failed load whose blocks vLLM may reuse) gets no row
                     # started after it said so.
                     gate = tl.load(ready_at, volatile=True)
-                    i = t // (NUM_LAYERS * PRE)
-                    layer = (t // PRE) % NUM_LAYERS
+                    i = (t // PRE) % NB
                     p = t % PRE
                     dst = tl.load(lp + layer).to(tl.pointer_type(tl.int64))
                     blk = tl.load(ip + i, cache_modifier=".cg")
                     d_row = dst + (p * ncb + blk) * ROW
-                    s_row = s + t * ROW
+                    s_row = s + ((i * NUM_LAYERS + layer) * PRE + p) * ROW
                     for start in tl.range(0, ROW, BLOCK):
                         offs = start + tl.arange(0, BLOCK)
                         mask = offs < ROW
@@ -236,13 +245,15 @@ def block_grid(programs: int, args: tuple[int, ...]) -> int:
 
 
 def block_args(seq: int, *, src: int, layers: int, ids: int, num_cache_blocks: int, progress: int, ready: int,
-               arrived: int, tally: int, shape: tuple[int, int, int, int]) -> tuple[int, ...]:
+               arrived: int, tally: int, shape: tuple[int, int, int, int], base: int | None = None) -> tuple[int, ...]:
     """`ipc_blocks`' run-time arguments for send `seq`, in its order: addresses (staging,
-    the receiver's layer addresses, its block ids, this send's progress word, the
-    counters) and `shape`, the transfer's (blocks, layers, rows a block, bytes a row)."""
+    the receiver's layer addresses, its block ids, the progress word, the counters)
+    and `shape`, the transfer's (blocks, layers, rows a block, bytes a row); `base`: what
+    the progress word holds before any layer is staged (default: ``seq << 32``, the
+    communicator's own word for the send)."""
     num_blocks, num_layers, pre, row_nbytes = shape
-    return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, progress, seq << 32, ready, arrived,
-            tally, seq, row_nbytes // 8, num_layers, pre)
+    return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, progress,
+            seq << 32 if base is None else base, ready, arrived, tally, seq, row_nbytes // 8, num_layers, pre)
 
 
 class _Copier:
@@ -437,6 +448,9 @@ class IpcCommunicator(Communicator):
         self.sent = self.received = 0  # ops posted so far, each way
         self.op_timeout_s = op_timeout_s
         self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+        # Block receives end here (`post_blocks`): their waits for the sender's arrival
+        # stay off `stream`, so the next receive's `ready` goes out before this one landed.
+        self.arrivals = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         self._sp = self.stream.cuda_stream
         self._mapped: dict[bytes, int] = {}  # the peer's allocations opened here, by handle
         self._copy = _Copier(device)
@@ -484,11 +498,12 @@ class IpcCommunicator(Communicator):
 
         return self._posted("an op", steps)
 
-    def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]]) -> StreamWork:
+    def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]],
+                ends: torch.cuda.Stream | None = None) -> StreamWork:
         """Run `enqueue` (one group's steps on this communicator's stream) under the lock,
         with this GPU's context current; a failure ends the communicator, since the peer
-        may have paired part of it. The work: an event after the group, holding the
-        tensors `enqueue` returns."""
+        may have paired part of it. The work: an event after the group (on `ends`, if
+        given, where `enqueue` put the op's end), holding the tensors `enqueue` returns."""
         self._check_open()
         with self.lock:
             try:
@@ -498,7 +513,7 @@ class IpcCommunicator(Communicator):
                 self.fail(f"posting {what} failed")
                 raise
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(ends or self.stream)
         return StreamWork(done, keep)
 
     def _wait_room(self, seq: int) -> None:
@@ -583,19 +598,24 @@ class IpcCommunicator(Communicator):
             if on_gpu:
                 with torch.cuda.stream(self.stream):
                     held = ids.to(device=self.device, dtype=torch.int64).contiguous()
-            # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, is complete by
-            # now in this stream's order (every receive waits for its arrival here), and
-            # the sender's kernel reads the ids before it tells that arrival.
+            # Slot seq % _ID_SLOTS: its last user, receive seq - _ID_SLOTS, has landed by
+            # now in this stream's order (waited for here), and the sender's kernel reads
+            # the ids before it tells that arrival. Only that far back: the receives
+            # between are told `ready` without waiting for one another's arrival, so the
+            # sender's next copy never waits for this GPU's stream to see the last one land
+            # (two processes on one GPU take turns on it: that wait cost a time slice).
+            if seq > _ID_SLOTS:
+                self.drv.wait_value(self._sp, self.my_arrived, seq - _ID_SLOTS)
             slot = _Counters.arena(self.peer_arena, seq)
             self.drv.copy(self._sp, slot, held.data_ptr(), n * 8)
             box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
                                            kind=BLOCKS, count=n))
             self.received = seq
             self.drv.write_value(self._sp, self.peer_ready, seq)
-            self.drv.wait_value(self._sp, self.my_arrived, seq)
+            self.drv.wait_value(self.arrivals.cuda_stream, self.my_arrived, seq)  # the receive's end
             return [ids, held]  # the caller's ids too: this stream reads them after `after`
 
-        return self._posted("a block receive", steps)
+        return self._posted("a block receive", steps, ends=self.arrivals)
 
     def _publish_layers(self, paged: PagedKv) -> int:
         """The version of this side's layer table for `paged`, published once per cache
@@ -614,11 +634,11 @@ class IpcCommunicator(Communicator):
         """The number the next send gets (hold `lock` from reading it to posting it)."""
         return self.sent + 1
 
-    def mark_staged(self, stream: torch.cuda.Stream, seq: int, rows: int) -> None:
-        """After `stream`'s work so far (a gather), block send `seq` may copy its first
-        `rows` staged rows."""
+    def mark_staged(self, stream: torch.cuda.Stream, seq: int, layers: int) -> None:
+        """After `stream`'s work so far (a gather), block send `seq` may copy the rows of
+        its first `layers` layers."""
         self.drv.make_current(self.ctx)
-        self.drv.write_value(stream.cuda_stream, self._progress(seq), (seq << 32) + rows)
+        self.drv.write_value(stream.cuda_stream, self._progress(seq), (seq << 32) + layers)
 
     def _progress(self, seq: int) -> int:
         return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
@@ -645,14 +665,17 @@ class IpcCommunicator(Communicator):
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
                     after: Sequence[torch.cuda.Event | None] = (), staged: bool = False,
-                    keep: Sequence[torch.Tensor] = (), programs: int | None = None) -> Any:
+                    keep: Sequence[torch.Tensor] = (), programs: int | None = None,
+                    progress: tuple[int, int] | None = None) -> Any:
         """Send `num_blocks` staged blocks of `paged`'s shape at address `src` (block-major
         staging, on this GPU or pinned) whole, as send number `seq` (`next_send`, under
-        `lock`), straight into the blocks the receiver's BLOCKS receive names. Rows are
-        copied as `mark_staged` releases them, so the gathers may still be running (or
-        not yet enqueued) when this returns; or, with `staged`, every row once the events
-        `after` completed (gathers already enqueued).
-        `keep`: tensors to hold until the send's end.
+        `lock`), straight into the blocks the receiver's BLOCKS receive names. Each
+        layer's rows are copied once a progress word says that layer is staged, so the
+        gathers may still be running (or not yet enqueued) when this returns: `progress`,
+        (address, base) of a word in this GPU's memory that the sender's compute stream
+        sets to base + the layers gathered; else the communicator's word for this send,
+        which `mark_staged` sets, or with `staged` this op once the events `after`
+        completed (gathers already enqueued). `keep`: tensors to hold until the send's end.
 
         Raises:
             ValueError: the receiver posted another size or kind of receive, or its cache
@@ -677,13 +700,13 @@ class IpcCommunicator(Communicator):
                                  "on both.")
             self.page.box.consume(self.out, seq)
             self._wait_for(after)
-            rows = num_blocks * paged.num_layers * paged.pre
-            if staged:
-                self.mark_staged(self.stream, seq, rows)
+            if staged and progress is None:
+                self.mark_staged(self.stream, seq, paged.num_layers)
             self.sent = seq
             arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
+            word, base = progress or (self._progress(seq), None)
             args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
-                              progress=self._progress(seq), ready=self.my_ready, arrived=self.peer_arrived,
+                              progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived,
                               tally=self._tally(seq), shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
             self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             return [*keep, layers]
@@ -748,10 +771,10 @@ class IpcCommunicator(Communicator):
         self._release_waits(releases)
         with self.lock:  # a post waiting for a descriptor sees the page dead and lets go
             deadline = time.monotonic() + 5.0
-            while not self.stream.query() and time.monotonic() < deadline:
+            while not (self.stream.query() and self.arrivals.query()) and time.monotonic() < deadline:
                 self._release_waits(releases)  # again: the peer may have written a count since
                 time.sleep(1e-4)
-            idle = self.stream.query()
+            idle = self.stream.query() and self.arrivals.query()
             for dptr in self._mapped.values():
                 try:
                     self.drv.close(dptr)

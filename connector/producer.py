@@ -48,7 +48,7 @@ from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender
 
-from .lanes import lane_key, split_for_go
+from .lanes import Part, cut_lane, cut_read, lane_key, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ class ProducerSide:
         self._step: list[tuple[str, _Staged]] = []
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
+        self._cut_stream: torch.cuda.Stream | None = None  # nccl: where lanes' heads are cut (`connector.lanes`)
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
@@ -423,6 +424,7 @@ class ProducerSide:
         ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
         posting = False  # nccl: the send took its place in the pair's order (or gave it up itself)
         waited: Waited | None = None  # nccl: when the send's end was seen
+        part: Part | None = None  # nccl: a lane's heads, cut out of the staging
         try:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
@@ -435,11 +437,16 @@ class ProducerSide:
             if w.nccl is not None:
                 try:
                     staged.sending_to = msg.decode
+                    source, after, paged = staged.lease, staged.event, w.paged
+                    block_nbytes = len(w.layers) * w.block_nbytes
+                    if msg.head_stop:  # a decode rank of another TP size: its heads, cut after the step's gathers
+                        part = await self._cut(tid, staged, msg)
+                        source, after, block_nbytes, paged = part, part.event, part.block_nbytes, None
                     posting = True
                     waited = await w.nccl.send(
-                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, staged.event,
+                        msg.decode, tid, source, msg.offset, msg.nbytes, after,  # type: ignore[arg-type]
                         time.monotonic() + w.config.load_timeout_s,
-                        block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq), paged=w.paged)
+                        block_nbytes=block_nbytes, ticket=(msg.comm, msg.seq), paged=paged)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.
@@ -490,6 +497,7 @@ class ProducerSide:
                 **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:
+            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
             with w.lock:
                 staged.sends -= 1
                 free_now = staged.dead and staged.sends == 0 and let_go
@@ -497,6 +505,19 @@ class ProducerSide:
                     staged.sends += 1  # never reaches 0: the lease is never released
             if free_now:
                 staged.lease.release()
+
+    async def _cut(self, tid: str, staged: _Staged, msg: Go) -> Part:
+        """The heads `msg` names, cut out of the staged copy (`connector.lanes.cut_lane`);
+        in a worker thread (a CPU copy takes tens of ms; a GPU one is enqueued)."""
+        w = self.w
+        if w.pool is not None and w.pool.tensor.is_cuda and self._cut_stream is None:
+            self._cut_stream = torch.cuda.Stream(w.pool.tensor.device)
+        try:
+            return await anyio.to_thread.run_sync(cut_lane, w, staged.staging, staged.event, msg.head_start,
+                                                  msg.head_stop, self._cut_stream)
+        except Exception as exc:
+            raise TransferFailed(tid, f"the heads [{msg.head_start}, {msg.head_stop}) could not be cut out of the "
+                                 f"staged copy: {exc}") from exc
 
     async def _end(self, tid: str, reason: str) -> None:
         """Abort a transfer this side cannot send, and free its copy: the broker ends it

@@ -25,7 +25,9 @@ heads): `post_recv` without `into`, so P sees a chunked receive and follows it.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from .worker import ConnectorWorker
 
 __all__ = [
-    "Lane", "Part", "cut_lane", "cut_read", "lane_key", "on_lane", "receive_lane", "receive_lane_nccl", "release_ended",
+    "Lane", "Part", "cut_lane", "cut_read", "lane_key", "lane_nbytes", "on_lane", "receive_lane", "receive_lane_nccl", "release_ended",
     "scatter_lanes", "split_for_go", "stop_lanes",
 ]
 
@@ -73,60 +75,74 @@ def split_for_go(w: ConnectorWorker, staging: torch.Tensor, head_start: int, hea
     """A prefill rank's staged copy cut down to the model's heads ``[head_start, head_stop)``."""
     a, b = head_start - w.heads[0], head_stop - w.heads[0]
     layout = next(iter(w.layouts.values()))
-    part = torch.empty(staging.shape[0] * staging.shape[1] * part_nbytes(layout, a, b), dtype=torch.uint8,
-                       device=staging.device)
+    part = torch.empty(staging.shape[0] * staging.shape[1] * part_nbytes(layout, a, b), dtype=torch.uint8)
     return split_heads(staging, layout, a, b, part).view(-1)
 
 
 @dataclass
 class Part:
     """A lane's heads cut out of a prefill rank's staging, shaped as the lease the nccl
-    link sends from (bytes ``[offset, offset + nbytes)`` of `base`). `event`: on a GPU,
-    recorded after the cut; the send waits on it, and the staging goes back to its pool
-    only once it has completed (`cut_read`)."""
+    link sends from: bytes ``[offset, offset + nbytes)`` of `base`, a lease of the staging
+    pool (`lease`) where it had room, so no GPU memory is allocated while ops are in
+    flight. `event`: on a GPU, recorded after the cut; the send waits on it, and the
+    staging and the part go back to the pool only once it has completed (`cut_read`)."""
 
     base: torch.Tensor
+    offset: int
+    nbytes: int
     block_nbytes: int  # the lane's share of one block of every layer
     event: torch.cuda.Event | None = None
-    offset: int = 0
+    lease: Lease | None = None
 
-    @property
-    def tensor(self) -> torch.Tensor:
-        return self.base
 
-    @property
-    def nbytes(self) -> int:
-        return self.base.numel()
+def lane_nbytes(w: ConnectorWorker, staging: torch.Tensor, head_start: int, head_stop: int) -> int:
+    """Bytes of the model's heads ``[head_start, head_stop)`` of a staged copy."""
+    layout = next(iter(w.layouts.values()))
+    return staging.shape[0] * staging.shape[1] * part_nbytes(layout, head_start - w.heads[0], head_stop - w.heads[0])
 
 
 def cut_lane(w: ConnectorWorker, staging: torch.Tensor, gathered: torch.cuda.Event | None, head_start: int,
-             head_stop: int, stream: torch.cuda.Stream | None) -> Part:
+             head_stop: int, stream: torch.cuda.Stream | None, lease: Lease | None) -> Part:
     """The model's heads ``[head_start, head_stop)`` of a prefill rank's staged copy, for
-    the nccl link. On a GPU the copy is enqueued on `stream` after `gathered` (the event
-    `wait_for_save` records on the compute stream after the step's gathers): stream
-    order, not the host, makes it read what the gathers wrote. On the CPU it is done on return."""
+    the nccl link, into `lease` (None: new memory). On a GPU the copy is enqueued on
+    `stream` after `gathered` (the event `wait_for_save` records on the compute stream
+    after the step's gathers): stream order, not the host, makes it read what the
+    gathers wrote. On the CPU it is done on return."""
     a, b = head_start - w.heads[0], head_stop - w.heads[0]
     layout = next(iter(w.layouts.values()))
     block = staging.shape[1] * part_nbytes(layout, a, b)
-    if not staging.is_cuda:
-        return Part(split_for_go(w, staging, head_start, head_stop), block)
-    assert stream is not None
-    with torch.cuda.device(staging.device), torch.cuda.stream(stream):
-        if gathered is not None:
+    nbytes = lane_nbytes(w, staging, head_start, head_stop)
+    event = None
+    with torch.cuda.device(staging.device) if staging.is_cuda else _nothing(), \
+            torch.cuda.stream(stream) if staging.is_cuda else _nothing():
+        if stream is not None and gathered is not None:
             stream.wait_event(gathered)
-        # Made on `stream`: the allocator hands its bytes to later work of that stream only.
-        part = split_for_go(w, staging, head_start, head_stop)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return Part(part, block, event)
+        out = lease.tensor if lease is not None else torch.empty(nbytes, dtype=torch.uint8, device=staging.device)
+        split_heads(staging, layout, a, b, out)
+        if staging.is_cuda:
+            event = torch.cuda.Event()
+            event.record(stream)
+    if lease is not None:
+        return Part(lease.base, lease.offset, nbytes, block, event, lease)
+    return Part(out, 0, nbytes, block, event)
 
 
 async def cut_read(part: Part | None) -> None:
     """Until the GPU has run `part`'s cut (it reads the staging, which may then go back to
-    its pool); at once where the send that waited on it ended."""
-    if part is not None and part.event is not None and not part.event.query():
+    its pool), then the part's lease back; at once where the send that waited on it ended."""
+    if part is None:
+        return
+    if part.event is not None and not part.event.query():
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(part.event.synchronize)
+    if part.lease is not None:
+        part.lease.release()
+        part.lease = None
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _misfit(w: ConnectorWorker, msg: Prepare, load: _Load, lane: Lane) -> str:

@@ -48,7 +48,7 @@ from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender
 
-from .lanes import Part, cut_lane, cut_read, lane_key, split_for_go
+from .lanes import Part, cut_lane, cut_read, lane_key, lane_nbytes, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
@@ -497,7 +497,7 @@ class ProducerSide:
                 **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:
-            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
+            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back (and the part)
             with w.lock:
                 staged.sends -= 1
                 free_now = staged.dead and staged.sends == 0 and let_go
@@ -510,12 +510,22 @@ class ProducerSide:
         """The heads `msg` names, cut out of the staged copy (`connector.lanes.cut_lane`);
         in a worker thread (a CPU copy takes tens of ms; a GPU one is enqueued)."""
         w = self.w
-        if w.pool is not None and w.pool.tensor.is_cuda and self._cut_stream is None:
+        assert w.pool is not None
+        if w.pool.tensor.is_cuda and self._cut_stream is None:
             self._cut_stream = torch.cuda.Stream(w.pool.tensor.device)
+        lease = None
+        try:
+            # Into the staging pool where it has room: no GPU allocation while ops are in
+            # flight. Without room, new memory: waiting for room could wait for this send.
+            lease = w.pool.acquire_nowait(lane_nbytes(w, staged.staging, msg.head_start, msg.head_stop))
+        except PoolError:
+            pass
         try:
             return await anyio.to_thread.run_sync(cut_lane, w, staged.staging, staged.event, msg.head_start,
-                                                  msg.head_stop, self._cut_stream)
+                                                  msg.head_stop, self._cut_stream, lease)
         except Exception as exc:
+            if lease is not None:
+                lease.release()  # nothing was enqueued on the GPU that could still write it
             raise TransferFailed(tid, f"the heads [{msg.head_start}, {msg.head_stop}) could not be cut out of the "
                                  f"staged copy: {exc}") from exc
 

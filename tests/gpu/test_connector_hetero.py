@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,6 @@ from tests.gpu.hetero_rank import (
     check,
     load_all,
     model_kv,
-    step_until_loaded,
     worker,
 )
 from tests.support import BrokerProcess, env, wait_until
@@ -65,10 +64,17 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     b.kill()
 
 
-def prefill_all(ps: list[ConnectorWorker], p_caches: list[dict[str, torch.Tensor]], p_tp: int) -> None:
+def prefill_all(ps: list[ConnectorWorker], p_caches: list[dict[str, torch.Tensor]], p_tp: int,
+                broker: BrokerProcess, per_transfer: int, step: Callable[[], bool]) -> None:
     """One prefill step a transfer on every P rank, each layer's blocks overwritten on the
-    compute stream right after its save_kv_layer returns."""
+    compute stream right after its save_kv_layer returns. The first transfer goes alone
+    (`per_transfer` lanes completed at the broker before the next): it builds every
+    pair's communicator, and the rest run on them. `step`: the decode ranks' engine
+    steps of this process, meanwhile."""
     for i in range(TRANSFERS):
+        if i == 1:
+            wait_until(lambda: step() and broker.status()["counters"]["completed"] == per_transfer, 120,
+                       "the first transfer's lanes, which build the communicators")
         model = model_kv(i)
         for r, (p, kv) in enumerate(zip(ps, p_caches)):
             a, b = rank_heads(4, p_tp, r)
@@ -108,12 +114,22 @@ def test_hetero_tp_over_nccl_each_decode_rank_gets_exactly_its_heads(
     d_before = [{n: t.cpu() for n, t in kv.items()} for kv in d_caches]
     ds = [worker(broker.endpoint, "d", r, d_tp, d_caches[r], load_timeout_s=60) for r in range(d_tp)]
     ps = [worker(broker.endpoint, "p", r, p_tp, p_caches[r], load_timeout_s=60) for r in range(p_tp)]
+    finished: list[set[str]] = [set() for _ in ds]
+    errors: set[int] = set()
+
+    def step() -> bool:  # one empty engine step on every decode rank
+        for k, d in enumerate(ds):
+            finished[k] |= d.get_finished(set())[1] or set()
+            errors.update(d.get_block_ids_with_load_errors())
+        return True
+
     try:
         for d in ds:
             load_all(d, TRANSFERS)
-        prefill_all(ps, p_caches, p_tp)
-        for d in ds:
-            assert step_until_loaded(d, TRANSFERS, timeout=120) == set(), d.statistics()
+        prefill_all(ps, p_caches, p_tp, broker, len(lanes(4, p_tp, d_tp)), step)
+        want = {f"req-h{i}" for i in range(TRANSFERS)}
+        wait_until(lambda: step() and all(want <= f for f in finished), 120, "every decode rank's loads reported")
+        assert errors == set(), [d.statistics() for d in ds]
         for r, d in enumerate(ds):
             counts = check(d, d_caches[r], d_before[r], d_tp, r, TRANSFERS)
             assert counts == {"checked": 2 * sum(PER_TRANSFER - i % 2 for i in range(TRANSFERS)), "mismatched": 0,
@@ -146,7 +162,7 @@ def test_hetero_tp_over_nccl_with_decode_ranks_in_processes_of_their_own(broker:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
-        prefill_all(ps, p_caches, 1)
+        prefill_all(ps, p_caches, 1, broker, 2, lambda: True)
         results = []
         for r, proc in enumerate(procs):
             out, err = proc.communicate(timeout=180)

@@ -439,9 +439,11 @@ class ProducerSide:
                     staged.sending_to = msg.decode
                     source, after, paged = staged.lease, staged.event, w.paged
                     block_nbytes = len(w.layers) * w.block_nbytes
-                    if msg.head_stop:  # a decode rank of another TP size: its heads, cut after the step's gathers
-                        part = await self._cut(tid, staged, msg)
-                        source, after, block_nbytes, paged = part, part.event, part.block_nbytes, None
+                    if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
+                        paged = None
+                        if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
+                            part = await self._cut(tid, staged, msg)
+                            source, after, block_nbytes = part, part.event, part.block_nbytes
                     posting = True
                     waited = await w.nccl.send(
                         msg.decode, tid, source, msg.offset, msg.nbytes, after,  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from connector.config import EngineInfo
+from connector.lanes import Part
 from connector.nccl_link import Waited, chunks
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_fields
@@ -74,6 +75,7 @@ class Wire:
         self.cancelled: set[str] = set()
         self.ops: list[tuple[str, str, str, str, bool]] = []  # (op, transfer, from, to, into blocks / from blocks)
         self.unpaired: list[tuple[str, str]] = []  # (send's transfer, receive's transfer) paired by order
+        self.cut: dict[tuple[str, str], bool] = {}  # (from, to) -> whether the send went from a cut of the staging
 
 
 class WireLink:
@@ -141,6 +143,7 @@ class WireLink:
                     raise TransferFailed(transfer_id, "its turn on the wire did not come")
             self.wire.sent[pair].append(sent)
             self.wire.ops.append(("send", transfer_id, self.me, decode, paged is not None))
+            self.wire.cut[(self.me, decode)] = isinstance(lease, Part)
             self.wire.cond.notify_all()
         if not await anyio.to_thread.run_sync(sent.taken.wait, max(deadline - time.monotonic(), 0.0)):
             raise TransferFailed(transfer_id, "the wire's send was not received by its deadline")
@@ -252,6 +255,9 @@ def test_hetero_lanes_over_the_nccl_link_give_each_decode_rank_exactly_its_heads
         assert {(src, dst) for _, _, src, dst, _ in sends} == {(f"p:{lane.source}", f"d:{lane.rank}") for lane in plan}
         assert not any(blocks for *_, blocks in wire.ops), "a lane went from or into whole blocks"
         assert wire.unpaired == []
+        # A lane of all the source rank's heads goes from its staging as it is; others from a cut.
+        assert wire.cut == {(f"p:{lane.source}", f"d:{lane.rank}"):
+                            (lane.start, lane.stop) != rank_heads(HEADS, p_tp, lane.source) for lane in plan}
         wait_until(lambda: broker.status()["counters"]["completed"] == 3 * len(plan), 10, "the lanes' Dones")
         wait_until(lambda: all(p.statistics()["staged_now"] == 0 for p in ps), 10, "every prefill rank released")
         for w in ps + ds:

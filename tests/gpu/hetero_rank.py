@@ -1,15 +1,18 @@
 """Heterogeneous TP on GPUs over the nccl transport: the model's KV, one rank's worker
-half, and (run as a script) one decode rank in a process of its own.
+half, and (run as a script) one prefill or decode rank in a process of its own.
 
 The model has `HEADS` KV heads; transfer i's KV over all of them is random, seeded by i
 (`model_kv`), flash-attn shaped ``[2, blocks, block_size, heads, head_size]``. A rank's
 cache holds its heads (`protocols.heads.rank_heads`) of `NUM_BLOCKS` blocks.
 
-As a script (a decode rank): registers, says so on stdout, waits for a line on stdin
-(every rank of both instances registered), loads every transfer at once (transfer i
-into `decode_blocks(i)`, with an i % 2-block prefix hit), steps until each is reported,
-then compares its blocks: each one after the hit holds exactly its heads of the model's
-KV, each one before it is unchanged. One JSON line of results on stdout.
+As a script, a rank registers, says so on stdout, and waits for a line on stdin (every
+rank of both instances registered). A decode rank then loads every transfer at once
+(transfer i into `decode_blocks(i)`, with an i % 2-block prefix hit), steps until each
+is reported, and compares its blocks: each one after the hit holds exactly its heads of
+the model's KV, each one before it is unchanged. A prefill rank runs transfer 0's step
+(`prefill_step`), waits for another line (transfer 0 has landed everywhere: every pair's
+communicator is built), runs the others' steps, and waits until each was released. One
+JSON line of results on stdout.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from connector.config import EngineInfo, parse_config
-from connector.scheduler import KvBrokerMetadata, LoadSpec
+from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker
 from protocols.heads import rank_heads
 from protocols.logs import configure_logging
-from tests.support import engine_step_pause
+from tests.support import engine_step_pause, wait_until
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, BLOCK_SIZE, HEAD_SIZE, NUM_BLOCKS, PER_TRANSFER = 4, 16, 64, 64, 4
@@ -54,6 +57,26 @@ def caches(device: str, tp: int, rank: int, seed: int) -> dict[str, torch.Tensor
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, b - a, HEAD_SIZE, generator=g).to(torch.bfloat16).to(device)
             for n in LAYERS}
+
+
+PREFILL_BLOCKS = [3, 17, 40, 9]  # every transfer's: P reuses its blocks at once
+
+
+def prefill_step(p: ConnectorWorker, kv: dict[str, torch.Tensor], tp: int, rank: int, i: int) -> None:
+    """Transfer i's prefill step on one P rank: its heads of the model's KV written into
+    its blocks, then saved layer by layer, each layer's blocks overwritten on the compute
+    stream right after its save_kv_layer returns (the seed's race)."""
+    model = model_kv(i)
+    a, b = rank_heads(HEADS, tp, rank)
+    for n in LAYERS:
+        kv[n][:, PREFILL_BLOCKS] = model[n][:, :, :, a:b].to(kv[n].device)
+    p.bind(KvBrokerMetadata(saves={f"h{i}": SaveSpec(
+        req_id=f"req-h{i}", block_ids=PREFILL_BLOCKS, num_tokens=PER_TRANSFER * BLOCK_SIZE - 5, decode="d")}))
+    for n in LAYERS:
+        p.save_kv_layer(n, kv[n])
+        kv[n][:, PREFILL_BLOCKS] = -7.0  # the next step writes these blocks at once
+    p.wait_for_save()
+    p.clear()
 
 
 def decode_blocks(i: int) -> list[int]:
@@ -123,15 +146,38 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def prefill_main(args: argparse.Namespace) -> dict[str, int]:
+    kv = caches(args.device, args.tp, args.rank, seed=40 + args.rank)
+    p = worker(args.broker, "p", args.rank, args.tp, kv, load_timeout_s=60)
+    try:
+        print(json.dumps({"registered": True}), flush=True)
+        sys.stdin.readline()
+        prefill_step(p, kv, args.tp, args.rank, 0)
+        sys.stdin.readline()
+        for i in range(1, args.transfers):
+            prefill_step(p, kv, args.tp, args.rank, i)
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 120, "every transfer released")
+        assert p.pool is not None
+        wait_until(lambda: p.pool.statistics().leases == 0, 20, "the staging back in its pool")
+        stats = p.statistics()
+    finally:
+        p.close()
+    return {k: stats[k] for k in ("staged", "released", "aborted")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--broker", required=True)
+    ap.add_argument("--role", choices=["prefill", "decode"], required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--tp", type=int, required=True)
     ap.add_argument("--transfers", type=int, required=True)
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args()
     configure_logging("json", "warning", sys.stderr)  # stdout carries the results
+    if args.role == "prefill":
+        print(json.dumps(prefill_main(args)), flush=True)
+        return
     kv = caches(args.device, args.tp, args.rank, seed=50 + args.rank)
     before = {n: t.cpu() for n, t in kv.items()}
     d = worker(args.broker, "d", args.rank, args.tp, kv, load_timeout_s=60)

@@ -1,9 +1,10 @@
 """Heterogeneous TP on GPUs, transport "nccl": prefill and decode instances of different
-TP sizes, each rank a `ConnectorWorker` with its heads of a flash-attn shaped cache, a
-real broker process between them (lanes, tickets, credits, the communicators'
-rendezvous). With ``KVBROKER_NCCL_BACKEND=ipc`` every rank keeps its cache on cuda:0 (the
-ipc backend copies between two caches of one GPU as between two GPUs); otherwise each
-rank needs a GPU of its own.
+TP sizes, each rank a `ConnectorWorker` with its heads of a flash-attn shaped cache, in
+a process of its own (the instance of two ranks runs them as child processes, the
+other one runs in the test's), a real broker process between them (lanes, tickets,
+credits, the communicators' rendezvous). With ``KVBROKER_NCCL_BACKEND=ipc`` every rank
+keeps its cache on cuda:0 (the ipc backend copies between two caches of one GPU as
+between two processes' GPUs); otherwise each rank needs a GPU of its own.
 
 Each transfer's KV is written into P's blocks before its step, and each layer's blocks
 are overwritten on the compute stream right after its `save_kv_layer` returns (the
@@ -17,25 +18,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
-from protocols.heads import lanes, rank_heads
-from tests.gpu.hetero_rank import (
-    LAYERS,
-    PER_TRANSFER,
-    BLOCK_SIZE,
-    caches,
-    check,
-    load_all,
-    model_kv,
-    worker,
-)
+from protocols.heads import lanes
+from tests.gpu.hetero_rank import HEADS, PER_TRANSFER, caches, check, load_all, prefill_step, worker
 from tests.support import BrokerProcess, env, wait_until
 
 _GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -44,7 +35,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="needs a CU
 
 RANK = Path(__file__).with_name("hetero_rank.py")
 TRANSFERS = 8
-PREFILL_BLOCKS = [3, 17, 40, 9]  # every transfer's: P reuses its blocks at once
 
 
 def devices(p_tp: int, d_tp: int) -> tuple[list[str], list[str]]:
@@ -64,120 +54,105 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     b.kill()
 
 
-def prefill_all(ps: list[ConnectorWorker], p_caches: list[dict[str, torch.Tensor]], p_tp: int,
-                broker: BrokerProcess, per_transfer: int, step: Callable[[], bool]) -> None:
-    """One prefill step a transfer on every P rank, each layer's blocks overwritten on the
-    compute stream right after its save_kv_layer returns. The first transfer goes alone
-    (`per_transfer` lanes completed at the broker before the next): it builds every
-    pair's communicator, and the rest run on them. `step`: the decode ranks' engine
-    steps of this process, meanwhile."""
-    for i in range(TRANSFERS):
-        if i == 1:
-            wait_until(lambda: step() and broker.status()["counters"]["completed"] == per_transfer, 120,
-                       "the first transfer's lanes, which build the communicators")
-        model = model_kv(i)
-        for r, (p, kv) in enumerate(zip(ps, p_caches)):
-            a, b = rank_heads(4, p_tp, r)
-            for n in LAYERS:
-                kv[n][:, PREFILL_BLOCKS] = model[n][:, :, :, a:b].to(kv[n].device)
-            p.bind(KvBrokerMetadata(saves={f"h{i}": SaveSpec(
-                req_id=f"req-h{i}", block_ids=PREFILL_BLOCKS, num_tokens=PER_TRANSFER * BLOCK_SIZE - 5,
-                decode="d")}))
-            for n in LAYERS:
-                p.save_kv_layer(n, kv[n])
-                kv[n][:, PREFILL_BLOCKS] = -7.0  # the next layer's step writes these blocks at once
-            p.wait_for_save()
-            p.clear()
+def spawn(broker: BrokerProcess, role: str, rank: int, tp: int, device: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(RANK), "--broker", broker.endpoint, "--role", role, "--rank", str(rank), "--tp", str(tp),
+           "--transfers", str(TRANSFERS), "--device", device]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
 
 
-def settled(ps: list[ConnectorWorker], ds: list[ConnectorWorker], broker: BrokerProcess, lanes_done: int) -> None:
-    wait_until(lambda: broker.status()["counters"]["completed"] == lanes_done, 20, "every lane's Done")
-    wait_until(lambda: all(p.statistics()["staged_now"] == 0 for p in ps), 20, "every prefill rank released")
+def tell(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
 
-    def leases_back() -> bool:
-        for d in ds:
-            d.get_finished(set())  # a receive lease goes back once the scatter that read it ran
-        return all(w.pool is not None and w.pool.statistics().leases == 0 for w in ps + ds)
 
-    wait_until(leases_back, 20, "every staging and receive lease back in its pool")
+def completed(broker: BrokerProcess) -> int:
+    return int(broker.status()["counters"]["completed"])
+
+
+CHECKED = 2 * sum(PER_TRANSFER - i % 2 for i in range(TRANSFERS))  # layers x blocks after each prefix hit
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
 def test_hetero_tp_over_nccl_each_decode_rank_gets_exactly_its_heads(
     broker: BrokerProcess, p_tp: int, d_tp: int
 ) -> None:
-    """Every rank a worker of this process: P TP 1 -> D TP 2 (P rank 0 feeds both D ranks
-    half its heads each), and P TP 2 -> D TP 1 (D rank 0 joins two lanes)."""
+    """P TP 1 -> D TP 2 (P rank 0, here, feeds D's two rank processes half its heads
+    each) and P TP 2 -> D TP 1 (D rank 0, here, joins the lanes of P's two rank
+    processes). Eight transfers, every other one with a one-block prefix hit; the first
+    goes alone (it builds every pair's communicator), the other seven back to back. Every
+    D rank's blocks after its hit hold exactly its heads of what P's blocks held at
+    save_kv_layer, its prefix-held blocks are unchanged, the broker counts every lane
+    completed, and every staging and receive lease goes back."""
     p_dev, d_dev = devices(p_tp, d_tp)
-    p_caches = [caches(p_dev[r], p_tp, r, seed=10 + r) for r in range(p_tp)]
-    d_caches = [caches(d_dev[r], d_tp, r, seed=20 + r) for r in range(d_tp)]
-    d_before = [{n: t.cpu() for n, t in kv.items()} for kv in d_caches]
-    ds = [worker(broker.endpoint, "d", r, d_tp, d_caches[r], load_timeout_s=60) for r in range(d_tp)]
-    ps = [worker(broker.endpoint, "p", r, p_tp, p_caches[r], load_timeout_s=60) for r in range(p_tp)]
-    finished: list[set[str]] = [set() for _ in ds]
-    errors: set[int] = set()
-
-    def step() -> bool:  # one empty engine step on every decode rank
-        for k, d in enumerate(ds):
-            finished[k] |= d.get_finished(set())[1] or set()
-            errors.update(d.get_block_ids_with_load_errors())
-        return True
-
+    plan = lanes(HEADS, p_tp, d_tp)
+    children = ([spawn(broker, "decode", r, d_tp, d_dev[r]) for r in range(d_tp)] if d_tp > 1 else
+                [spawn(broker, "prefill", r, p_tp, p_dev[r]) for r in range(p_tp)])
+    here: list[ConnectorWorker] = []
     try:
-        for d in ds:
-            load_all(d, TRANSFERS)
-        prefill_all(ps, p_caches, p_tp, broker, len(lanes(4, p_tp, d_tp)), step)
-        want = {f"req-h{i}" for i in range(TRANSFERS)}
-        wait_until(lambda: step() and all(want <= f for f in finished), 120, "every decode rank's loads reported")
-        assert errors == set(), [d.statistics() for d in ds]
-        for r, d in enumerate(ds):
-            counts = check(d, d_caches[r], d_before[r], d_tp, r, TRANSFERS)
-            assert counts == {"checked": 2 * sum(PER_TRANSFER - i % 2 for i in range(TRANSFERS)), "mismatched": 0,
-                              "cached_changed": 0}, (r, counts)
-        settled(ps, ds, broker, TRANSFERS * len(lanes(4, p_tp, d_tp)))
-        assert sum(d.statistics()["loaded"] for d in ds) == TRANSFERS * d_tp
-    finally:
-        for w in ds + ps:
-            w.close()
-
-
-def test_hetero_tp_over_nccl_with_decode_ranks_in_processes_of_their_own(broker: BrokerProcess) -> None:
-    """P TP 1 in this process, D's two ranks as two processes (on one GPU over ipc): P
-    rank 0 sends each of them half its heads, over a communicator per pair."""
-    p_dev, d_dev = devices(1, 2)
-    procs = [subprocess.Popen([sys.executable, str(RANK), "--broker", broker.endpoint, "--rank", str(r), "--tp", "2",
-                               "--transfers", str(TRANSFERS), "--device", d_dev[r]],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env())
-             for r in range(2)]
-    p_caches = [caches(p_dev[0], 1, 0, seed=30)]
-    ps: list[ConnectorWorker] = []
-    try:
-        for r, proc in enumerate(procs):
+        for r, proc in enumerate(children):
             assert proc.stdout is not None
             line = proc.stdout.readline()
             assert json.loads(line or "{}") == {"registered": True}, (r, proc.stderr.read() if proc.stderr else "")
-        ps.append(worker(broker.endpoint, "p", 0, 1, p_caches[0], load_timeout_s=60))
-        for proc in procs:  # both decode ranks registered: their loads may go
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        prefill_all(ps, p_caches, 1, broker, 2, lambda: True)
-        results = []
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, (r, err[-4000:])
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        want = {"checked": 2 * sum(PER_TRANSFER - i % 2 for i in range(TRANSFERS)), "mismatched": 0,
-                "cached_changed": 0, "errors": 0, "loaded": TRANSFERS}
-        assert results == [want, want], results
-        wait_until(lambda: broker.status()["counters"]["completed"] == 2 * TRANSFERS, 20, "every lane's Done")
-        wait_until(lambda: ps[0].statistics()["staged_now"] == 0, 20, "the prefill rank released")
-        wait_until(lambda: ps[0].pool is not None and ps[0].pool.statistics().leases == 0, 20, "P's staging back")
+        if d_tp > 1:  # this process: P rank 0
+            kv = caches(p_dev[0], 1, 0, seed=40)
+            p = worker(broker.endpoint, "p", 0, 1, kv, load_timeout_s=60)
+            here.append(p)
+            tell(children)  # the decode ranks load every transfer
+            prefill_step(p, kv, 1, 0, 0)
+            wait_until(lambda: completed(broker) == len(plan), 120, "the first transfer's lanes")
+            for i in range(1, TRANSFERS):
+                prefill_step(p, kv, 1, 0, i)
+            results = [finish(proc) for proc in children]
+            want = {"checked": CHECKED, "mismatched": 0, "cached_changed": 0, "errors": 0, "loaded": TRANSFERS}
+            assert results == [want] * d_tp, results
+            wait_until(lambda: p.statistics()["staged_now"] == 0, 20, "the prefill rank released")
+            assert p.pool is not None
+            wait_until(lambda: p.pool.statistics().leases == 0, 20, "P's staging back in its pool")
+        else:  # this process: D rank 0
+            kv = caches(d_dev[0], 1, 0, seed=50)
+            before = {n: t.cpu() for n, t in kv.items()}
+            d = worker(broker.endpoint, "d", 0, 1, kv, load_timeout_s=60)
+            here.append(d)
+            load_all(d, TRANSFERS)
+            finished: set[str] = set()
+            errors: set[int] = set()
+
+            def step() -> bool:  # one empty engine step
+                finished.update(d.get_finished(set())[1] or set())
+                errors.update(d.get_block_ids_with_load_errors())
+                return True
+
+            tell(children)  # the prefill ranks run transfer 0's step
+            wait_until(lambda: step() and completed(broker) == len(plan), 120, "the first transfer's lanes")
+            tell(children)  # and the others'
+            want = {f"req-h{i}" for i in range(TRANSFERS)}
+            wait_until(lambda: step() and want <= finished, 120, "every load reported")
+            assert errors == set(), d.statistics()
+            counts = check(d, kv, before, 1, 0, TRANSFERS)
+            assert counts == {"checked": CHECKED, "mismatched": 0, "cached_changed": 0}, counts
+            results = [finish(proc) for proc in children]
+            assert results == [{"staged": TRANSFERS, "released": TRANSFERS, "aborted": 0}] * p_tp, results
+
+            def leases_back() -> bool:  # a receive lease goes back once the scatter that read it ran
+                step()
+                return d.pool is not None and d.pool.statistics().leases == 0
+
+            wait_until(leases_back, 20, "D's receive leases back in its pool")
+        wait_until(lambda: completed(broker) == TRANSFERS * len(plan), 20, "every lane's Done")
     finally:
-        for proc in procs:
+        for proc in children:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for p in ps:
-            p.close()
+        for w in here:
+            w.close()
+
+
+def finish(proc: subprocess.Popen[str]) -> dict[str, int]:
+    """A rank process's results, once it exited cleanly."""
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])

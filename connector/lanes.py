@@ -25,9 +25,8 @@ heads): `post_recv` without `into`, so P sees a chunked receive and follows it.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,8 +45,8 @@ if TYPE_CHECKING:
     from .worker import ConnectorWorker
 
 __all__ = [
-    "Lane", "Part", "cut_lane", "cut_read", "lane_key", "lane_nbytes", "on_lane", "receive_lane", "receive_lane_nccl", "release_ended",
-    "scatter_lanes", "split_for_go", "stop_lanes",
+    "Lane", "Part", "cut_lane", "cut_read", "lane_key", "lane_nbytes", "on_lane", "receive_lane", "receive_lane_nccl",
+    "release_ended", "scatter_lanes", "split_for_go", "stop_lanes",
 ]
 
 
@@ -113,10 +112,13 @@ def cut_lane(w: ConnectorWorker, staging: torch.Tensor, gathered: torch.cuda.Eve
     block = staging.shape[1] * part_nbytes(layout, a, b)
     nbytes = lane_nbytes(w, staging, head_start, head_stop)
     event = None
-    with torch.cuda.device(staging.device) if staging.is_cuda else _nothing(), \
-            torch.cuda.stream(stream) if staging.is_cuda else _nothing():
-        if stream is not None and gathered is not None:
-            stream.wait_event(gathered)
+    with ExitStack() as on_stream:
+        if staging.is_cuda:
+            assert stream is not None
+            on_stream.enter_context(torch.cuda.device(staging.device))
+            on_stream.enter_context(torch.cuda.stream(stream))
+            if gathered is not None:
+                stream.wait_event(gathered)
         out = lease.tensor if lease is not None else torch.empty(nbytes, dtype=torch.uint8, device=staging.device)
         split_heads(staging, layout, a, b, out)
         if staging.is_cuda:
@@ -138,11 +140,6 @@ async def cut_read(part: Part | None) -> None:
     if part.lease is not None:
         part.lease.release()
         part.lease = None
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _misfit(w: ConnectorWorker, msg: Prepare, load: _Load, lane: Lane) -> str:

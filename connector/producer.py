@@ -499,7 +499,7 @@ class ProducerSide:
                 **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:
-            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back (and the part)
+            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
             with w.lock:
                 staged.sends -= 1
                 free_now = staged.dead and staged.sends == 0 and let_go

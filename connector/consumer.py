@@ -56,7 +56,7 @@ from workers.layout import scatter_layers_from_staging, staging_view, tail, tail
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
-from .lanes import Lane, lane_key, on_lane, release_ended, scatter_lanes
+from .lanes import Lane, lane_key, on_lane, release_ended, scatter_lanes, stop_lanes
 from .scheduler import KvBrokerMetadata, LoadSpec
 
 # Programs (CTAs) of a scatter that overlaps later chunks' receives: at full width (about
@@ -320,6 +320,14 @@ class ConsumerSide:
         reason = f"no KV within the load deadline of {self.w.config.load_timeout_s:g} s (the receive never ended)"
         if self.w.nccl is not None:  # its thread may still post or wait: abort the op, never reuse the lease
             self.w.nccl.cancel(load.source, load.transfer_id)
+            for lane in list(load.lanes.values()):  # heterogeneous TP: each lane's op, and its lease
+                if lane.active:
+                    self.w.nccl.cancel(lane.source, load.transfer_id)
+                    with self.w.lock:
+                        lane.active = False
+                        if lane.lease is not None:
+                            self._quarantined.append(lane.lease)
+                            lane.lease = None
             self._quarantine(load, "an NCCL receive into it may not have ended")
             self._fail(load, reason, telling=False)
             return
@@ -789,8 +797,7 @@ class ConsumerSide:
         if self.w.nccl is not None and load.source:  # the receive runs in a thread: end it, then the task
             await anyio.to_thread.run_sync(self.w.nccl.cancel, load.source, load.transfer_id)  # blocks: off the loop
         scope.cancel()
-        for lane in list(load.lanes.values()):
-            lane.scope.cancel()
+        await stop_lanes(self, load)
         if load.lanes and not any(lane.active for lane in load.lanes.values()):
             self._fail(load, load.reason, telling=False)  # no lane's task is left to end it
 

@@ -52,7 +52,7 @@ from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender
 
-from .lanes import lane_key, split_for_go
+from .lanes import Part, cut_lane, cut_read, lane_key, lane_nbytes, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
@@ -108,6 +108,7 @@ class ProducerSide:
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
         self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
+        self._cut_stream: torch.cuda.Stream | None = None  # nccl: where lanes' heads are cut (`connector.lanes`)
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
@@ -427,8 +428,9 @@ class ProducerSide:
             # Over nccl with the copy kernel the send is posted at once, during the forward
             # pass too, and a send into D's blocks copies each layer as the compute stream
             # counts it gathered (`_Streaming`); else a Go during the forward pass waits.
+            # A lane for a decode rank of another TP size is cut from the whole staged copy.
             streaming = (staged is not None and w.nccl is not None and w.paged is not None
-                         and staged.progress is not None)
+                         and staged.progress is not None and not msg.head_stop)
             if staged is not None:
                 staged.sends += 1
                 if not staged.complete and not streaming:
@@ -444,6 +446,7 @@ class ProducerSide:
         ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
         posting = False  # nccl: the send took its place in the pair's order (or gave it up itself)
         waited: Waited | None = None  # nccl: when the send's end was seen
+        part: Part | None = None  # nccl: a lane's heads, cut out of the staging
         try:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
@@ -456,12 +459,19 @@ class ProducerSide:
             if w.nccl is not None:
                 try:
                     staged.sending_to = msg.decode
+                    source, after, paged = staged.lease, staged.event, w.paged
+                    block_nbytes = len(w.layers) * w.block_nbytes
+                    if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
+                        paged = None
+                        if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
+                            part = await self._cut(tid, staged, msg)
+                            source, after, block_nbytes = part, part.event, part.block_nbytes
                     posting = True
                     deadline = time.monotonic() + w.config.load_timeout_s
                     waited = await w.nccl.send(
-                        msg.decode, tid, staged.lease, msg.offset, msg.nbytes, None if streaming else staged.event,
-                        deadline, block_nbytes=len(w.layers) * w.block_nbytes, ticket=(msg.comm, msg.seq),
-                        paged=w.paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
+                        msg.decode, tid, source, msg.offset, msg.nbytes, None if streaming else after,  # type: ignore[arg-type]
+                        deadline, block_nbytes=block_nbytes, ticket=(msg.comm, msg.seq),
+                        paged=paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
                     # D would hold its receive, and its turn for this producer, until its deadline.
@@ -512,6 +522,7 @@ class ProducerSide:
                 **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:
+            await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
             with w.lock:
                 staged.sends -= 1
                 free_now = staged.dead and staged.sends == 0 and let_go
@@ -519,6 +530,29 @@ class ProducerSide:
                     staged.sends += 1  # never reaches 0: the lease is never released
             if free_now:
                 staged.lease.release()
+
+    async def _cut(self, tid: str, staged: _Staged, msg: Go) -> Part:
+        """The heads `msg` names, cut out of the staged copy (`connector.lanes.cut_lane`);
+        in a worker thread (a CPU copy takes tens of ms; a GPU one is enqueued)."""
+        w = self.w
+        assert w.pool is not None
+        if w.pool.tensor.is_cuda and self._cut_stream is None:
+            self._cut_stream = torch.cuda.Stream(w.pool.tensor.device)
+        lease = None
+        try:
+            # Into the staging pool where it has room: no GPU allocation while ops are in
+            # flight. Without room, new memory: waiting for room could wait for this send.
+            lease = w.pool.acquire_nowait(lane_nbytes(w, staged.staging, msg.head_start, msg.head_stop))
+        except PoolError:
+            pass
+        try:
+            return await anyio.to_thread.run_sync(cut_lane, w, staged.staging, staged.event, msg.head_start,
+                                                  msg.head_stop, self._cut_stream, lease)
+        except Exception as exc:
+            if lease is not None:
+                lease.release()  # nothing was enqueued on the GPU that could still write it
+            raise TransferFailed(tid, f"the heads [{msg.head_start}, {msg.head_stop}) could not be cut out of the "
+                                 f"staged copy: {exc}") from exc
 
     async def _end(self, tid: str, reason: str) -> None:
         """Abort a transfer this side cannot send, and free its copy: the broker ends it

@@ -31,11 +31,11 @@ fields travel in ``Register.compat`` with their hash; the broker refuses a peer 
 matches no peer of the other role and names the fields that differ
 ("dtype: float16 vs bfloat16").
 
-The tensor-parallel size may differ over tcp when the model's KV heads are known
-(`EngineInfo.kv_heads`) or the cache is MLA's replicated latent: the hash then holds
-the model's KV heads instead of a rank's, and the broker plans lanes between the ranks
-(`connector.lanes`), refusing sizes that do not split the heads. Otherwise, and over
-nccl, the TP sizes must be equal.
+The tensor-parallel size may differ, over tcp and nccl alike, when the model's KV heads
+are known (`EngineInfo.kv_heads`) or the cache is MLA's replicated latent: the hash then
+holds the model's KV heads instead of a rank's, and the broker plans lanes between the
+ranks (`connector.lanes`), refusing sizes that do not split the heads. Otherwise the TP
+sizes must be equal.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transp
     `transport` is the config's; over nccl both sides must also cut a transfer into the
     same chunks (`connector.nccl_link.plan`)."""
     spec = CacheSpec.from_vllm(info.spec)
-    hetero = transport == "tcp" and (info.kv_heads > 0 or spec.use_mla)
+    hetero = info.kv_heads > 0 or spec.use_mla
     if transport == "nccl":
         transport = f"nccl, {plan()}"
     if hetero:  # what a rank holds may differ: the model's heads, the cache's shape per head must not

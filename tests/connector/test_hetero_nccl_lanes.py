@@ -132,7 +132,9 @@ class WireLink:
 
     async def send(self, decode: str, transfer_id: str, lease: Any, offset: int, nbytes: int, after: Any,
                    deadline: float, *, block_nbytes: int = 0, ticket: tuple[str, int] = ("", 0),
-                   paged: Any = None) -> Waited:
+                   paged: Any = None, streaming: Any = None) -> Waited:
+        # A lane is cut from the whole staged copy: it never streams during the forward pass.
+        assert streaming is None, f"{transfer_id}: a lane's send was posted streaming"
         data = lease.base[lease.offset + offset:lease.offset + offset + nbytes].clone()
         sent = _Sent(transfer_id, data, chunks(nbytes, block_nbytes))
         pair = (self.me, decode)

@@ -64,22 +64,43 @@ def error_body(status: int, message: str) -> bytes:
 
 
 class HttpConn:
-    """h11 over an anyio byte stream: `next_event` reads as needed, `send` writes."""
+    """h11 over an anyio byte stream: `pump` reads, `next_event` waits for what it read,
+    `send` writes."""
 
     def __init__(self, stream: ByteStream, role: type[h11.CLIENT | h11.SERVER]) -> None:
         self.stream = stream
         self.h = h11.Connection(role)
+        self._arrived = anyio.Event()
+        # The scope of the request being answered, if any: `pump` cancels it when the
+        # client hangs up before its whole answer went out, and sets `gone`.
+        self.request_scope: anyio.CancelScope | None = None
+        self.gone = False
+
+    async def pump(self) -> None:
+        """Feed h11 every byte the peer sends, until it closes: run as a task beside the
+        one that answers. Bytes that come while a request is answered are a pipelined next
+        request; h11 keeps them for the next cycle."""
+        while True:
+            try:
+                data = await self.stream.receive(READ_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                data = b""
+            self.h.receive_data(data)
+            self._arrived.set()
+            if not data:
+                scope = self.request_scope
+                if scope is not None and self.h.our_state is not h11.DONE:
+                    self.gone = True  # it had not its whole answer; P's request may still end on its own
+                    scope.cancel()
+                return
 
     async def next_event(self) -> Any:
         while True:
             event = self.h.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            try:
-                data = await self.stream.receive(READ_CHUNK)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                data = b""
-            self.h.receive_data(data)
+            await self._arrived.wait()
+            self._arrived = anyio.Event()
 
     async def send(self, *events: Any) -> None:
         """Send the events' bytes in one write: a head and its body leave together."""

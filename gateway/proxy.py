@@ -57,7 +57,6 @@ from protocols.grants import GRANT_PARAM, sign
 from protocols.signals import run_until_signalled
 
 from .http import (
-    READ_CHUNK,
     HttpConn,
     HttpError,
     UpstreamFailed,
@@ -234,81 +233,75 @@ class Gateway:
 
     async def _serve_client(self, stream: SocketStream) -> None:
         conn = HttpConn(stream, h11.SERVER)
-        async with stream:
-            while True:
-                try:
-                    with anyio.fail_after(self.config.read_timeout_s):
-                        event = await conn.next_event()
-                        if not isinstance(event, h11.Request):
-                            return  # closed, or an idle keep-alive connection ended
-                        raw = await conn.read_body(self.config.max_body_bytes)
-                except TimeoutError:
+        async with stream, anyio.create_task_group() as tg:
+            # One reader for the connection's life (not one per request): it feeds the next
+            # request to h11, and notices a client that hangs up while being answered.
+            tg.start_soon(conn.pump)
+            try:
+                await self._serve_requests(conn)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _serve_requests(self, conn: HttpConn) -> None:
+        while True:
+            try:
+                with anyio.fail_after(self.config.read_timeout_s):
+                    event = await conn.next_event()
+                    if not isinstance(event, h11.Request):
+                        return  # closed, or an idle keep-alive connection ended
+                    raw = await conn.read_body(self.config.max_body_bytes)
+            except TimeoutError:
+                return
+            except h11.RemoteProtocolError as exc:
+                await self._send_quietly(conn, exc.error_status_hint, f"malformed HTTP request ({exc}).")
+                return
+            except HttpError as exc:
+                await self._send_quietly(conn, exc.status, exc.message)
+                return
+            ex = _Exchange(conn)
+            try:
+                if not await self._while_connected(ex, event, raw):
+                    log.info("gateway.client_gone", phase="client")
+                    self.events["clients_gone"] += 1
                     return
-                except h11.RemoteProtocolError as exc:
-                    await self._send_quietly(conn, exc.error_status_hint, f"malformed HTTP request ({exc}).")
+            except HttpError as exc:
+                if ex.committed:
                     return
-                except HttpError as exc:
-                    await self._send_quietly(conn, exc.status, exc.message)
+                await self._send_quietly(conn, exc.status, exc.message, exc.headers)
+            except TimeoutError:
+                if ex.committed:
                     return
-                ex = _Exchange(conn)
-                try:
-                    if not await self._while_connected(ex, event, raw):
-                        log.info("gateway.client_gone", phase="client")
-                        self.events["clients_gone"] += 1
-                        return
-                except HttpError as exc:
-                    if ex.committed:
-                        return
-                    await self._send_quietly(conn, exc.status, exc.message, exc.headers)
-                except TimeoutError:
-                    if ex.committed:
-                        return
-                    await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
-                    return  # the client went away mid-answer
-                except Exception as exc:  # a bug must cost one request, never the gateway
-                    log.exception("gateway.request_crashed", error=repr(exc))
-                    if not ex.committed:
-                        await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
-                    return
-                if conn.h.our_state is h11.MUST_CLOSE or conn.h.their_state is not h11.DONE:
-                    return
-                try:
-                    conn.h.start_next_cycle()
-                except h11.LocalProtocolError:
-                    return
+                await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+                return  # the client went away mid-answer
+            except Exception as exc:  # a bug must cost one request, never the gateway
+                log.exception("gateway.request_crashed", error=repr(exc))
+                if not ex.committed:
+                    await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                return
+            if conn.h.our_state is h11.MUST_CLOSE or conn.h.their_state is not h11.DONE:
+                return
+            try:
+                conn.h.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
 
     async def _while_connected(self, ex: _Exchange, request: h11.Request, raw: bytes) -> bool:
-        """Handle one request, cancelled if the client hangs up meanwhile: its upstream
-        requests then end too, so vLLM frees what they hold. False if the client left."""
-        gone = False
-        failure: Exception | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def watch() -> None:
-                nonlocal gone
-                while True:
-                    try:
-                        data = await ex.conn.stream.receive(READ_CHUNK)
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        data = b""
-                    if not data:
-                        if ex.conn.h.our_state is h11.DONE:
-                            return  # it had its whole answer; P's request may still end on its own
-                        gone = True
-                        tg.cancel_scope.cancel()
-                        return
-                    ex.conn.h.receive_data(data)  # a pipelined next request: h11 keeps it for the next cycle
-
-            tg.start_soon(watch)
-            try:
+        """Handle one request, cancelled if the client hangs up meanwhile (`HttpConn.pump`
+        cancels the scope): its upstream requests then end too, so vLLM frees what they
+        hold. False if the client left."""
+        try:
+            # The deadline's scope is the one `pump` cancels: one scope per request.
+            with anyio.fail_after(self.config.request_timeout_s) as scope:
+                ex.conn.request_scope = scope
                 await self._handle(ex, request, raw)
-            except Exception as exc:  # noqa: BLE001 (raised after the group, not wrapped in one)
-                failure = exc
-            tg.cancel_scope.cancel()
-        if failure is not None and not gone:
-            raise failure
-        return not gone
+        except Exception:
+            if ex.conn.gone:
+                return False
+            raise
+        finally:
+            ex.conn.request_scope = None
+        return not ex.conn.gone
 
     async def _send_quietly(
         self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
@@ -346,16 +339,14 @@ class Gateway:
         if method != "POST":
             raise HttpError(405, f"{target} takes POST, not {method}.")
         passed = [(k.decode(), v.decode("latin-1")) for k, v in request.headers if k.lower() in (b"authorization",)]
-        with anyio.fail_after(self.config.request_timeout_s):
-            await self._routed(ex, target, parse_request(raw), passed)
+        await self._routed(ex, target, parse_request(raw), passed)
 
     async def _forward_models(self, ex: _Exchange) -> None:
         up = self.router.pick("decode", self.clock())
         assert up is not None  # every role has an instance given
         try:
-            with anyio.fail_after(self.config.request_timeout_s):
-                async with self._upstreams.request(up, "GET", "/v1/models", b"", []) as reply:
-                    body = await reply.body()
+            async with self._upstreams.request(up, "GET", "/v1/models", b"", []) as reply:
+                body = await reply.body()
         except UpstreamFailed as exc:
             raise HttpError(502 if exc.reached else 503, str(exc), [] if exc.reached else RETRY_AFTER) from None
         await self._reply(ex, reply.status, [("Content-Type", reply.content_type)], body)

@@ -10,6 +10,7 @@ pool, so the vLLM server sees the disconnect and aborts the request.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -48,11 +49,15 @@ class UpstreamFailed(Exception):
 
 
 def response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
+    return h11.Response(status_code=status, headers=headers, reason=_reason(status))
+
+
+@functools.lru_cache(maxsize=64)
+def _reason(status: int) -> bytes:
     try:
-        reason = HTTPStatus(status).phrase
+        return HTTPStatus(status).phrase.encode()
     except ValueError:
-        reason = ""
-    return h11.Response(status_code=status, headers=headers, reason=reason)
+        return b""
 
 
 def error_body(status: int, message: str) -> bytes:

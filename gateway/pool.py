@@ -40,7 +40,7 @@ class StackPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
-        self._idle: dict[Key, list[httpcore.AsyncHTTP11Connection]] = {}
+        self._idle: dict[Key, list[_Connection]] = {}
         # fast_acquire: a free slot is taken without a trip through the event loop.
         self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
 
@@ -58,7 +58,7 @@ class StackPool:
             raise
         return response, PooledBody(response.stream, self, key, conn)
 
-    async def _idle_connection(self, key: Key) -> httpcore.AsyncHTTP11Connection | None:
+    async def _idle_connection(self, key: Key) -> _Connection | None:
         stack = self._idle.get(key)
         while stack:
             conn = stack.pop()
@@ -68,7 +68,7 @@ class StackPool:
                 await conn.aclose()
         return None
 
-    async def _connect(self, origin: httpcore.Origin, key: Key) -> httpcore.AsyncHTTP11Connection:
+    async def _connect(self, origin: httpcore.Origin, key: Key) -> _Connection:
         try:
             with anyio.fail_after(self.connect_timeout_s):
                 stream = await anyio.connect_tcp(key[0], key[1])
@@ -76,9 +76,9 @@ class StackPool:
             raise httpcore.ConnectTimeout(f"no connection within {self.connect_timeout_s:g} s") from None
         except OSError as exc:
             raise httpcore.ConnectError(str(exc) or type(exc).__name__) from None
-        return httpcore.AsyncHTTP11Connection(origin, _Stream(stream), keepalive_expiry=self.keepalive_s)
+        return _Connection(origin, _Stream(stream), keepalive_expiry=self.keepalive_s)
 
-    async def _returned(self, key: Key, conn: httpcore.AsyncHTTP11Connection) -> None:
+    async def _returned(self, key: Key, conn: _Connection) -> None:
         """A response closed: its connection is kept if httpcore left it idle."""
         self._slots.release()
         stack = self._idle.setdefault(key, [])
@@ -93,6 +93,24 @@ class StackPool:
             for stack in self._idle.values():
                 while stack:
                     await stack.pop().aclose()
+
+
+class _Connection(httpcore.AsyncHTTP11Connection):
+    """httpcore's HTTP/1.1 connection, without the lock around its state: this pool hands a
+    connection to one request at a time, so the lock is never contended, and taking it
+    cost two trips through the event loop per request (anyio's `Lock.acquire`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._state_lock = _Uncontended()
+
+
+class _Uncontended:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 class _Stream(httpcore.AsyncNetworkStream):
@@ -141,7 +159,7 @@ def _readable(sock: socket.socket) -> bool:
 class PooledBody:
     """A response's body as it comes; `aclose` hands its connection back to the pool."""
 
-    def __init__(self, stream: Any, pool: StackPool, key: Key, conn: httpcore.AsyncHTTP11Connection) -> None:
+    def __init__(self, stream: Any, pool: StackPool, key: Key, conn: _Connection) -> None:
         self._stream, self._pool, self._key, self._conn = stream, pool, key, conn
         self._closed = False
 

@@ -48,6 +48,7 @@ from typing import Any
 import anyio
 import h11
 import msgspec
+import sniffio
 import structlog
 import zmq
 from anyio.abc import SocketStream, TaskStatus
@@ -207,7 +208,7 @@ class Gateway:
                 tmp = anyio.Path(f"{cfg.port_file}.tmp")
                 await tmp.write_text(f"{self.port}\n")
                 await tmp.replace(cfg.port_file)
-            log.info("gateway.serving", host=cfg.host, port=self.port, broker=cfg.broker,
+            log.info("gateway.serving", host=cfg.host, port=self.port, broker=cfg.broker, event_loop=_event_loop(),
                      upstreams=[f"{u.role}:{u.instance_id}={u.url}" for u in cfg.upstreams])
             task_status.started(self.port)
             await listener.serve(self._serve_client, task_group=tg)
@@ -532,6 +533,15 @@ def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
     if "reply" in p_result and p_result["reply"][0] >= 300:
         return f"the prefill instance answered {p_result['reply'][0]}"
     return "the client left, or --request-timeout passed"
+
+
+def _event_loop() -> str:
+    """The event loop serving: trio, or asyncio's loop by its package (asyncio, uvloop)."""
+    if sniffio.current_async_library() != "asyncio":
+        return "trio"
+    import asyncio
+
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:

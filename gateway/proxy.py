@@ -38,6 +38,7 @@ httpcore's HTTP/1.1 connections, kept alive in a pool (`gateway.pool`), to the u
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections import Counter
@@ -48,7 +49,6 @@ from typing import Any
 import anyio
 import h11
 import msgspec
-import sniffio
 import structlog
 import zmq
 from anyio.abc import SocketStream, TaskStatus
@@ -234,14 +234,17 @@ class Gateway:
 
     async def _serve_client(self, stream: SocketStream) -> None:
         conn = HttpConn(stream, h11.SERVER)
-        async with stream, anyio.create_task_group() as tg:
-            # One reader for the connection's life (not one per request): it feeds the next
-            # request to h11, and notices a client that hangs up while being answered.
-            tg.start_soon(conn.pump)
-            try:
-                await self._serve_requests(conn)
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with stream, anyio.create_task_group() as tg:
+                # One reader for the connection's life (not one per request): it feeds the next
+                # request to h11, and notices a client that hangs up while being answered.
+                tg.start_soon(conn.pump)
+                try:
+                    await self._serve_requests(conn)
+                finally:
+                    tg.cancel_scope.cancel()
+        except Exception as exc:  # a bug must cost one connection, never the gateway
+            log.exception("gateway.connection_crashed", error=repr(exc))
 
     async def _serve_requests(self, conn: HttpConn) -> None:
         while True:
@@ -536,12 +539,12 @@ def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
 
 
 def _event_loop() -> str:
-    """The event loop serving: trio, or asyncio's loop by its package (asyncio, uvloop)."""
-    if sniffio.current_async_library() != "asyncio":
+    """The event loop serving: asyncio's loop by its package (asyncio, uvloop), or trio."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not in asyncio
         return "trio"
-    import asyncio
-
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+    return type(loop).__module__.split(".")[0]
 
 
 def serve(config: GatewayConfig, backend: str = "asyncio") -> None:

@@ -1,15 +1,20 @@
-"""The gateway's upstream connection pool: an httpx transport that keeps, per upstream,
-a stack of idle HTTP/1.1 connections (httpcore's), the last used first.
+"""The gateway's upstream connection pool: per upstream, a stack of idle HTTP/1.1
+connections (httpcore's, the HTTP core of httpx), the last used first.
 
-httpx's own pool (httpcore's `AsyncConnectionPool`) walks every connection it holds, and
-asks each idle one's socket whether it is readable (a system call), at the start and
-the end of every request: with the 100-odd connections a gateway holds at 64 clients,
-that walk cost more than the request itself. Here a request takes the top of its
-upstream's stack and checks that one connection only; a connection that is not idle
-when its response closes (a body not read to the end, a cancelled request, a
-server's `Connection: close`) is closed by httpcore, never handed out again.
+httpcore's own pool (`AsyncConnectionPool`) walks every connection it holds, and asks
+each idle one's socket whether it is readable (a system call), at the start and the end
+of every request: with the 100-odd connections a gateway holds at 64 clients, that walk
+cost more than the request itself. Here a request takes the top of its upstream's stack
+and checks that one connection only; a connection that is not idle when its response
+closes (a body not read to the end, a cancelled request, a server's `Connection:
+close`) is closed by httpcore, never handed out again.
 
-Each connection sends a request's head and body in one write (`_Coalesced`).
+Requests go to httpcore's connections as they are, without httpx's `AsyncClient` on top
+(its request and response models, cookies, auth and redirect layers cost a third of the
+gateway's time per request, and the gateway uses none of them).
+
+Each connection sends a request's head and body in one write, straight on the anyio
+socket stream (`_Stream`).
 
 At most `max_connections` requests are in flight at once (a request over it waits for
 one to end, under the caller's deadline); at most `max_connections` idle connections are
@@ -18,73 +23,42 @@ kept, each for `keepalive_s`.
 
 from __future__ import annotations
 
+import select
+import socket
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
 from typing import Any
 
 import anyio
 import httpcore
-import httpx
+from anyio.abc import SocketAttribute, SocketStream
 
-# httpcore's errors as httpx names them, most specific first: the gateway sees one family.
-_ERRORS: list[tuple[type[Exception], type[httpx.TransportError]]] = [
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-]
+Key = tuple[str, int]
 
 
-@contextmanager
-def _as_httpx() -> Any:
-    try:
-        yield
-    except Exception as exc:
-        for theirs, ours in _ERRORS:
-            if isinstance(exc, theirs):
-                raise ours(str(exc)) from exc
-        raise
-
-
-Key = tuple[bytes, int]
-
-
-class StackPool(httpx.AsyncBaseTransport):
+class StackPool:
     def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
-        self._backend = httpcore.AnyIOBackend()  # anyio: asyncio and trio alike
-        self._idle: dict[Key, list[httpcore.AsyncHTTP11Connection]] = {}
-        self._slots = anyio.Semaphore(max_connections)
+        self._idle: dict[Key, list[_Connection]] = {}
+        # fast_acquire: a free slot is taken without a trip through the event loop.
+        self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        key = (url.raw_host, url.port or 80)
+    async def send(self, key: Key, request: httpcore.Request) -> tuple[httpcore.Response, PooledBody]:
+        """Send `request` on a pooled connection to `key` (host, port); the response's body
+        is read, and its connection handed back, through the `PooledBody`."""
         await self._slots.acquire()
         try:
             conn = await self._idle_connection(key)
-            with _as_httpx():
-                if conn is None:
-                    conn = await self._connect(url, key)
-                response = await conn.handle_async_request(httpcore.Request(
-                    method=request.method,
-                    url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
-                    headers=request.headers.raw, content=request.stream, extensions=request.extensions,
-                ))
+            if conn is None:
+                conn = await self._connect(request.url.origin, key)
+            response = await conn.handle_async_request(request)
         except BaseException:
             self._slots.release()
             raise
-        body = _Body(response.stream, self, key, conn)
-        return httpx.Response(status_code=response.status, headers=response.headers, stream=body,
-                              extensions=response.extensions)
+        return response, PooledBody(response.stream, self, key, conn)
 
-    async def _idle_connection(self, key: Key) -> httpcore.AsyncHTTP11Connection | None:
+    async def _idle_connection(self, key: Key) -> _Connection | None:
         stack = self._idle.get(key)
         while stack:
             conn = stack.pop()
@@ -94,12 +68,17 @@ class StackPool(httpx.AsyncBaseTransport):
                 await conn.aclose()
         return None
 
-    async def _connect(self, url: httpx.URL, key: Key) -> httpcore.AsyncHTTP11Connection:
-        stream = await self._backend.connect_tcp(url.host, key[1], timeout=self.connect_timeout_s)
-        origin = httpcore.Origin(url.raw_scheme, url.raw_host, key[1])
-        return httpcore.AsyncHTTP11Connection(origin, _Coalesced(stream), keepalive_expiry=self.keepalive_s)
+    async def _connect(self, origin: httpcore.Origin, key: Key) -> _Connection:
+        try:
+            with anyio.fail_after(self.connect_timeout_s):
+                stream = await anyio.connect_tcp(key[0], key[1])
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"no connection within {self.connect_timeout_s:g} s") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc) or type(exc).__name__) from None
+        return _Connection(origin, _Stream(stream), keepalive_expiry=self.keepalive_s)
 
-    async def _returned(self, key: Key, conn: httpcore.AsyncHTTP11Connection) -> None:
+    async def _returned(self, key: Key, conn: _Connection) -> None:
         """A response closed: its connection is kept if httpcore left it idle."""
         self._slots.release()
         stack = self._idle.setdefault(key, [])
@@ -116,13 +95,32 @@ class StackPool(httpx.AsyncBaseTransport):
                     await stack.pop().aclose()
 
 
-class _Coalesced(httpcore.AsyncNetworkStream):
-    """A connection whose writes wait until the next read: httpcore writes a request's
-    head and body apart, and here they leave in one segment (one system call, and one
-    wake-up of the server). The gateway holds each request body whole anyway."""
+class _Connection(httpcore.AsyncHTTP11Connection):
+    """httpcore's HTTP/1.1 connection, without the lock around its state: this pool hands a
+    connection to one request at a time, so the lock is never contended, and taking it
+    cost two trips through the event loop per request (anyio's `Lock.acquire`)."""
 
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._state_lock = _Uncontended()
+
+
+class _Uncontended:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class _Stream(httpcore.AsyncNetworkStream):
+    """httpcore's view of an anyio socket stream. Writes wait until the next read:
+    httpcore writes a request's head and body apart, and here they leave in one segment
+    (one system call, and one wake-up of the server); the gateway holds each request body
+    whole anyway. No timeouts here: the caller's deadline covers the request."""
+
+    def __init__(self, stream: SocketStream) -> None:
+        self._stream = stream
         self._out: list[bytes] = []
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
@@ -130,36 +128,50 @@ class _Coalesced(httpcore.AsyncNetworkStream):
             self._out.append(buffer)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._out:
-            data = b"".join(self._out)
-            self._out.clear()
-            await self._inner.write(data, timeout)
-        return await self._inner.read(max_bytes, timeout)
+        try:
+            if self._out:
+                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
+                self._out.clear()
+                await self._stream.send(data)
+            return await self._stream.receive(max_bytes)
+        except anyio.EndOfStream:
+            return b""
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise httpcore.ReadError(str(exc) or type(exc).__name__) from None
 
     async def aclose(self) -> None:
         self._out.clear()
-        await self._inner.aclose()
+        await self._stream.aclose()
 
     def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
+        if info == "is_readable":  # an idle connection the server closed: readable, at EOF
+            sock = self._stream.extra(SocketAttribute.raw_socket)
+            return _readable(sock)
+        return None
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, stream: Any, pool: StackPool, key: Key, conn: httpcore.AsyncHTTP11Connection) -> None:
+def _readable(sock: socket.socket) -> bool:
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+class PooledBody:
+    """A response's body as it comes; `aclose` hands its connection back to the pool."""
+
+    def __init__(self, stream: Any, pool: StackPool, key: Key, conn: _Connection) -> None:
         self._stream, self._pool, self._key, self._conn = stream, pool, key, conn
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _as_httpx():
-            async for part in self._stream:
-                yield part
+        async for part in self._stream:
+            yield part
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            with _as_httpx():
-                await self._stream.aclose()  # httpcore shields its own clean-up
+            await self._stream.aclose()  # httpcore shields its own clean-up
         finally:
             await self._pool._returned(self._key, self._conn)

@@ -12,7 +12,10 @@ import structlog
 log = structlog.get_logger("kvbroker")
 
 
-def run_until_signalled(make: Callable[[], Callable[..., Coroutine[Any, Any, Any]]], event: str, backend: str = "asyncio") -> None:
+def run_until_signalled(
+    make: Callable[[], Callable[..., Coroutine[Any, Any, Any]]], event: str, backend: str = "asyncio",
+    backend_options: dict[str, Any] | None = None,
+) -> None:
     """Start the task `make()` returns (one that reports `task_status.started`; made in the
     event loop, since its objects may need one) and cancel it on SIGINT or SIGTERM, logging
     `event` with the signal's name."""
@@ -26,4 +29,4 @@ def run_until_signalled(make: Callable[[], Callable[..., Coroutine[Any, Any, Any
                     tg.cancel_scope.cancel()
                     break
 
-    anyio.run(main, backend=backend)
+    anyio.run(main, backend=backend, backend_options=backend_options)

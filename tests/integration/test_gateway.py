@@ -8,7 +8,10 @@ the gateway in front of real vLLM servers.
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -631,3 +634,43 @@ async def test_a_broker_killed_and_restarted_under_a_stream_of_requests_fails_no
     tids = {side: [s.body["kv_transfer_params"]["transfer_id"] for s in servers[side].seen] for side in servers}
     assert sorted(tids["p0"]) == sorted(tids["d0"]) and len(set(tids["d0"])) == len(tids["d0"]) == codes[200]
     assert gw.answers == Counter({200: codes[200]})
+
+
+async def test_the_gateway_command_serves_on_uvloop_and_logs_one_line_per_request(broker: BrokerProcess, tmp_path: Path) -> None:
+    servers = {"p0": FakeServer(echo), "d0": FakeServer(echo)}
+    port_file, log_path = tmp_path / "gateway.port", tmp_path / "gateway.log"
+    async with anyio.create_task_group() as tg:
+        for server in servers.values():
+            await tg.start(server.run)
+        cmd = [sys.executable, "-m", "broker.cli", "gateway", "--broker", broker.endpoint, "--port", "0",
+               "--port-file", str(port_file), "--prefill", f"p0=http://127.0.0.1:{servers['p0'].port}",
+               "--decode", f"d0=http://127.0.0.1:{servers['d0'].port}", "--log-format", "json", "--log-level", "info"]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
+        try:
+            with anyio.fail_after(30):
+                while not port_file.exists():
+                    assert proc.poll() is None, log_path.read_text()
+                    await anyio.sleep(0.05)
+            port = int(port_file.read_text())
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as http:
+                for _ in range(3):
+                    r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 4})
+                    assert r.status_code == 200, r.text
+                    assert r.json() == completion(servers["d0"].seen[-1])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(20):
+                while proc.poll() is None:
+                    await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert proc.returncode == 0, log_path.read_text()
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    (serving,) = [e for e in lines if e["event"] == "gateway.serving"]
+    assert serving["event_loop"] == ("asyncio" if sys.platform == "win32" else "uvloop")
+    # One line at info per request, naming its transfer, both instances and the answer.
+    per_request = [e for e in lines if "transfer_id" in e]
+    assert [e["event"] for e in per_request] == ["gateway.decoded"] * 3, per_request
+    tids = [e["transfer_id"] for e in per_request]
+    assert tids == [s.body["kv_transfer_params"]["transfer_id"] for s in servers["d0"].seen]
+    assert all(e["prefill"] == "p0" and e["decode"] == "d0" and e["status"] == 200 for e in per_request)

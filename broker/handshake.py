@@ -73,6 +73,8 @@ class Handshake:
         if peer.role != "prefill":
             raise ProtocolViolation(Offer, None, msg.transfer_id, "only a prefill peer may offer")
         tid = msg.transfer_id
+        if self._ended_before_planning(now, peer, tid, out, offer=True):
+            return
         d_reg = self._decode_side(tid, peer, msg.decode)
         mine = self._plan(peer, peer.reg, d_reg, tid, out)
         if mine is None:
@@ -160,6 +162,8 @@ class Handshake:
         if peer.role != "decode":
             raise ProtocolViolation(Expect, None, msg.transfer_id, "only a decode peer may expect a transfer")
         tid = msg.transfer_id
+        if self._ended_before_planning(now, peer, tid, out, offer=False):
+            return
         mine = self._plan(peer, self._prefill_side(tid, peer, msg.prefill), peer.reg, tid, out)
         if not mine:
             return
@@ -342,6 +346,15 @@ class Handshake:
                 if kept is not None and kept[0] > now:
                     return delivered, kept[1]
         return None
+
+    def _ended_before_planning(self, now: float, peer: Peer, tid: str, out: list[Effect], *, offer: bool) -> bool:
+        """Answer a late Offer or Expect of a transfer that ended as an equal-TP lane of
+        this rank, before its lanes are planned again: the peers may have registered with
+        other TP sizes since, and the answer is that ending, not a refusal of the new pairing."""
+        if self.by_tid.get(tid):
+            return False
+        key = (tid, peer.reg.rank)
+        return self._ended(now, key) is not None and self._answer_ended(now, peer, [key], out, offer=offer)
 
     def _answer_ended(
         self, now: float, peer: Peer, keys: list[TransferKey], out: list[Effect], *, offer: bool,

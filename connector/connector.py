@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from protocols.logs import configure_logging
@@ -57,8 +58,13 @@ def _configure_logging_once() -> None:
             _logging_done = True
 
 
-class KVBrokerConnector(KVConnectorBase_V1):
-    """Moves each request's KV cache from a prefill to a decode engine through kvbroker."""
+class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
+    """Moves each request's KV cache from a prefill to a decode engine through kvbroker.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager on, so a hybrid model (full
+    plus sliding-window attention) runs with one KV cache group per kind, and each
+    group's blocks move into that group's blocks (`workers.groups`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -91,6 +97,12 @@ class KVBrokerConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

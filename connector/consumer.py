@@ -52,6 +52,7 @@ import torch
 
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
+from workers.groups import NULL_BLOCK, scatter_rows
 from workers.layout import scatter_layers_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
@@ -237,7 +238,7 @@ class ConsumerSide:
             if not load.settled:
                 load.settled = True
                 aborts.append((load.transfer_id, load.reason))
-            blocks = list(tail(load.spec.block_ids, load.spec.num_cached_blocks))
+            blocks = _tail_blocks(load.spec)
             self._errors.update(blocks)
             w.count("failed")
             w.log.warning(
@@ -389,7 +390,11 @@ class ConsumerSide:
                     assert lease is not None
                     self._inject_fault(load.transfer_id, lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
+            if w.groups is not None:  # a hybrid model: each layer into its group's blocks
+                assert load.lease is not None
+                rows = w.groups.rows(len(spec.block_ids), spec.num_tokens).tail(spec.num_cached_blocks)
+                scatter_rows(load.lease.tensor, rows, w.staged_layers, spec.groups, w.groups.layer_group)
+            elif load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
                 scatter_lanes(w, load, list(targets), count)
             elif load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
@@ -559,11 +564,21 @@ class ConsumerSide:
                 f"the producer staged {lay.num_blocks} blocks x {lay.num_layers} layers x {lay.block_nbytes} B "
                 f"but this request needs {n} x {layers} x {w.block_nbytes} B"
             )
-        if msg.nbytes != n * layers * w.block_nbytes or k >= n:
+        if w.groups is not None:  # a hybrid model: rows hold the layers whose window keeps them
+            if len(spec.groups) != len(w.groups.windows) or k >= n:
+                return f"the request holds blocks of {len(spec.groups)} KV cache groups after a {k}-block hit"
+            rows = w.groups.rows(n, spec.num_tokens)
+            if msg.nbytes != rows.cells * w.block_nbytes:
+                return (f"{msg.nbytes} B offered do not match the {rows.cells * w.block_nbytes} B the KV cache "
+                        f"groups' windows hold for {spec.num_tokens} tokens")
+            first, cells = rows.tail_cells(k)
+            offset, nbytes = first * w.block_nbytes, cells * w.block_nbytes
+        elif msg.nbytes != n * layers * w.block_nbytes or k >= n:
             return (
                 f"{msg.nbytes} B offered do not match {n} blocks of {layers * w.block_nbytes} B after a {k}-block hit"
             )
-        offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
+        else:
+            offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
         load.nbytes = nbytes
         receive = self._receive_nccl if w.nccl is not None else self._receive_tcp
         reason = await receive(msg, load, offset, nbytes)
@@ -793,6 +808,12 @@ class ConsumerSide:
             lane.scope.cancel()
         if load.lanes and not any(lane.active for lane in load.lanes.values()):
             self._fail(load, load.reason, telling=False)  # no lane's task is left to end it
+
+def _tail_blocks(spec: LoadSpec) -> list[int]:
+    """The blocks a failed load leaves unwritten: every group's past the prefix hit, never the null block."""
+    groups = spec.groups or [spec.block_ids]
+    return [b for ids in groups for b in tail(ids, spec.num_cached_blocks) if b != NULL_BLOCK]
+
 
 def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
     """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES (caller holds the lock)."""

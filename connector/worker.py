@@ -36,6 +36,11 @@ The tensor-parallel size may differ over tcp when the model's KV heads are known
 the model's KV heads instead of a rank's, and the broker plans lanes between the ranks
 (`connector.lanes`), refusing sizes that do not split the heads. Otherwise, and over
 nccl, the TP sizes must be equal.
+
+A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp with
+equal TP sizes: each layer is staged from and scattered into its own group's block ids,
+a sliding-window group's rows only from where its window starts (`workers.groups`), and
+the groups themselves are a compatibility field.
 """
 
 from __future__ import annotations

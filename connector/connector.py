@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -140,6 +141,17 @@ class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and a hybrid model's failed loads as requests (vLLM refuses block
+        ids for several KV cache groups); a failed request is among the finished too."""
+        assert self._worker is not None
+        sending, receiving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()),
+            failed_recving=self._worker.get_failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

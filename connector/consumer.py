@@ -32,7 +32,9 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
    the request is reported, so vLLM's ``kv_load_failure_policy`` applies ("recompute"
-   or "fail"). Only bytes that arrived whole from the producer are ever scattered (over
+   or "fail"). A hybrid model's load is reported failed by request instead
+   (`take_failed_requests`, vLLM's ``failed_recving``): vLLM takes no block ids from
+   several KV cache groups. Only bytes that arrived whole from the producer are ever scattered (over
    nccl a load can fail after some of its chunks were; its blocks are all reported),
    and D's prefix-cached blocks are never written.
 """
@@ -142,6 +144,9 @@ class ConsumerSide:
         # landed) is refused at once, not parked until our deadline holding its credit.
         self._ended: OrderedDict[str, bool] = OrderedDict()
         self._errors: set[int] = set()
+        # A hybrid model's failed loads, by request: vLLM takes no block ids from several
+        # KV cache groups (their ids are not unique across groups), only the requests.
+        self._failed_requests: set[str] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
         self._landing_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
@@ -239,7 +244,10 @@ class ConsumerSide:
                 load.settled = True
                 aborts.append((load.transfer_id, load.reason))
             blocks = _tail_blocks(load.spec)
-            self._errors.update(blocks)
+            if w.groups is None:
+                self._errors.update(blocks)
+            else:
+                self._failed_requests.add(load.spec.req_id)
             w.count("failed")
             w.log.warning(
                 "transfer.load_failed",
@@ -440,6 +448,11 @@ class ConsumerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """A hybrid model's requests whose load failed since the last call (vLLM's failed_recving)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     # -- the client's loop thread ------------------------------------------------------------
 

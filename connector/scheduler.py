@@ -10,7 +10,8 @@ suffixes with random characters and which differs between P and D.
 Producer (prefill instance, ``kv_producer``)
     A request carrying a transfer id is remembered when it is allocated. When the step
     that completes its prompt is scheduled (one step, or the last chunk of a chunked
-    prefill), its full block ids and token count go into ``metadata.saves``: the
+    prefill), its full block ids (each KV cache group's, for a hybrid model) and token
+    count go into ``metadata.saves``: the
     worker half copies those blocks out during that very forward pass. So
     `request_finished` returns ``(False, params)``: vLLM frees the blocks at once,
     because nothing reads them after the step.
@@ -21,9 +22,10 @@ Consumer (decode instance, ``kv_consumer``)
     requests while the KV moves. A request is claimed once: after a failed load vLLM
     asks again (policy "recompute"), and a second claim would loop forever, so it then
     gets ``(0, False)`` and is computed locally. `update_state_after_alloc` records the
-    request's blocks and how many leading blocks are D's own prefix-cache hit: those
-    are never written, and the worker asks the producer only for the blocks after
-    them.
+    request's blocks (each KV cache group's, for a hybrid model; a sliding-window
+    group's retired blocks are vLLM's null block) and how many leading blocks are D's
+    own prefix-cache hit: those are never written, and the worker asks the producer
+    only for the blocks after them.
 
 Router protocols (what `kv_transfer_params` may say; README "Behind the P/D routers you already run")
     native      P and D both get ``{"transfer_id": ...}`` (the gateway adds the other

@@ -370,6 +370,10 @@ class ConnectorWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.consumer is None else self.consumer.get_block_ids_with_load_errors()
 
+    def get_failed_requests(self) -> set[str]:
+        """A hybrid model's failed loads, by request id (its block ids go nowhere: see `ConsumerSide`)."""
+        return set() if self.consumer is None else self.consumer.take_failed_requests()
+
     # -- TransferHandler (the client's loop thread) ------------------------------------------
 
     async def on_prepare(self, msg: Prepare) -> None:

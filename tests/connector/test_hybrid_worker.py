@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from connector.config import ConfigError, EngineInfo, kv_cache_spec_of, kv_groups_of, parse_config
-from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
+from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec, refusal_key
 from connector.worker import ConnectorWorker
 from protocols.errors import Refused
 from tests.support import BrokerProcess, engine_step_pause, wait_until
@@ -114,6 +114,32 @@ def test_hybrid_each_layer_loads_its_groups_blocks_inside_the_window(broker: Bro
     finally:
         d.close()
         p.close()
+
+
+def test_hybrid_failed_load_is_reported_by_request_not_by_block_ids(broker: BrokerProcess) -> None:
+    """vLLM refuses block-level load errors from several KV cache groups (a block id names
+    a block only within its group): a hybrid model's failed load comes back by request."""
+    d = worker(broker.endpoint, "d", caches(6), load_timeout_s=20.0)
+    try:
+        groups = [[NULL_BLOCK, 5, 7], [4, 6, 8]]
+        spec = LoadSpec(req_id="r2", block_ids=groups[0], groups=groups, num_cached_blocks=0, num_tokens=80,
+                        refused="do_remote_prefill came without a usable transfer_id")
+        d.bind(KvBrokerMetadata(loads={refusal_key("r2"): spec}))
+        d.start_load_kv()
+        d.clear()
+        finished: set[str] = set()
+        failed: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "r2" not in finished:
+            assert time.monotonic() < deadline, "the refused load was not reported"
+            finished |= d.get_finished(set())[1] or set()
+            failed |= d.get_failed_requests()
+            assert d.get_block_ids_with_load_errors() == set()
+            engine_step_pause()
+        assert failed == {"r2"} and d.statistics()["failed"] == 1
+        assert d.get_failed_requests() == set()  # reported once
+    finally:
+        d.close()
 
 
 def test_hybrid_peers_whose_windows_differ_are_refused(broker: BrokerProcess) -> None:

@@ -68,6 +68,7 @@ class _Staged:
     staging: torch.Tensor
     created: float
     layers_done: set[int] = field(default_factory=set)
+    rows: GroupRows | None = None  # a hybrid model: the rows of its staging (`workers.groups`)
     ids: torch.Tensor | None = None  # on a GPU with Triton: the block ids on the GPU, for `PagedKv`
     sends: int = 0
     dead: bool = False
@@ -77,7 +78,6 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
-    rows: GroupRows | None = None  # a hybrid model: the rows of its staging (`workers.groups`)
 
 
 @dataclass

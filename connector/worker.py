@@ -21,6 +21,13 @@ from the link's poller thread, on a stream of its own ordered after the compute 
 `start_load_kv`, into blocks no forward pass uses before the request is reported, and
 the compute stream waits for those copies when it is (`connector.consumer`).
 
+Hybrid models
+-------------
+A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp with
+equal TP sizes: each layer is staged from and scattered into its own group's block ids,
+a sliding-window group's rows only from where its window starts (`workers.groups`), and
+the groups themselves are a compatibility field.
+
 Compatibility
 -------------
 P and D must agree on everything that shapes a block's bytes: model, dtype, KV cache
@@ -36,11 +43,6 @@ The tensor-parallel size may differ over tcp when the model's KV heads are known
 the model's KV heads instead of a rank's, and the broker plans lanes between the ranks
 (`connector.lanes`), refusing sizes that do not split the heads. Otherwise, and over
 nccl, the TP sizes must be equal.
-
-A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp with
-equal TP sizes: each layer is staged from and scattered into its own group's block ids,
-a sliding-window group's rows only from where its window starts (`workers.groups`), and
-the groups themselves are a compatibility field.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transp
     same chunks (`connector.nccl_link.plan`). A hybrid model's `groups` must match too,
     and its TP sizes (its staging's rows differ in width, which lanes do not cut)."""
     spec = CacheSpec.from_vllm(info.spec)
-    hetero = transport == "tcp" and (info.kv_heads > 0 or spec.use_mla) and groups is None
+    hetero = transport == "tcp" and (info.kv_heads > 0 or spec.use_mla)
     if transport == "nccl":
         transport = f"nccl, {plan()}"
+    if groups is not None:  # a hybrid model's staged rows differ in width, which lanes do not cut
+        hetero = False
     if hetero:  # what a rank holds may differ: the model's heads, the cache's shape per head must not
         return {
             "transport": transport,

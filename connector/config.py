@@ -55,7 +55,10 @@ from typing import Any, Literal
 from protocols.errors import KvBrokerError
 from protocols.grants import GrantKeyError, read_key
 
-__all__ = ["ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "parse_config"]
+__all__ = [
+    "ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "kv_groups_of",
+    "parse_config",
+]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PREFIX = "kv_connector_extra_config"
@@ -306,7 +309,7 @@ def _positive_seconds(extra: Mapping[str, Any], key: str, default: float) -> flo
 class EngineInfo:
     """What the worker half needs to know about its engine, as plain values.
 
-    `spec` is the KV cache spec object of the (single) KV cache group, read duck-typed
+    `spec` is the KV cache spec object of the (first) KV cache group, read duck-typed
     by `workers.layout.CacheSpec.from_vllm`; `backend` names the attention kernel
     variant where it changes the bytes of a block (the CPU kernel stores K transposed
     in an ISA-dependent way), so P and D must agree on it.
@@ -322,13 +325,19 @@ class EngineInfo:
     # The model's KV heads over all ranks (0: not known): with them, P and D may run
     # different TP sizes (`protocols.heads`).
     kv_heads: int = 0
+    # A hybrid model's KV cache groups (`kv_groups_of`): each layer's group, each group's
+    # window and spec; empty for one group.
+    layer_groups: dict[str, int] = field(default_factory=dict)
+    windows: tuple[int, ...] = ()
+    group_specs: tuple[Any, ...] = ()
 
 
 def kv_cache_spec_of(kv_cache_config: Any) -> Any:
-    """The KV cache spec of the single KV cache group.
+    """The KV cache spec of the first KV cache group (every group's, for what they share).
 
     Raises:
-        ConfigError: a hybrid or attention-free model (not exactly one group).
+        ConfigError: an attention-free model (no group), or groups this connector cannot
+            move (see `kv_groups_of`).
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if not groups:
@@ -336,22 +345,61 @@ def kv_cache_spec_of(kv_cache_config: Any) -> Any:
             "this model keeps no KV cache (an attention-free model), so there is nothing for the KVBrokerConnector "
             "to move; serve it without a kv_transfer_config."
         )
-    if len(groups) != 1:
-        raise ConfigError(
-            f"the KVBrokerConnector moves models with one KV cache group; this one has {len(groups)} (a hybrid "
-            "model, such as sliding-window plus full attention), so serve it without a kv_transfer_config."
-        )
+    kv_groups_of(kv_cache_config)
     return groups[0].kv_cache_spec
+
+
+def _window(spec: Any) -> int | None:
+    """Tokens a group's layers look back (0: all of them), None for a kind not moved."""
+    names = {klass.__name__ for klass in type(spec).__mro__}
+    if "SlidingWindowSpec" in names:
+        return int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    if "FullAttentionSpec" in names and not names & {"RSWASpec", "SinkFullAttentionSpec", "HiddenStateCacheSpec"}:
+        return 0
+    return None
+
+
+def kv_groups_of(kv_cache_config: Any) -> tuple[dict[str, int], tuple[int, ...]] | None:
+    """A hybrid model's KV cache groups: layer name -> group, and each group's window in
+    tokens (0: full attention); None for a model with one group.
+
+    Raises:
+        ConfigError: a group that is neither full nor sliding-window attention (Mamba
+            state, chunked local attention, ...), or groups of different block sizes.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) <= 1:
+        return None
+    windows: list[int] = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        window = _window(spec)
+        if window is None:
+            raise ConfigError(
+                f"the KVBrokerConnector moves full and sliding-window attention, but this model keeps a KV cache "
+                f"group of {type(spec).__name__} (layers {', '.join(group.layer_names[:3])}); serve it without a "
+                "kv_transfer_config."
+            )
+        windows.append(window)
+    sizes = {int(group.kv_cache_spec.block_size) for group in groups}
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"this model's KV cache groups use different block sizes ({sorted(sizes)}), which the "
+            "KVBrokerConnector cannot stage together; serve it without a kv_transfer_config."
+        )
+    layers = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    return layers, tuple(windows)
 
 
 def engine_info_from_vllm(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
     """Read `EngineInfo` from vLLM's config objects, in a worker process (imports vLLM lazily).
 
     Raises:
-        ConfigError: a hybrid model (several KV cache groups) or pipeline parallelism,
-            which this connector does not move.
+        ConfigError: a model or KV cache group this connector does not move
+            (`kv_cache_spec_of`), or pipeline parallelism.
     """
     spec = kv_cache_spec_of(kv_cache_config)
+    groups = kv_groups_of(kv_cache_config)
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) != 1:
         raise ConfigError(
@@ -373,6 +421,9 @@ def engine_info_from_vllm(vllm_config: Any, kv_cache_config: Any) -> EngineInfo:
         rank=rank,
         backend=_attention_backend(vllm_config, spec, cache_dtype),
         kv_heads=_total_kv_heads(vllm_config),
+        layer_groups=groups[0] if groups else {},
+        windows=groups[1] if groups else (),
+        group_specs=tuple(g.kv_cache_spec for g in kv_cache_config.kv_cache_groups) if groups else (),
     )
 
 

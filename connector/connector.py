@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from protocols.logs import configure_logging
@@ -57,8 +59,13 @@ def _configure_logging_once() -> None:
             _logging_done = True
 
 
-class KVBrokerConnector(KVConnectorBase_V1):
-    """Moves each request's KV cache from a prefill to a decode engine through kvbroker."""
+class KVBrokerConnector(KVConnectorBase_V1, SupportsHMA):
+    """Moves each request's KV cache from a prefill to a decode engine through kvbroker.
+
+    `SupportsHMA`: vLLM keeps its hybrid KV cache manager on, so a hybrid model (full
+    plus sliding-window attention) runs with one KV cache group per kind, and each
+    group's blocks move into that group's blocks (`workers.groups`).
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -91,6 +98,12 @@ class KVBrokerConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)  # type: ignore[return-value]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
@@ -128,6 +141,17 @@ class KVBrokerConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and a hybrid model's failed loads as requests (vLLM refuses block
+        ids for several KV cache groups); a failed request is among the finished too."""
+        assert self._worker is not None
+        sending, receiving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(receiving or ()),
+            failed_recving=self._worker.get_failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -32,7 +32,9 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    layout or an Abort (the producer died, the broker's lease ended) fails the load:
    its not-yet-loaded block ids go to `get_block_ids_with_load_errors` in the same step
    the request is reported, so vLLM's ``kv_load_failure_policy`` applies ("recompute"
-   or "fail"). Only bytes that arrived whole from the producer are ever scattered (over
+   or "fail"). A hybrid model's load is reported failed by request instead
+   (`take_failed_requests`, vLLM's ``failed_recving``): vLLM takes no block ids from
+   several KV cache groups. Only bytes that arrived whole from the producer are ever scattered (over
    nccl a load can fail after some of its chunks were; its blocks are all reported),
    and D's prefix-cached blocks are never written.
 """
@@ -52,6 +54,7 @@ import torch
 
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
+from workers.groups import NULL_BLOCK, scatter_rows
 from workers.layout import scatter_layers_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
@@ -141,6 +144,9 @@ class ConsumerSide:
         # landed) is refused at once, not parked until our deadline holding its credit.
         self._ended: OrderedDict[str, bool] = OrderedDict()
         self._errors: set[int] = set()
+        # A hybrid model's failed loads, by request: vLLM takes no block ids from several
+        # KV cache groups (their ids are not unique across groups), only the requests.
+        self._failed_requests: set[str] = set()
         self._quarantined: list[Lease] = []  # a transport thread may still write these: never released
         self._draining: list[tuple[torch.cuda.Event, Lease]] = []  # scattered on a GPU: released once the event is
         self._landing_stream: torch.cuda.Stream | None = None  # `_land`'s copies, made on first use
@@ -237,8 +243,11 @@ class ConsumerSide:
             if not load.settled:
                 load.settled = True
                 aborts.append((load.transfer_id, load.reason))
-            blocks = list(tail(load.spec.block_ids, load.spec.num_cached_blocks))
-            self._errors.update(blocks)
+            blocks = _tail_blocks(load.spec)
+            if w.groups is None:
+                self._errors.update(blocks)
+            else:
+                self._failed_requests.add(load.spec.req_id)
             w.count("failed")
             w.log.warning(
                 "transfer.load_failed",
@@ -397,7 +406,11 @@ class ConsumerSide:
                     assert lease is not None
                     self._inject_fault(load.transfer_id, lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
-            if load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
+            if w.groups is not None:  # a hybrid model: each layer into its group's blocks
+                assert load.lease is not None
+                rows = w.groups.rows(len(spec.block_ids), spec.num_tokens).tail(spec.num_cached_blocks)
+                scatter_rows(load.lease.tensor, rows, w.staged_layers, spec.groups, w.groups.layer_group)
+            elif load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
                 scatter_lanes(w, load, list(targets), count)
             elif load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
@@ -443,6 +456,11 @@ class ConsumerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def take_failed_requests(self) -> set[str]:
+        """A hybrid model's requests whose load failed since the last call (vLLM's failed_recving)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     # -- the client's loop thread ------------------------------------------------------------
 
@@ -567,11 +585,21 @@ class ConsumerSide:
                 f"the producer staged {lay.num_blocks} blocks x {lay.num_layers} layers x {lay.block_nbytes} B "
                 f"but this request needs {n} x {layers} x {w.block_nbytes} B"
             )
-        if msg.nbytes != n * layers * w.block_nbytes or k >= n:
+        if w.groups is not None:  # a hybrid model: rows hold the layers whose window keeps them
+            if len(spec.groups) != len(w.groups.windows) or k >= n:
+                return f"the request holds blocks of {len(spec.groups)} KV cache groups after a {k}-block hit"
+            rows = w.groups.rows(n, spec.num_tokens)
+            if msg.nbytes != rows.cells * w.block_nbytes:
+                return (f"{msg.nbytes} B offered do not match the {rows.cells * w.block_nbytes} B the KV cache "
+                        f"groups' windows hold for {spec.num_tokens} tokens")
+            first, cells = rows.tail_cells(k)
+            offset, nbytes = first * w.block_nbytes, cells * w.block_nbytes
+        elif msg.nbytes != n * layers * w.block_nbytes or k >= n:
             return (
                 f"{msg.nbytes} B offered do not match {n} blocks of {layers * w.block_nbytes} B after a {k}-block hit"
             )
-        offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
+        else:
+            offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
         load.nbytes = nbytes
         receive = self._receive_nccl if w.nccl is not None else self._receive_tcp
         reason = await receive(msg, load, offset, nbytes)
@@ -800,6 +828,12 @@ class ConsumerSide:
         await stop_lanes(self, load)
         if load.lanes and not any(lane.active for lane in load.lanes.values()):
             self._fail(load, load.reason, telling=False)  # no lane's task is left to end it
+
+def _tail_blocks(spec: LoadSpec) -> list[int]:
+    """The blocks a failed load leaves unwritten: every group's past the prefix hit, never the null block."""
+    groups = spec.groups or [spec.block_ids]
+    return [b for ids in groups for b in tail(ids, spec.num_cached_blocks) if b != NULL_BLOCK]
+
 
 def _keep(memory: OrderedDict[str, _V], tid: str, value: _V) -> None:
     """Remember `value` for `tid`, forgetting the oldest past MAX_TOMBSTONES (caller holds the lock)."""

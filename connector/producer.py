@@ -48,6 +48,7 @@ import torch
 
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Release
+from workers.groups import GroupRows, gather_layer_rows
 from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender
@@ -71,6 +72,7 @@ class _Staged:
     staging: torch.Tensor
     created: float
     layers_done: set[int] = field(default_factory=set)
+    rows: GroupRows | None = None  # a hybrid model: the rows of its staging (`workers.groups`)
     ids: torch.Tensor | None = None  # on a GPU with Triton: the block ids on the GPU, for `PagedKv`
     sends: int = 0
     dead: bool = False
@@ -157,7 +159,7 @@ class ProducerSide:
         block id inside the cache; {} otherwise, and each save is leased on its own
         (waiting for room if need be)."""
         w = self.w
-        if w.pool is None or not w.layouts:
+        if w.pool is None or not w.layouts or w.groups is not None:  # a hybrid model's rows: one by one
             return {}
         with w.lock:
             if any(tid in self._staged for tid in saves):
@@ -200,6 +202,15 @@ class ProducerSide:
         assert w.pool is not None and w.client is not None
         num_layers = len(w.layers)
         nbytes = len(spec.block_ids) * num_layers * w.block_nbytes
+        rows = None
+        if w.groups is not None:  # only the blocks each group's window still holds
+            rows = w.groups.rows(len(spec.block_ids), spec.num_tokens)
+            nbytes = rows.cells * w.block_nbytes
+            if len(spec.groups) != len(w.groups.windows):
+                reason = f"it came with the block ids of {len(spec.groups)} KV cache groups, not {len(w.groups.windows)}"
+                w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
+                w.spawn(self._offer_aborted, tid, spec, nbytes, f"the prefill instance could not stage it: {reason}")
+                return None
         with w.lock:
             old = self._staged.get(tid)
         if old is not None:
@@ -221,12 +232,15 @@ class ProducerSide:
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", nbytes=nbytes, reason=reason)
                 w.spawn(self._offer_aborted, tid, spec, nbytes, f"the prefill instance could not stage it: {reason}")
                 return None
-        staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
+        if rows is not None:
+            staging = staging_view(lease.tensor, rows.cells, 1, w.block_nbytes)
+        else:
+            staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
         try:
             ids = w.paged.block_ids(spec.block_ids) if w.paged is not None else None
         except ValueError:  # ids outside the cache: the torch copy names them in save_kv_layer
             ids = None
-        return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic(), ids=ids)
+        return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic(), ids=ids, rows=rows)
 
     def _duplicate(self, tid: str, old: _Staged, spec: SaveSpec) -> None:
         """A transfer_id that is still staged arrives again (a proxy retry, or a proxy bug).
@@ -267,6 +281,9 @@ class ProducerSide:
                 if paged is not None and staged.ids is not None:
                     words = paged.staging_view(staged.lease.tensor, len(staged.spec.block_ids))
                     paged.gather_layer(idx, staged.ids, words)
+                elif staged.rows is not None and self.w.groups is not None:  # this layer's group's blocks
+                    ids = staged.spec.groups[self.w.groups.layer_group[idx]]
+                    gather_layer_rows(staged.staging, staged.rows, idx, kv_layer, layout, ids)
                 else:
                     gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
             except Exception as exc:

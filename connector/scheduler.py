@@ -10,7 +10,8 @@ suffixes with random characters and which differs between P and D.
 Producer (prefill instance, ``kv_producer``)
     A request carrying a transfer id is remembered when it is allocated. When the step
     that completes its prompt is scheduled (one step, or the last chunk of a chunked
-    prefill), its full block ids and token count go into ``metadata.saves``: the
+    prefill), its full block ids (each KV cache group's, for a hybrid model) and token
+    count go into ``metadata.saves``: the
     worker half copies those blocks out during that very forward pass. So
     `request_finished` returns ``(False, params)``: vLLM frees the blocks at once,
     because nothing reads them after the step.
@@ -21,9 +22,10 @@ Consumer (decode instance, ``kv_consumer``)
     requests while the KV moves. A request is claimed once: after a failed load vLLM
     asks again (policy "recompute"), and a second claim would loop forever, so it then
     gets ``(0, False)`` and is computed locally. `update_state_after_alloc` records the
-    request's blocks and how many leading blocks are D's own prefix-cache hit: those
-    are never written, and the worker asks the producer only for the blocks after
-    them.
+    request's blocks (each KV cache group's, for a hybrid model; a sliding-window
+    group's retired blocks are vLLM's null block) and how many leading blocks are D's
+    own prefix-cache hit: those are never written, and the worker asks the producer
+    only for the blocks after them.
 
 Router protocols (what `kv_transfer_params` may say; README "Behind the P/D routers you already run")
     native      P and D both get ``{"transfer_id": ...}`` (the gateway adds the other
@@ -75,6 +77,8 @@ class SaveSpec(msgspec.Struct, frozen=True, kw_only=True):
     decode: str = ""
     # Digest of the prompt's token ids: a transfer_id reused for another prompt is caught.
     tokens: str = ""
+    # A hybrid model: every KV cache group's block ids (`block_ids` is the first group's).
+    groups: list[list[int]] = []
 
 
 class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +96,9 @@ class LoadSpec(msgspec.Struct, frozen=True, kw_only=True):
     # applies kv_load_failure_policy. Keyed in `KvBrokerMetadata.loads` by
     # `refusal_key(req_id)`, never by a transfer id.
     refused: str = ""
+    # A hybrid model: every KV cache group's block ids (`block_ids` is the first group's;
+    # a sliding-window group's retired blocks are vLLM's null block, 0).
+    groups: list[list[int]] = []
 
 
 class KvBrokerMetadata(msgspec.Struct, kw_only=True):
@@ -195,7 +202,7 @@ class _Producing(msgspec.Struct, kw_only=True):
     tokens: str = ""
     # Asked in the router protocols' form (do_remote_decode): answer in that form too.
     remote_decode: bool = False
-    block_ids: list[int] = []
+    block_ids: list[list[int]] = []  # per KV cache group
     staged: bool = False
 
 
@@ -270,7 +277,7 @@ class ConnectorScheduler:
             return  # not ours, or the second call after the load finished
         local, ask = self._claims.pop(rid)
         num_tokens = int(request.num_prompt_tokens)
-        (block_ids,) = blocks.get_block_ids()[:1]
+        per_group = [list(ids[: self.blocks_for(num_tokens)]) for ids in blocks.get_block_ids()]
         needed = self.blocks_for(num_tokens)
         self._loading.add(rid)
         refused = ask.refused
@@ -278,7 +285,8 @@ class ConnectorScheduler:
             refused = f"transfer_id {ask.transfer_id!r} is refused: another request on this instance is loading it"
         spec = LoadSpec(
             req_id=rid,
-            block_ids=list(block_ids[:needed]),
+            block_ids=per_group[0],
+            groups=per_group if len(per_group) > 1 else [],
             num_cached_blocks=local // self.block_size,
             num_tokens=num_tokens,
             tokens=tokens_digest(request),
@@ -327,7 +335,8 @@ class ConnectorScheduler:
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        """Never hold blocks: the producer's KV is staged already, the consumer's is loaded or failed."""
+        """Never hold blocks: the producer's KV is staged already, the consumer's is loaded or failed.
+        `block_ids` (one group's list, or every group's tuple) is not needed for that."""
         rid = request.request_id
         self._claims.pop(rid, None)
         self._loading.discard(rid)
@@ -385,7 +394,7 @@ class ConnectorScheduler:
             prod = self._producing.get(new.req_id)
             if prod is None or prod.staged:
                 continue
-            prod.block_ids = list(new.block_ids[0])
+            prod.block_ids = [list(ids) for ids in new.block_ids]
             touched.append((new.req_id, prod, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
         cached = getattr(so, "scheduled_cached_reqs", None)
         if cached is not None:
@@ -396,19 +405,23 @@ class ConnectorScheduler:
                     continue
                 new_ids = cached.new_block_ids[i]
                 if new_ids is not None:
-                    prod.block_ids = list(new_ids[0]) if rid in resumed else prod.block_ids + list(new_ids[0])
+                    if rid in resumed or not prod.block_ids:
+                        prod.block_ids = [list(ids) for ids in new_ids]
+                    else:
+                        prod.block_ids = [old + list(ids) for old, ids in zip(prod.block_ids, new_ids)]
                 touched.append((rid, prod, cached.num_computed_tokens[i] + scheduled.get(rid, 0)))
         for rid, prod, computed in touched:
             if computed < prod.num_tokens:
                 continue  # a chunked prefill: stage after its last chunk
             needed = self.blocks_for(prod.num_tokens)
-            if len(prod.block_ids) < needed:
+            held = min((len(ids) for ids in prod.block_ids), default=0)
+            if held < needed:
                 self._log.error(
                     "transfer.stage_skipped",
                     transfer_id=prod.transfer_id,
                     req_id=rid,
                     phase="stage",
-                    reason=f"the request holds {len(prod.block_ids)} blocks but its prompt needs {needed}",
+                    reason=f"the request holds {held} blocks but its prompt needs {needed}",
                 )
                 prod.staged = True
                 continue
@@ -429,7 +442,8 @@ class ConnectorScheduler:
                 continue
             self._saves[prod.transfer_id] = SaveSpec(
                 req_id=rid,
-                block_ids=prod.block_ids[:needed],
+                block_ids=prod.block_ids[0][:needed],
+                groups=[ids[:needed] for ids in prod.block_ids] if len(prod.block_ids) > 1 else [],
                 num_tokens=prod.num_tokens,
                 decode=prod.decode,
                 tokens=prod.tokens,

@@ -21,6 +21,13 @@ from the link's poller thread, on a stream of its own ordered after the compute 
 `start_load_kv`, into blocks no forward pass uses before the request is reported, and
 the compute stream waits for those copies when it is (`connector.consumer`).
 
+Hybrid models
+-------------
+A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp with
+equal TP sizes: each layer is staged from and scattered into its own group's block ids,
+a sliding-window group's rows only from where its window starts (`workers.groups`), and
+the groups themselves are a compatibility field.
+
 Compatibility
 -------------
 P and D must agree on everything that shapes a block's bytes: model, dtype, KV cache
@@ -54,6 +61,7 @@ from protocols.heads import rank_heads
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from workers.gpu_staging import PagedKv
+from workers.groups import KvGroups
 from workers.layout import CacheSpec, LayerLayout, detect_layout
 from workers.pool import BufferPool
 
@@ -72,14 +80,18 @@ ALIGN = 4096
 SEND_TIMEOUT_S = 2.0
 
 
-def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transport: str) -> dict[str, str]:
+def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transport: str,
+                  groups: KvGroups | None = None) -> dict[str, str]:
     """The fields P and D must agree on, as text, so a refusal can name what differs.
     `transport` is the config's; over nccl both sides must also cut a transfer into the
-    same chunks (`connector.nccl_link.plan`)."""
+    same chunks (`connector.nccl_link.plan`). A hybrid model's `groups` must match too,
+    and its TP sizes (its staging's rows differ in width, which lanes do not cut)."""
     spec = CacheSpec.from_vllm(info.spec)
     hetero = info.kv_heads > 0 or spec.use_mla
     if transport == "nccl":
         transport = f"nccl, {plan()}"
+    if groups is not None:  # a hybrid model's staged rows differ in width, which lanes do not cut
+        hetero = False
     if hetero:  # what a rank holds may differ: the model's heads, the cache's shape per head must not
         return {
             "transport": transport,
@@ -106,6 +118,7 @@ def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transp
         "block_nbytes": str(layout.block_nbytes),
         "backend": info.backend or "unknown",
         "world_size": str(info.world_size),
+        **({"kv_groups": groups.describe()} if groups is not None else {}),
     }
 
 
@@ -154,6 +167,7 @@ class ConnectorWorker:
         self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
         self.heads = (0, 0)  # the model's KV heads this rank holds (`protocols.heads`)
+        self.groups: KvGroups | None = None  # a hybrid model's KV cache groups, by staged layer
         self.compat: dict[str, str] = {}
         self.pool: BufferPool | None = None
         self.client: SyncBrokerClient | None = None
@@ -181,6 +195,14 @@ class ConnectorWorker:
         spec = CacheSpec.from_vllm(self.info.spec)
         nccl = self.config.transport == "nccl"
         device = next(iter(kv_caches.values())).device
+        hybrid = bool(self.info.layer_groups)
+        if hybrid and nccl:
+            raise ConfigError(
+                f'this model keeps {len(self.info.windows)} KV cache groups (a hybrid model), which the "nccl" '
+                'transport does not move yet; set transport "tcp".'
+            )
+        if hybrid and (missing := [n for n in kv_caches if n not in self.info.layer_groups]):
+            raise ConfigError(f"layer {missing[0]} belongs to no KV cache group; the KVBrokerConnector cannot place it.")
         for idx, (name, tensor) in enumerate(kv_caches.items()):
             if not nccl and tensor.device.type != "cpu":
                 raise ConfigError(
@@ -198,7 +220,8 @@ class ConnectorWorker:
                     "connector moves the caches of one GPU, so give each GPU's worker its own."
                 )
             self.layers[name] = idx
-            self.layouts[name] = detect_layout(tensor, spec)
+            group_spec = CacheSpec.from_vllm(self.info.group_specs[self.info.layer_groups[name]]) if hybrid else spec
+            self.layouts[name] = detect_layout(tensor, group_spec)
             self.caches[name] = tensor
         kinds = {(lay.kind, lay.block_nbytes, lay.dtype) for lay in self.layouts.values()}
         if len(kinds) != 1:
@@ -208,7 +231,10 @@ class ConnectorWorker:
         first = next(iter(self.layouts.values()))
         self.block_nbytes = first.block_nbytes
         self.staged_layers = [(self.caches[name], self.layouts[name]) for name in self.layers]
-        self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport)
+        if hybrid:
+            self.groups = KvGroups(layer_group=tuple(self.info.layer_groups[n] for n in self.layers),
+                                   windows=self.info.windows, block_size=self.info.block_size)
+        self.compat = compat_fields(self.info, first, len(self.layers), self.config.transport, self.groups)
         lanes = "kv_heads" in self.compat  # this rank may pair with ranks of another TP size
         if lanes:
             self.heads = rank_heads(self.info.kv_heads, self.info.world_size, self.info.rank, replicated=spec.use_mla)
@@ -347,6 +373,10 @@ class ConnectorWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.consumer is None else self.consumer.get_block_ids_with_load_errors()
+
+    def get_failed_requests(self) -> set[str]:
+        """A hybrid model's failed loads, by request id (its block ids go nowhere: see `ConsumerSide`)."""
+        return set() if self.consumer is None else self.consumer.take_failed_requests()
 
     # -- TransferHandler (the client's loop thread) ------------------------------------------
 

@@ -1,10 +1,13 @@
-"""A tiny random-weight Llama checkpoint, made on the spot, for the demo and the end-to-end tests.
+"""Tiny random-weight checkpoints, made on the spot, for the demo and the end-to-end tests:
+a Llama, and a Gemma-3 text model whose sliding-window and full-attention layers give
+vLLM two KV cache groups.
 
 Nothing is downloaded: the checkpoint is built locally from a seed. Greedy decoding of
 a random model is deterministic, which is all the demo and the tests need: they
 compare token ids between engines.
 
-    python -m demo.tiny_model DIR
+    python -m demo.tiny_model DIR            (the Llama)
+    python -m demo.tiny_model DIR gemma3     (the Gemma-3)
 """
 
 from __future__ import annotations
@@ -67,7 +70,63 @@ def make_tiny_llama(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
     return out
 
 
+# Gemma-3's interleaving at the smallest size that still has both kinds twice: layers 0 and
+# 2 slide over 64 tokens, 1 and 3 attend to all (sliding_window_pattern 2). head_dim 32
+# is the CPU attention backend's smallest.
+TINY_GEMMA3 = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+_GEMMA3_MARKER = ".tiny-gemma3-complete"
+
+
+def make_tiny_gemma3(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
+    """Write a deterministic random bf16 Gemma-3 text model to `dir` and return `dir`.
+
+    Idempotent: an existing complete checkpoint in `dir` is reused.
+    """
+    out = Path(dir)
+    marker = out / _GEMMA3_MARKER
+    if marker.exists():
+        return out
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = Gemma3TextConfig(
+        **TINY_GEMMA3,
+        dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    marker.write_text(json.dumps({"seed": seed, **TINY_GEMMA3}))
+    return out
+
+
 if __name__ == "__main__":
     import sys
 
-    print(make_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"))
+    where = sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"
+    print(make_tiny_gemma3(where) if sys.argv[2:] == ["gemma3"] else make_tiny_llama(where))

@@ -105,27 +105,6 @@ def test_hetero_connector_ranks_load_exactly_their_heads(broker: BrokerProcess, 
             w.close()
 
 
-@dataclass(frozen=True)
-class _Group:
-    kv_cache_spec: object
-
-
-@dataclass(frozen=True)
-class _CacheConfig:
-    kv_cache_groups: list[_Group]
-
-
-def test_hybrid_and_attention_free_models_are_refused_with_one_sentence() -> None:
-    from connector.config import ConfigError, kv_cache_spec_of
-
-    spec = Spec(num_kv_heads=2)
-    assert kv_cache_spec_of(_CacheConfig([_Group(spec)])) is spec
-    with pytest.raises(ConfigError, match=r"^this model keeps no KV cache \(an attention-free model\)"):
-        kv_cache_spec_of(_CacheConfig([]))
-    with pytest.raises(ConfigError, match=r"one KV cache group; this one has 2 \(a hybrid model"):
-        kv_cache_spec_of(_CacheConfig([_Group(spec), _Group(spec)]))
-
-
 def test_hetero_a_lost_prefill_rank_fails_the_load_and_frees_every_lease(broker: BrokerProcess) -> None:
     """P TP 2 -> D TP 1: P rank 1 leaves before it offers. D's one rank cannot have all
     its heads, so its load fails at once (not at its deadline), its blocks are reported,

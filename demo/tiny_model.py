@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 # Kept small so an engine starts in seconds on a CPU. head_dim = 128 / 4 = 32,
@@ -36,37 +37,40 @@ def make_tiny_llama(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
 
     Idempotent: an existing complete checkpoint in `dir` is reused.
     """
-    out = Path(dir)
-    marker = out / _MARKER
+
+    def build() -> object:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA, **_TOKENS, dtype="bfloat16", tie_word_embeddings=False))
+
+    return _write(Path(dir), _MARKER, TINY_LLAMA, build, seed)
+
+
+_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def _write(out: Path, marker_name: str, shape: dict[str, object], build: Callable[[], object], seed: int) -> Path:
+    """Build the model under `seed` (the global RNG is left as it was), save it in bf16
+    to `out` with a generation config, then the marker that makes it complete."""
+    marker = out / marker_name
     if marker.exists():
         return out
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        **TINY_LLAMA,
-        dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = build().to(torch.bfloat16)  # type: ignore[attr-defined]
     finally:
         torch.random.set_rng_state(rng_state)
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     # A generation config that does not stop early; requests pass ignore_eos
     # anyway, this only keeps vLLM from looking elsewhere.
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    )
-    marker.write_text(json.dumps({"seed": seed, **TINY_LLAMA}))
+    (out / "generation_config.json").write_text(json.dumps(_TOKENS))
+    marker.write_text(json.dumps({"seed": seed, **shape}))
     return out
 
 
@@ -94,35 +98,13 @@ def make_tiny_gemma3(dir: str | os.PathLike[str], seed: int = SEED) -> Path:
 
     Idempotent: an existing complete checkpoint in `dir` is reused.
     """
-    out = Path(dir)
-    marker = out / _GEMMA3_MARKER
-    if marker.exists():
-        return out
 
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    def build() -> object:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    config = Gemma3TextConfig(
-        **TINY_GEMMA3,
-        dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Gemma3ForCausalLM(config).to(torch.bfloat16)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    )
-    marker.write_text(json.dumps({"seed": seed, **TINY_GEMMA3}))
-    return out
+        return Gemma3ForCausalLM(Gemma3TextConfig(**TINY_GEMMA3, **_TOKENS, dtype="bfloat16"))
+
+    return _write(Path(dir), _GEMMA3_MARKER, TINY_GEMMA3, build, seed)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,70 @@ def test_a_block_send_whose_receiver_gave_up_writes_nothing() -> None:
     assert out["D"]["untouched"], "the block send wrote into blocks its receiver had given up"
 
 
+SIDE_BY_SIDE_D = [REQ_D, [1, 3, 5, 9, 11, 13, 15, 17], [40, 41, 42, 43, 44, 45, 46, 47]]  # D's blocks, by request
+
+
+def _side_by_side_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
+    """P posts three whole staged sends to D, the first one's layers never marked staged
+    until the other two have landed: each send waits on the GPU for its own layers, so
+    the two later ones must land while the first still waits (on one stream they would
+    queue behind it, as the copies of a step's requests once did). Then the first is
+    staged and lands; D reports the blocks of all three."""
+    from workers.gpu_staging import PagedKv
+    from workers.pool import BufferPool
+
+    try:
+        device, rdv, cache, ops = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
+        paged = PagedKv(_cache(device, seed=dev))
+        n = len(SIDE_BY_SIDE_D)
+        res: dict[str, Any] = {}
+        if role == "P":
+            pool = BufferPool(paged.staged_block_nbytes * 8 * n, device=device)
+            staged = []
+            for k in range(n):  # request k: P's blocks 8k .. 8k + 7
+                lease = pool.acquire_nowait(paged.staged_block_nbytes * 8).tensor
+                paged.gather(paged.block_ids(list(range(8 * k, 8 * k + 8))), paged.staging_view(lease, 8))
+                staged.append(lease)
+            torch.cuda.current_stream(device).synchronize()
+            comm = cache.get("D", initiator=True)
+            sends = []
+            with comm.lock:
+                for lease in staged:
+                    seq = comm.next_send
+                    sends.append((seq, comm.send_blocks(seq, paged, lease.data_ptr(), 8, keep=[lease])))
+            compute = torch.cuda.current_stream(device)
+            for seq, _ in sends[1:]:
+                comm.mark_staged(compute, seq, paged.num_layers)
+            res["later_landed"] = bool(wait_until(lambda: all(w.event.query() for _, w in sends[1:]), 30,
+                                                  "the later sends to land while the first waits for its layers"))
+            res["first_waited"] = not sends[0][1].event.query()
+            comm.mark_staged(compute, sends[0][0], paged.num_layers)
+            wait_until(sends[0][1].event.query, 30, "the first send to land once staged")
+            res["sent"] = [[r[:, 8 * k : 8 * k + 8].cpu().numpy() for r in paged.rows] for k in range(n)]
+            rdv.receive("D", "test/landed")
+        else:
+            comm = cache.get("P", initiator=False)
+            works = [comm.post_blocks(paged, paged.block_ids(ids), after=[ops._now()]) for ids in SIDE_BY_SIDE_D]
+            for work in works:
+                wait_until(work.event.query, 60, "D's block receives to end")
+            res["landed"] = [[r[:, ids].cpu().numpy() for r in paged.rows] for ids in SIDE_BY_SIDE_D]
+            rdv.publish("P", "test/landed", b"1")
+        cache.close()
+        results.put((role, res))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        results.put((role, {"error": traceback.format_exc()}))
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_whole_staged_sends_copy_side_by_side_each_once_its_layers_are_staged() -> None:
+    out = _run_pair(_side_by_side_worker, {"one_gpu": True}, timeout_s=120.0)
+    assert out["P"]["later_landed"] and out["P"]["first_waited"], out["P"]
+    for k, (sent, got) in enumerate(zip(out["P"]["sent"], out["D"]["landed"])):
+        for layer, (want, have) in enumerate(zip(sent, got)):
+            assert np.array_equal(have, want), f"request {k}, layer {layer}: the blocks hold other bytes"
+
+
 def _gate_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     """P posts a send whose copy is held behind ~3 s of GPU work; D gives its receive up
     after 1 s. When P's copy finally runs, D's buffer must stay as D left it."""

@@ -31,6 +31,7 @@ from workers.transports.ipc_mailbox import (
 )
 from workers.transports.nccl_setup import (
     IPC_PAGE_PREFIX,
+    IPC_VERSION,
     SHM_DIR,
     parse_payload,
     resolve_backend,
@@ -180,13 +181,13 @@ def test_any_interleaving_pairs_each_send_with_its_receive(steps: list[tuple[int
 
 def test_ipc_payloads_parse_and_bad_pages_are_refused() -> None:
     page_path = os.path.join(SHM_DIR, f"{IPC_PAGE_PREFIX}ab12")
-    info = parse_payload(json.dumps({"v": 3, "backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n",
+    info = parse_payload(json.dumps({"v": IPC_VERSION, "backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n",
                                      "for": "t1"}).encode())
     assert info == {"backend": "ipc", "page": page_path, "boot": "b-1", "nonce": "n", "for": "t1",
                     "fallback": ""}
     for bad in ("/etc/passwd", os.path.join(SHM_DIR, "other"), f"{SHM_DIR}/../tmp/{IPC_PAGE_PREFIX}x", 7):
         with pytest.raises(RendezvousError, match="unusable"):
-            parse_payload(json.dumps({"v": 3, "backend": "ipc", "page": bad, "boot": "b", "nonce": "n"}).encode())
+            parse_payload(json.dumps({"v": IPC_VERSION, "backend": "ipc", "page": bad, "boot": "b", "nonce": "n"}).encode())
 
 
 def test_asking_for_ipc_without_a_cuda_driver_says_what_to_use() -> None:

@@ -14,6 +14,7 @@ from protocols.errors import RendezvousError
 from workers.transports import nccl_lib
 from tests.support import wait_until
 from workers.transports.nccl_setup import (
+    IPC_VERSION,
     TORCH_NCCL_QUIET,
     await_join,
     decline,
@@ -39,7 +40,7 @@ def test_payloads_of_both_backends_parse() -> None:
 
 
 def ipc_payload(nonce: str, purpose: str, fallback: str | None = None, boot: str = "another-boot") -> bytes:
-    info = {"v": 3, "backend": "ipc", "page": f"/dev/shm/kvbroker-ipc-{nonce}", "boot": boot, "nonce": nonce,
+    info = {"v": IPC_VERSION, "backend": "ipc", "page": f"/dev/shm/kvbroker-ipc-{nonce}", "boot": boot, "nonce": nonce,
             "for": purpose}
     if fallback is not None:
         info["fallback"] = fallback
@@ -256,3 +257,13 @@ def test_a_communicator_is_usable_without_a_build_only_while_the_acceptor_keeps_
     assert cache.usable("d:0", "n2", initiator=True) is second
     first.broken = True
     assert cache.usable("d:0", "n1", initiator=True) is None
+
+
+def test_an_ipc_build_of_another_version_is_refused_naming_what_to_change() -> None:
+    """The page and the counters are laid out per version: an older worker's build is
+    refused at once, with what to change, not left to fail its first transfer."""
+    older = json.loads(ipc_payload("n", ""))
+    older["v"] = IPC_VERSION - 1
+    with pytest.raises(RendezvousError, match=f"version {IPC_VERSION - 1}, this worker version {IPC_VERSION}: "
+                                              "run the same kvbroker release"):
+        parse_payload(json.dumps(older).encode())

@@ -9,9 +9,10 @@ kernel writes the bytes straight into the receiver's buffer, mapped into the sen
 process with CUDA IPC.
 
 Shared state: a page of host memory (`ipc_mailbox`: receive descriptors, read and
-written by the hosts only) and each side's two GPU counters in its own GPU memory
+written by the hosts only) and each side's GPU counters in its own GPU memory
 (`_Counters`), which the peer maps and writes: `ready` (the peer's receive k may be
-written) and `arrived` (the peer's send k landed). Each GPU waits on and reads only its
+written) and `arrived` (the peer's send k landed: one word per op in flight, so sends
+copying at once on different streams each tell their own). Each GPU waits on and reads only its
 own memory. (A first version kept the counters in the host page: the copy kernel's
 read of `ready` from host memory cost about 8 us a program, serialized, so a 32-program
 copy took 0.25 ms longer; docs/PERFORMANCE.md says where this was measured.)
@@ -26,8 +27,11 @@ How one op pairs:
 * send number k (sender): the host reads descriptor k (waiting for it under a deadline:
   the receiver posts before its Ready, so it is normally there), maps the allocation
   once per handle; the sender's stream waits for the events the op depends on and for
-  its own `ready >= k`, runs the copy kernel, then writes the peer's `arrived = k`
-  behind a system-wide fence, so the receiver sees the bytes before it sees the count.
+  its own `ready >= k`, runs the copy kernel, then writes the peer's `arrived` word of
+  op k (`k % _TALLIES`) behind a system-wide fence, so the receiver sees the bytes
+  before it sees the count. Whole staged transfers (below) copy on `SEND_STREAMS`
+  streams in turn, so the copies of several requests of one step wait for their
+  layers side by side instead of queueing behind the first.
 * In one group, receives are announced before sends are posted, and their waits come
   after (`ipc_mailbox.group_steps`): two sides exchanging in one group cannot wait on
   each other.
@@ -54,7 +58,7 @@ How one op pairs:
   check `closed` after an op's end (the connector does).
 
 Set up through the same rendezvous as the NCCL backends: the initiator creates the page
-(a file in /dev/shm) and publishes ``{"v": 3, "backend": "ipc", "page", "boot", "fallback"}``;
+(a file in /dev/shm) and publishes ``{"v": IPC_VERSION, "backend": "ipc", "page", "boot", "fallback"}``;
 the acceptor checks it runs on the same host (the boot id), maps the page, answers; or
 it declines, saying why, and the initiator builds its fallback ("ipc,direct": direct
 NCCL between hosts) or fails at once with that reason; each
@@ -91,7 +95,7 @@ from .ipc_mailbox import (
 )
 from .communicator import Communicator, Owner, StreamWork, check_range, nbytes_of
 from .cuda_driver import CudaDriver, boot_id, driver, driver_error
-from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, SHM_DIR, IpcDeclined, await_join, decline, join
+from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
 if TYPE_CHECKING:  # pragma: no cover
     from workers.gpu_staging import PagedKv
@@ -114,7 +118,13 @@ _PROCESS = secrets.randbits(63)  # names this process in the page (process ids r
 # -- the copy kernel ----------------------------------------------------------------------
 
 _KERNEL: list[Any] = []
-_TALLIES = 64  # per-op program tallies a communicator cycles through (ops in flight at most)
+_TALLIES = 64  # per-op program tallies and arrival words a communicator cycles through (ops in flight at most)
+# Streams a communicator's whole staged sends take in turn (send k on stream k % this).
+# On one stream the copies of a step's requests queued: each waits on the GPU for its
+# layers' gathers, so only the first overlapped the forward pass (8 requests of 512
+# tokens added 5.4 ms after a 20 ms prefill, docs/PERFORMANCE.md). It divides
+# `_TALLIES`, so send k + _TALLIES, which reuses send k's words, runs after it.
+SEND_STREAMS = 8
 
 
 def _kernel() -> Any:
@@ -399,18 +409,20 @@ class _Page:
 class _Counters:
     """This side's GPU counters, in its own GPU memory, which the peer maps and writes:
     `ready` (byte 0: the peer's receive number k may be written, so this side's send k
-    may copy) and `arrived` (byte 64: the peer's send k landed in this side's receive k);
-    then the tallies of this side's copy programs (byte 128: one for each of `_TALLIES`
+    may copy); the tallies of this side's copy programs (byte 128: one for each of `_TALLIES`
     sends in a row), how far each block send's staging has got (byte 512: one word for
-    each of `_TALLIES` sends, written by this side's compute stream), scratch words for
+    each of `_TALLIES` sends, written by this side's compute stream), `arrived` (byte
+    1024: one word for each of `_TALLIES` receives, the peer's send k landed in this
+    side's receive k once word k % _TALLIES reaches k), scratch words for
     the copy kernel's check (from byte 1536), and from byte 2048 the arena where the
     peer's GPU puts the block ids of its BLOCKS receives (`_ID_SLOTS` slots of
     `MAX_BLOCKS` int64). Each GPU waits on and reads only its own memory; the peer
     writes over NVLink."""
 
-    READY, ARRIVED = 0, 64
+    READY = 0
     TALLY = 128  # this side's sends' program tallies (int32 each)
     PROGRESS = 512  # this side's block sends' staged rows (int64 each)
+    ARRIVED = 1024  # the peer's sends that landed here, a word per op in flight (int64 each)
     ARENA = 2048  # the peer's block ids, for this side's block sends
     LAYERS = ARENA + _ID_SLOTS * MAX_BLOCKS * 8  # where the peer's layers are mapped here (int64 each)
 
@@ -448,6 +460,9 @@ class IpcCommunicator(Communicator):
         self.sent = self.received = 0  # ops posted so far, each way
         self.op_timeout_s = op_timeout_s
         self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+        # Whole staged sends take these in turn (`SEND_STREAMS`); the first is `stream`.
+        self.sends = [self.stream, *(torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+                                     for _ in range(SEND_STREAMS - 1))]
         # Block receives end here (`post_blocks`): their waits for the sender's arrival
         # stay off `stream`, so the next receive's `ready` goes out before this one landed.
         self.arrivals = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
@@ -461,11 +476,16 @@ class IpcCommunicator(Communicator):
         handle, base, offset, self.same_process = peer_counters
         if not self.same_process:
             self._mapped[handle] = base  # a receive buffer of the peer's may share that allocation
-        self.my_ready, self.my_arrived = counters.addr + _Counters.READY, counters.addr + _Counters.ARRIVED
-        self.peer_ready, self.peer_arrived = base + offset + _Counters.READY, base + offset + _Counters.ARRIVED
+        self.my_ready = counters.addr + _Counters.READY
+        self.peer_ready = base + offset + _Counters.READY
+        self._my_arrived, self._peer_arrived = counters.addr + _Counters.ARRIVED, base + offset + _Counters.ARRIVED
         self.peer_arena = base + offset + _Counters.ARENA
         self._blocks = _BlockCopier(device)
         self._table: tuple[PagedKv, int] | None = None  # this side's published layer table: its cache, its version
+        # The end of each of the last `_TALLIES` sends: send k reuses send k - _TALLIES's
+        # tally and arrival word, so it waits for that one's end (they may be on two streams).
+        self._send_ends: list[torch.cuda.Event | None] = [None] * _TALLIES
+        self._table_copied: torch.cuda.Event | None = None  # the peer's layer table, on `stream`
         self._peer_layers: tuple[int, torch.Tensor, LayerTable] | None = None  # the peer's, mapped: version, addresses, table
 
     def post(
@@ -484,6 +504,8 @@ class IpcCommunicator(Communicator):
 
     def _enqueue(self, items: Sequence[tuple[Literal["send", "recv"], int, int]], after: Sequence[torch.cuda.Event | None],
                  keep: list[torch.Tensor]) -> Any:
+        sent: list[int] = []
+
         def steps() -> list[torch.Tensor]:
             self._wait_for(after)
             for step, i, seq in group_steps([op for op, _, _ in items], self.sent, self.received):
@@ -492,18 +514,20 @@ class IpcCommunicator(Communicator):
                     self._announce(ptr, n, seq)
                 elif step == "send":
                     self._send(ptr, n, seq)
+                    sent.append(seq)
                 else:
-                    self.drv.wait_value(self._sp, self.my_arrived, seq)
+                    self.drv.wait_value(self._sp, self.my_arrived(seq), seq)
             return keep
 
-        return self._posted("an op", steps)
+        return self._posted("an op", steps, sends=sent)
 
     def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]],
-                ends: torch.cuda.Stream | None = None) -> StreamWork:
+                ends: torch.cuda.Stream | None = None, sends: Sequence[int] = ()) -> StreamWork:
         """Run `enqueue` (one group's steps on this communicator's stream) under the lock,
         with this GPU's context current; a failure ends the communicator, since the peer
         may have paired part of it. The work: an event after the group (on `ends`, if
-        given, where `enqueue` put the op's end), holding the tensors `enqueue` returns."""
+        given, where `enqueue` put the op's end), holding the tensors `enqueue` returns;
+        it is also the end of the sends numbered in `sends` (filled by `enqueue`)."""
         self._check_open()
         with self.lock:
             try:
@@ -514,6 +538,8 @@ class IpcCommunicator(Communicator):
                 raise
             done = torch.cuda.Event()
             done.record(ends or self.stream)
+            for seq in sends:
+                self._send_ends[seq % _TALLIES] = done
         return StreamWork(done, keep)
 
     def _wait_room(self, seq: int) -> None:
@@ -524,10 +550,33 @@ class IpcCommunicator(Communicator):
                 raise RecvTimeout("-", f"{self.peer} stopped reading receives (IPC mailbox full)")
             time.sleep(1e-4)
 
-    def _wait_for(self, events: Sequence[torch.cuda.Event | None]) -> None:
+    def _wait_for(self, events: Sequence[torch.cuda.Event | None], stream: torch.cuda.Stream | None = None) -> None:
         for event in events:
             if event is not None:
-                self.stream.wait_event(event)
+                (stream or self.stream).wait_event(event)
+
+    def my_arrived(self, seq: int) -> int:
+        """The word that says this side's receive `seq` landed (once it reaches `seq`)."""
+        return self._my_arrived + 8 * (seq % _TALLIES)
+
+    def peer_arrived(self, seq: int) -> int:
+        """The peer's word that this side's send `seq` sets once it landed."""
+        return self._peer_arrived + 8 * (seq % _TALLIES)
+
+    def _send_stream(self, seq: int) -> torch.cuda.Stream:
+        """Where whole staged send `seq` copies, after what it depends on there: the send
+        whose tally and arrival word it reuses, and the peer's layer table's copy."""
+        stream = self.sends[seq % SEND_STREAMS]
+        self._after_reuse(stream, seq)
+        if stream is not self.stream and self._table_copied is not None:
+            stream.wait_event(self._table_copied)
+        return stream
+
+    def _after_reuse(self, stream: torch.cuda.Stream, seq: int) -> None:
+        """`stream` waits for the end of send `seq - _TALLIES`, whose words send `seq` reuses."""
+        prior = self._send_ends[seq % _TALLIES]
+        if prior is not None:
+            stream.wait_event(prior)
 
     def _announce(self, ptr: int, nbytes: int, seq: int) -> None:
         """Receive `seq`: publish where the bytes go, and (on the GPU, after the op's
@@ -554,7 +603,8 @@ class IpcCommunicator(Communicator):
         if base is None:
             base = self._mapped[desc.handle] = _map_peer(self.drv, desc.handle, self.peer)
         self.sent = seq
-        self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived,
+        self._after_reuse(self.stream, seq)
+        self._copy(self.stream, ptr, base + desc.offset, nbytes, ready=self.my_ready, arrived=self.peer_arrived(seq),
                    tally=self._tally(seq), seq=seq)
 
     # -- a whole staged transfer, straight into the receiver's blocks ----------------------
@@ -605,14 +655,14 @@ class IpcCommunicator(Communicator):
             # sender's next copy never waits for this GPU's stream to see the last one land
             # (two processes on one GPU take turns on it: that wait cost a time slice).
             if seq > _ID_SLOTS:
-                self.drv.wait_value(self._sp, self.my_arrived, seq - _ID_SLOTS)
+                self.drv.wait_value(self._sp, self.my_arrived(seq - _ID_SLOTS), seq - _ID_SLOTS)
             slot = _Counters.arena(self.peer_arena, seq)
             self.drv.copy(self._sp, slot, held.data_ptr(), n * 8)
             box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
                                            kind=BLOCKS, count=n))
             self.received = seq
             self.drv.write_value(self._sp, self.peer_ready, seq)
-            self.drv.wait_value(self.arrivals.cuda_stream, self.my_arrived, seq)  # the receive's end
+            self.drv.wait_value(self.arrivals.cuda_stream, self.my_arrived(seq), seq)  # the receive's end
             return [ids, held]  # the caller's ids too: this stream reads them after `after`
 
         return self._posted("a block receive", steps, ends=self.arrivals)
@@ -699,19 +749,20 @@ class IpcCommunicator(Communicator):
                                  f"{paged.pre} of {paged.row_nbytes}: serve the same model and KV cache dtype "
                                  "on both.")
             self.page.box.consume(self.out, seq)
-            self._wait_for(after)
+            stream = self._send_stream(seq)
+            self._wait_for(after, stream)
             if staged and progress is None:
-                self.mark_staged(self.stream, seq, paged.num_layers)
+                self.mark_staged(stream, seq, paged.num_layers)
             self.sent = seq
             arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
             word, base = progress or (self._progress(seq), None)
             args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
-                              progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived,
+                              progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived(seq),
                               tally=self._tally(seq), shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
-            self._blocks(self.stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
+            self._blocks(stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             return [*keep, layers]
 
-        return self._posted("a block send", steps)
+        return self._posted("a block send", steps, ends=self.sends[seq % SEND_STREAMS], sends=[seq])
 
     def _descriptor(self, seq: int) -> Descriptor:
         """Receive descriptor `seq`, waiting for it under the op deadline: spinning first
@@ -750,8 +801,12 @@ class IpcCommunicator(Communicator):
         # memory made at connect: no host wait and no allocation (either could wait on a
         # peer's stream in this process). A new table comes only with a new cache.
         n = len(addrs)
+        for other in self.sends[1:]:  # kernels there may still read the table this replaces
+            self.stream.wait_stream(other)
         self.counters.layers_host[:n] = torch.tensor(addrs, dtype=torch.int64)
         self.drv.copy(self._sp, self.counters.addr + _Counters.LAYERS, self.counters.layers_host.data_ptr(), n * 8)
+        self._table_copied = torch.cuda.Event()
+        self._table_copied.record(self.stream)
         layers = self.counters.tensor[_Counters.LAYERS // 8 : _Counters.LAYERS // 8 + n]
         self._peer_layers = (version, layers, table)
         return layers, table
@@ -771,10 +826,10 @@ class IpcCommunicator(Communicator):
         self._release_waits(releases)
         with self.lock:  # a post waiting for a descriptor sees the page dead and lets go
             deadline = time.monotonic() + 5.0
-            while not (self.stream.query() and self.arrivals.query()) and time.monotonic() < deadline:
+            while not self._idle() and time.monotonic() < deadline:
                 self._release_waits(releases)  # again: the peer may have written a count since
                 time.sleep(1e-4)
-            idle = self.stream.query() and self.arrivals.query()
+            idle = self._idle()
             for dptr in self._mapped.values():
                 try:
                     self.drv.close(dptr)
@@ -786,13 +841,16 @@ class IpcCommunicator(Communicator):
                 log.warning("ipc.stream_stuck", peer=self.peer)
                 _STUCK.append(self.counters)
 
+    def _idle(self) -> bool:
+        return all(s.query() for s in self.sends) and self.arrivals.query()
+
     def _release_waits(self, stream: torch.cuda.Stream) -> None:
         """End this side's GPU waits (its sends' `ready`, its receives' `arrived`) and gate
         the peer's copies into its buffers off (the peer's `ready`), through `stream`. The
         peer's `arrived` is left alone, so none of the peer's receives looks done without
         its bytes."""
         self.drv.make_current(self.ctx)
-        for addr in (self.my_ready, self.my_arrived, self.peer_ready):
+        for addr in (self.my_ready, *(self.my_arrived(k) for k in range(_TALLIES)), self.peer_ready):
             try:
                 self.drv.write_value(stream.cuda_stream, addr, ABORT)
             except RuntimeError as exc:  # the peer's memory may be gone with the peer
@@ -851,7 +909,7 @@ def connect_ipc(cache: Owner, peer: str, info: dict[str, Any] | None,
         page = _Page(path, create=True)
         try:
             page.box.publish_flags(rank, where)
-            offer = {"v": 3, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}
+            offer = {"v": IPC_VERSION, "backend": "ipc", "page": path, "boot": boot_id(), "nonce": nonce, "for": purpose}
             if cache.fallback:
                 offer["fallback"] = cache.fallback
             cache.rendezvous.publish(peer, key, json.dumps(offer).encode())

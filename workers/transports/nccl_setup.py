@@ -29,6 +29,9 @@ _DECLINED = " declined: "  # an acceptor's answer that refuses a build: "<nonce>
 # Where the ipc backend's shared page lives while two workers set up (`cuda_ipc`).
 SHM_DIR = "/dev/shm"
 IPC_PAGE_PREFIX = "kvbroker-ipc-"
+# The ipc build's version (its offer's "v"): both sides must lay the shared page and
+# counters out alike. 4: an arrival word per op in flight (`cuda_ipc._Counters`).
+IPC_VERSION = 4
 
 # The CUDA stream priority of the streams NCCL ops run on (lower is higher; compute and
 # copy streams keep the default 0). torch maps it into the device's range.
@@ -204,7 +207,7 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
             if len(uid) != 128:
                 raise ValueError(f"an NCCL unique id is 128 bytes, not {len(uid)}")
             return {"backend": "direct", "id": uid, "nonce": info["nonce"], "for": purpose}
-        if info.get("v") == 3 and info.get("backend") == "ipc":
+        if info.get("v") == IPC_VERSION and info.get("backend") == "ipc":
             page, boot = info["page"], info["boot"]
             if not isinstance(page, str) or not isinstance(boot, str):
                 raise ValueError("bad ipc fields")
@@ -215,6 +218,10 @@ def parse_payload(payload: bytes) -> dict[str, Any]:
                 raise ValueError(f"an ipc build falls back to one of {FALLBACKS}, not {fallback!r}")
             return {"backend": "ipc", "page": page, "boot": boot, "nonce": info["nonce"], "for": purpose,
                     "fallback": fallback}
+        if info.get("backend") == "ipc":
+            raise RendezvousError(f"the peer builds ipc communicators of version {info.get('v')!r}, this worker "
+                                  f"version {IPC_VERSION}: run the same kvbroker release on every prefill and "
+                                  "decode worker.")
         if info.get("v") != 1 or not isinstance(info["port"], int):
             raise ValueError("bad fields")
         return {"backend": "torch", "host": str(info["host"]), "port": info["port"], "nonce": info["nonce"],

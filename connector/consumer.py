@@ -381,10 +381,12 @@ class ConsumerSide:
             lane_lease.release()
         return tell
 
-    def _quarantine(self, load: _Load, why: str) -> None:
-        """The receiver may still write into this lease: keep it out of the pool for good."""
+    def _quarantine(self, load: _Load, why: str, holder: _Load | Lane | None = None) -> None:
+        """The receiver may still write into the lease of `holder` (default: the load):
+        keep it out of the pool for good."""
+        holder = load if holder is None else holder
         with load.landing, self.w.lock:
-            lease, load.lease = load.lease, None
+            lease, holder.lease = holder.lease, None
             if lease is not None:
                 self._quarantined.append(lease)
         self.w.log.error(
@@ -759,28 +761,36 @@ class ConsumerSide:
                          in_place=True)
 
     async def _receive_tcp(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
-        """Expect the bytes at the receiver, then Ready, then wait for them."""
+        return await self.receive_tcp(msg, load, load, msg.transfer_id, offset, nbytes)
+
+    async def receive_tcp(self, msg: Prepare, load: _Load, holder: _Load | Lane, key: str, offset: int, nbytes: int,
+                          **fields: Any) -> str:
+        """Lease `nbytes` into `holder.lease` (the load, or one of its lanes), expect them at
+        the receiver under `key`, then Ready, then wait for them; "" once they are in, else
+        why not. `fields` (a lane's source and heads) go into the Ready and its log line.
+        A receive that cannot be called off leaves its lease quarantined."""
         w, tid = self.w, msg.transfer_id
         assert w.pool is not None and w.client is not None and self.receiver is not None
-        k = load.spec.num_cached_blocks
+        source = fields.get("source", "")
         expecting = False
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
                 asked = time.monotonic()
-                load.lease = await w.pool.acquire(nbytes)
+                holder.lease = await w.pool.acquire(nbytes)
                 leased = time.monotonic()
-                completion = self.receiver.expect(tid, msg.attempt, load.lease.tensor, nbytes)
+                completion = self.receiver.expect(key, msg.attempt, holder.lease.tensor, nbytes)
                 expecting = True
-                await w.client.client.ready(tid, nbytes, offset)
+                await w.client.client.ready(tid, nbytes, offset, source=source)
                 ready = time.monotonic()
                 w.log.info(
-                    "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes, skip_blocks=k,
-                    prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked), send_us=_us(ready - leased),
+                    "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                    skip_blocks=load.spec.num_cached_blocks, prepare_us=_us(ready - load.prepared_at),
+                    lease_us=_us(leased - asked), send_us=_us(ready - leased), **fields,
                 )
                 await completion.wait()
                 expecting = False
         except TimeoutError:
-            return f"no KV within the load deadline of {w.config.load_timeout_s:g} s"
+            return f"no KV{f' from {source}' if source else ''} within the load deadline of {w.config.load_timeout_s:g} s"
         except TransferFailed as exc:
             expecting = False
             return exc.reason
@@ -789,9 +799,9 @@ class ConsumerSide:
         finally:
             if expecting:
                 try:
-                    await self.receiver.cancel(tid, "the load ended")
+                    await self.receiver.cancel(key, "the load ended")
                 except TcpTransportError as exc:
-                    self._quarantine(load, str(exc))
+                    self._quarantine(load, str(exc), holder)
         return ""
 
     async def on_abort(self, msg: Abort) -> None:

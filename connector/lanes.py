@@ -38,7 +38,6 @@ from protocols.messages import Prepare
 from workers.heads import merge_heads, part_nbytes, split_heads
 from workers.layout import scatter_layers_from_staging, staging_view, tail_range
 from workers.pool import Lease, PoolError
-from workers.transports.tcp import TcpTransportError
 
 if TYPE_CHECKING:
     from .consumer import ConsumerSide, _Load
@@ -157,44 +156,14 @@ def _misfit(w: ConnectorWorker, msg: Prepare, load: _Load, lane: Lane) -> str:
 
 async def receive_lane(side: ConsumerSide, msg: Prepare, load: _Load, lane: Lane) -> str:
     """Lease, expect, Ready, wait for one lane over tcp; "" once its bytes are in, else why not."""
-    w, tid = side.w, msg.transfer_id
-    assert w.pool is not None and w.client is not None and side.receiver is not None
-    misfit = _misfit(w, msg, load, lane)
+    misfit = _misfit(side.w, msg, load, lane)
     if misfit:
         return misfit
     spec = load.spec
-    offset, nbytes = tail_range(len(spec.block_ids), spec.num_cached_blocks, len(w.layers), msg.layout.block_nbytes)
+    offset, nbytes = tail_range(len(spec.block_ids), spec.num_cached_blocks, len(side.w.layers), msg.layout.block_nbytes)
     lane.nbytes = nbytes
-    key = lane_key(tid, lane.source)
-    expecting = False
-    try:
-        with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
-            lane.lease = await w.pool.acquire(nbytes)
-            completion = side.receiver.expect(key, msg.attempt, lane.lease.tensor, nbytes)
-            expecting = True
-            await w.client.client.ready(tid, nbytes, offset, source=lane.source)
-            w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                       skip_blocks=spec.num_cached_blocks, source=lane.source, heads=[lane.start, lane.stop])
-            await completion.wait()
-            expecting = False
-    except TimeoutError:
-        return f"no KV from {lane.source} within the load deadline of {w.config.load_timeout_s:g} s"
-    except TransferFailed as exc:
-        expecting = False
-        return exc.reason
-    except PoolError as exc:
-        return str(exc)
-    finally:
-        if expecting:
-            try:
-                await side.receiver.cancel(key, "the load ended")
-            except TcpTransportError as exc:
-                side.w.log.error("transfer.lease_quarantined", transfer_id=tid, phase="receive", reason=str(exc))
-                with w.lock:
-                    if lane.lease is not None:
-                        side._quarantined.append(lane.lease)
-                        lane.lease = None
-    return ""
+    return await side.receive_tcp(msg, load, lane, lane_key(msg.transfer_id, lane.source), offset, nbytes,
+                                  source=lane.source, heads=[lane.start, lane.stop])
 
 
 async def receive_lane_nccl(side: ConsumerSide, msg: Prepare, load: _Load, lane: Lane) -> str:

@@ -477,7 +477,7 @@ class ProducerSide:
                 try:
                     staged.sending_to = msg.decode
                     source, after, paged = staged.lease, staged.event, w.paged
-                    block_nbytes = len(w.layers) * w.block_nbytes
+                    block_nbytes = w.chunk_nbytes
                     if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
                         paged = None
                         if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them

@@ -9,7 +9,8 @@
    trip to D and back (about a millisecond) overlaps the forward pass instead of
    following it.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
-   returning (on a GPU with Triton, with the transport's copy kernel; a step's saves
+   returning (on a GPU with Triton, with the transport's copy kernel, except for a
+   hybrid model, whose layers torch copies out of their groups' blocks; a step's saves
    are leased back to back out of one lease cut up, so one kernel copies the layer
    for all of them). On the CPU the
    copy is complete on return, so vLLM may free and reuse

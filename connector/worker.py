@@ -244,8 +244,10 @@ class ConnectorWorker:
             self.heads = rank_heads(self.info.kv_heads, self.info.world_size, self.info.rank, replicated=spec.use_mla)
         else:
             self.heads = (0, spec.num_kv_heads)
-        if nccl and not hybrid:  # a hybrid model's rows differ in width: the staged path, with torch copies
-            self.paged = self._triton_copies(first)
+        if nccl:
+            # The one place a hybrid model is sent down the staged path: its rows differ in
+            # width, and the copy kernel and a receive straight into the blocks assume not.
+            self.paged = None if hybrid else self._triton_copies(first)
         else:
             allow_amx_tiles(self.info.backend)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes

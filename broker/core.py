@@ -77,7 +77,7 @@ from protocols.messages import (
 )
 
 from .handshake import Handshake
-from .lanes import pairing_refusal
+from .lanes import equal_tp_refusal, pairing_refusal
 from .latency import PHASES, Histogram
 from .ledger import (
     BrokerConfig,
@@ -263,7 +263,8 @@ class Broker(Handshake):
         if others and not any(o.compat_hash == reg.compat_hash for o in others):
             o = others[0]
             raise PeerRefused(
-                f"{reg.role} instance {reg.instance_id} is incompatible with {o.role} instance "
+                equal_tp_refusal(reg, o)
+                or f"{reg.role} instance {reg.instance_id} is incompatible with {o.role} instance "
                 f"{o.instance_id} ({compat_diff(reg, o)}); serve the same model, dtype and cache layout on both"
             )
         same = [o for o in others if o.compat_hash == reg.compat_hash]

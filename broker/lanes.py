@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from protocols.heads import Lane, lane_refusal, lanes, rank_heads
 from protocols.messages import Layout, Register
 
-__all__ = ["lane_share", "pairing_refusal", "plan", "wire_heads"]
+__all__ = ["equal_tp_refusal", "lane_share", "pairing_refusal", "plan", "wire_heads"]
 
 
 def pairing_refusal(p: Register, d: Register) -> str | None:
@@ -34,6 +34,20 @@ def pairing_refusal(p: Register, d: Register) -> str | None:
         f"prefill instance {p.instance_id} (TP {p.world_size}) cannot feed decode instance {d.instance_id} "
         f"(TP {d.world_size}): {why}; serve both with TP sizes that divide the model's KV heads, or with equal TP"
     )
+
+
+def equal_tp_refusal(a: Register, b: Register) -> str | None:
+    """Why instances `a` and `b` of a model that moves between equal TP sizes only (its
+    compatibility fields hold the TP size) cannot pair, where their TP sizes differ: one
+    sentence, or None. A hybrid model is one (its staged rows differ in width, which
+    lanes do not cut), as is a model whose KV head count vLLM does not report."""
+    if "world_size" not in a.compat or a.compat.get("world_size") == b.compat.get("world_size"):
+        return None
+    what = ("a hybrid model (several KV cache groups)" if "kv_groups" in a.compat
+            else "a model whose KV head count vLLM does not report")
+    return (f"{a.role} instance {a.instance_id} (TP {a.world_size}) cannot pair with {b.role} instance "
+            f"{b.instance_id} (TP {b.world_size}): {what} moves between equal TP sizes only; serve both with the "
+            "same tensor-parallel size")
 
 
 def plan(p: Register, d: Register) -> list[Lane]:

@@ -651,7 +651,7 @@ class ConsumerSide:
                         into = ((w.paged, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)),
                                  load.allocated) if w.paged is not None else None)
                         posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
-                                                        block_nbytes=len(w.layers) * w.block_nbytes, into=into)
+                                                        block_nbytes=w.chunk_nbytes, into=into)
                         load.post_us = _us(time.monotonic() - ready)
                     finally:
                         if posted is None:  # its Ready may be out: the producer's send must not pair with another

@@ -9,7 +9,8 @@
    trip to D and back (about a millisecond) overlaps the forward pass instead of
    following it.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
-   returning (on a GPU with Triton, with the transport's copy kernel; a step's saves
+   returning (on a GPU with Triton, with the transport's copy kernel, except for a
+   hybrid model, whose layers torch copies out of their groups' blocks; a step's saves
    are leased back to back out of one lease cut up, so one kernel copies the layer
    for all of them). On the CPU the
    copy is complete on return, so vLLM may free and reuse
@@ -477,7 +478,7 @@ class ProducerSide:
                 try:
                     staged.sending_to = msg.decode
                     source, after, paged = staged.lease, staged.event, w.paged
-                    block_nbytes = len(w.layers) * w.block_nbytes
+                    block_nbytes = w.chunk_nbytes
                     if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
                         paged = None
                         if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them

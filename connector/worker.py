@@ -23,10 +23,15 @@ the compute stream waits for those copies when it is (`connector.consumer`).
 
 Hybrid models
 -------------
-A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp with
-equal TP sizes: each layer is staged from and scattered into its own group's block ids,
-a sliding-window group's rows only from where its window starts (`workers.groups`), and
-the groups themselves are a compatibility field.
+A hybrid model (several KV cache groups, `EngineInfo.layer_groups`) moves over tcp and
+nccl with equal TP sizes: each layer is staged from and scattered into its own group's
+block ids, a sliding-window group's rows only from where its window starts
+(`workers.groups`), and the groups themselves are a compatibility field. Its rows differ
+in width, which the transport's copy kernel and a receive straight into the blocks
+assume they do not; so over nccl it takes the staged path (`register_kv_caches` decides,
+once): P gathers each layer with torch into its staging on the compute stream, the
+staged byte range goes in chunks of whole cells (`chunk_nbytes`), and D scatters each
+layer from its receive lease in `get_finished`, as over tcp.
 
 Compatibility
 -------------
@@ -166,6 +171,7 @@ class ConnectorWorker:
         self.staged_layers: list[tuple[torch.Tensor, LayerLayout]] = []  # (cache, layout) in staged order
         self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
+        self.chunk_nbytes = 0  # the unit nccl cuts a transfer into chunks at (`nccl_link.chunks`)
         self.heads = (0, 0)  # the model's KV heads this rank holds (`protocols.heads`)
         self.groups: KvGroups | None = None  # a hybrid model's KV cache groups, by staged layer
         self.compat: dict[str, str] = {}
@@ -196,11 +202,6 @@ class ConnectorWorker:
         nccl = self.config.transport == "nccl"
         device = next(iter(kv_caches.values())).device
         hybrid = bool(self.info.layer_groups)
-        if hybrid and nccl:
-            raise ConfigError(
-                f'this model keeps {len(self.info.windows)} KV cache groups (a hybrid model), which the "nccl" '
-                'transport does not move yet; set transport "tcp".'
-            )
         if hybrid and (missing := [n for n in kv_caches if n not in self.info.layer_groups]):
             raise ConfigError(f"layer {missing[0]} belongs to no KV cache group; the KVBrokerConnector cannot place it.")
         for idx, (name, tensor) in enumerate(kv_caches.items()):
@@ -230,6 +231,9 @@ class ConnectorWorker:
             )
         first = next(iter(self.layouts.values()))
         self.block_nbytes = first.block_nbytes
+        # nccl cuts a transfer into chunks of this unit: a staged block of every layer, or
+        # one cell (a layer's block) of a hybrid model, whose rows differ in width.
+        self.chunk_nbytes = self.block_nbytes if hybrid else len(self.layers) * self.block_nbytes
         self.staged_layers = [(self.caches[name], self.layouts[name]) for name in self.layers]
         if hybrid:
             self.groups = KvGroups(layer_group=tuple(self.info.layer_groups[n] for n in self.layers),
@@ -241,7 +245,9 @@ class ConnectorWorker:
         else:
             self.heads = (0, spec.num_kv_heads)
         if nccl:
-            self.paged = self._triton_copies(first)
+            # The one place a hybrid model is sent down the staged path: its rows differ in
+            # width, and the copy kernel and a receive straight into the blocks assume not.
+            self.paged = None if hybrid else self._triton_copies(first)
         else:
             allow_amx_tiles(self.info.backend)
         size = self.config.staging_bytes if self.is_producer else self.config.pool_bytes

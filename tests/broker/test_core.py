@@ -850,6 +850,27 @@ def test_incompatible_decode_is_refused_naming_the_fields(c: FakeCluster) -> Non
     assert c.status().pools == []
 
 
+@pytest.mark.parametrize(("groups", "what"), [(True, "a hybrid model"), (False, "KV head count vLLM does not report")])
+def test_hybrid_or_headless_decode_of_another_tp_size_is_refused_naming_the_tp_sizes(
+    c: FakeCluster, groups: bool, what: str
+) -> None:
+    """A model that moves between equal TP sizes only (its fields hold the TP size): a
+    decode instance of another TP size is told to serve the same TP size, not a diff."""
+    def fields(tp: int) -> dict[str, str]:
+        return {"model": "gemma", "world_size": str(tp), "num_kv_heads": str(4 // tp),
+                **({"kv_groups": "64:0,2;0:1,3"} if groups else {})}
+
+    c.prefill(compat_hash="h1", compat=fields(1))
+    err = refused(
+        c, b"d/0",
+        Register(role="decode", instance_id="d", world_size=2, pool_capacity=100, compat_hash="h2", compat=fields(2)),
+        "refused",
+    )
+    assert err.detail.startswith("decode instance d (TP 2) cannot pair with prefill instance p (TP 1): ")
+    assert what in err.detail and err.detail.endswith("serve both with the same tensor-parallel size")
+    assert c.status().pools == []
+
+
 def test_mismatched_ranks_of_one_instance_are_refused(c: FakeCluster) -> None:
     c.prefill(world_size=2, compat_hash="h1", compat={"num_layers": "32"})
     err = refused(

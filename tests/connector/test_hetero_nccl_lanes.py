@@ -63,6 +63,7 @@ class _Posted:
     nbytes: int
     plan: list[tuple[int, int]]
     place: int
+    into_blocks: bool = False  # the wire never receives straight into blocks (`connector.nccl_link.Posted`)
 
 
 class Wire:

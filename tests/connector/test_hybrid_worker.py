@@ -7,7 +7,7 @@ window still holds, and neither side touches the null block."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -48,13 +48,14 @@ def caches(seed: int) -> dict[str, torch.Tensor]:
     return {name: shared[i // 2] for i, name in enumerate(LAYERS)}
 
 
-def worker(broker: str, role: str, cache: dict[str, torch.Tensor], window: int = WINDOW, **extra: object) -> ConnectorWorker:
+def worker(broker: str, role: str, cache: dict[str, torch.Tensor], window: int = WINDOW, world_size: int = 1,
+           **extra: object) -> ConnectorWorker:
     config = parse_config(
         {"broker": broker, "instance_id": role, "pool_bytes": 1 << 22, "staging_bytes": 1 << 22, **extra},
         kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
     )
     info = EngineInfo(model="tiny-gemma", spec=SlidingWindowSpec(sliding_window=window), block_size=BLOCK,
-                      backend="CPU_ATTN/test", kv_heads=HEADS, layer_groups=LAYER_GROUPS, windows=(window, 0),
+                      backend="CPU_ATTN/test", kv_heads=HEADS, world_size=world_size, layer_groups=LAYER_GROUPS, windows=(window, 0),
                       group_specs=(SlidingWindowSpec(sliding_window=window), Spec()))
     w = ConnectorWorker(config, info)
     w.register_kv_caches(cache)
@@ -151,13 +152,17 @@ def test_hybrid_peers_whose_windows_differ_are_refused(broker: BrokerProcess) ->
         p.close()
 
 
-def test_hybrid_nccl_is_refused_with_one_sentence() -> None:
-    config = parse_config({"broker": "tcp://127.0.0.1:9"}, kv_role="kv_producer", engine_id="p")
-    config = replace(config, transport="nccl")  # parse_config wants a GPU for it
-    info = EngineInfo(model="m", spec=Spec(), block_size=BLOCK, layer_groups=LAYER_GROUPS, windows=(WINDOW, 0),
-                      group_specs=(SlidingWindowSpec(), Spec()))
-    with pytest.raises(ConfigError, match=r'^this model keeps 2 KV cache groups .* set transport "tcp"\.$'):
-        ConnectorWorker(config, info).register_kv_caches(caches(5))
+def test_hybrid_peers_of_different_tp_sizes_are_refused_with_one_sentence(broker: BrokerProcess) -> None:
+    """Lanes do not cut a hybrid model's staged rows (they differ in width): a decode
+    instance of another TP size is refused at registration, told what to change."""
+    p = worker(broker.endpoint, "p", caches(3))
+    try:
+        with pytest.raises(Refused, match=r"decode instance d \(TP 2\) cannot pair with prefill instance p \(TP 1\): "
+                                          r"a hybrid model \(several KV cache groups\) moves between equal TP sizes "
+                                          r"only; serve both with the same tensor-parallel size"):
+            worker(broker.endpoint, "d", caches(4), world_size=2)
+    finally:
+        p.close()
 
 
 @dataclass(frozen=True)

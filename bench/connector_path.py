@@ -33,9 +33,12 @@ compares with two GPUs).
                tcp, X ms of sleep that leaves the GIL free, as torch's CPU kernels do)
                before its gathers, spread over the 32 layers (each layer's share, then
                its save_kv_layer), as a real prefill does; the row's `after_prefill_ms`
-               is the connector's time less that forward pass's measured GPU time: what
-               the transfer adds to the request once the prefill is done (the gathers
-               included), against raw. The Offer, Prepare, Ready and Go, and the
+               is the connector's time less the forward pass alone (no saves; GPU time
+               on a GPU), timed right before each request (the median): what the
+               transfer adds to the request once the prefill is done (the gathers
+               included), against raw. (A baseline measured once at the start moved by
+               up to 1.4 ms between two runs of the same code on one H200, with the
+               GPU's clock, while the connector's times agreed within 0.2 ms.) The Offer, Prepare, Ready and Go, and the
                communicators' lookups, overlap the forward pass there, as in vLLM.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
@@ -104,7 +107,7 @@ class _Engine:
         self.step_s = step_ms / 1e3
         self.step_on_gpu = self.gpu and step_on == "gpu"
         self.cycles = self.layer_cycles = 0
-        self.prefill_ms = 0.0  # the forward pass's GPU time (`layer` x the layers), measured once here
+        self.prefill_ms = 0.0  # the forward pass's time (`layer` x the layers), as first measured here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
             torch.cuda.set_device(self.device)
@@ -112,18 +115,27 @@ class _Engine:
             self.cycles = int(per_ms * step_ms)
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
-                self.prefill_ms = self._timed(lambda: [torch.cuda._sleep(self.layer_cycles) for _ in NAMES])
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
-            t0 = time.perf_counter()
-            for _ in NAMES:
-                self.layer()
-            self.prefill_ms = (time.perf_counter() - t0) * 1e3
+        self.prefill_ms = self.forward_pass()
 
-    def _timed(self, work: Callable[[], object]) -> float:
-        """Milliseconds of GPU time `work` enqueues (the median of three)."""
+    def forward_pass(self) -> float:
+        """The forward pass alone (every layer's share, no saves), ms: GPU time on a GPU.
+        Measured again before each timed request, so a clock that drifts during the run
+        moves the baseline and the request alike."""
+        if self.layer_cycles:
+            return self._timed(lambda: [self.layer() for _ in NAMES], runs=1)
+        if not self.layer_s:
+            return 0.0
+        t0 = time.perf_counter()
+        for _ in NAMES:
+            self.layer()
+        return (time.perf_counter() - t0) * 1e3
+
+    def _timed(self, work: Callable[[], object], runs: int = 3) -> float:
+        """Milliseconds of GPU time `work` enqueues (the median of `runs`)."""
         took = []
-        for _ in range(3):
+        for _ in range(runs):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             work()
@@ -285,6 +297,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 conn.send((tids, it, n, check, {name: engine.blocks(caches[name], srcs[0]) for name in NAMES[::8]}
                            if check else None))
                 assert conn.recv() == "bound"
+                alone = engine.forward_pass()  # the baseline, just before the request's own
                 engine.sync()
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
@@ -295,7 +308,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     p.save_kv_layer(name, caches[name])
                 p.wait_for_save()
                 p.clear()
-                conn.send(t0)
+                conn.send((t0, alone))
                 assert conn.recv() == "done"
                 # raw: the same bytes once, D's receive ready first
                 assert p.pool is not None
@@ -325,13 +338,14 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
     raw_tcp = _RawTcp()
     rows: list[dict[str, Any]] = []
     try:
-        p_peer, prefill_ms = conn.recv()
+        p_peer, _ = conn.recv()
         port = 0 if engine.gpu else raw_tcp.listen()
         conn.send((_peer_of(d), port))
         if not engine.gpu:
             raw_tcp.accept()
         g = torch.Generator().manual_seed(1)
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        alone: dict[int, list[float]] = {t: [] for t in cfg["tokens"]}  # P's forward pass by itself, ms
         tails: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
         while (msg := conn.recv()) is not None:
@@ -347,7 +361,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             conn.send("bound")
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
-            t0 = None
+            started: tuple[float, float] | None = None  # P's (t0, forward pass alone)
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
             while True:  # the engine steps all along, before P's step too (as a busy engine does)
@@ -359,15 +373,16 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"D never finished {sorted(waiting)}: {d.statistics()}")
-                if t0 is None and conn.poll():
-                    t0 = conn.recv()
+                if started is None and conn.poll():
+                    started = conn.recv()
                 engine.step()
             if d.get_block_ids_with_load_errors():
                 raise RuntimeError(f"{', '.join(tids)} failed to load: {d.statistics()}")
             engine.sync()  # the scatter get_finished enqueued
             t1 = time.perf_counter()
             cpu[tok].stop()
-            took = t1 - (t0 if t0 is not None else conn.recv())
+            t0, forward_ms = started if started is not None else conn.recv()
+            took = t1 - t0
             if check:
                 for name, got in want.items():
                     assert torch.equal(engine.blocks(caches[name], dsts[0]), got), f"{tids[0]}: {name} differs"
@@ -391,10 +406,12 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             if it >= cfg["warmup"]:
                 times[tok][0].append(took)
                 times[tok][1].append(raw)
+                alone[tok].append(forward_ms)
                 tails[tok][0].append(g1 - g0)  # the get_finished that reported the last request
                 tails[tok][1].append(t1 - g1)  # then D's compute stream catching up with the scatter
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
+            prefill_ms = statistics.median(alone[tok])
             after = c - prefill_ms  # what the transfer adds once P's forward pass is done
             rows.append({"tokens": tok, "inflight": cfg["inflight"], "prefill_ms": round(prefill_ms, 3),
                          "after_prefill_ms": round(after, 3),

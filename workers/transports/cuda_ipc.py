@@ -121,8 +121,9 @@ _KERNEL: list[Any] = []
 _TALLIES = 64  # per-op program tallies and arrival words a communicator cycles through (ops in flight at most)
 # Streams a communicator's whole staged sends take in turn (send k on stream k % this).
 # On one stream the copies of a step's requests queued: each waits on the GPU for its
-# layers' gathers, so only the first overlapped the forward pass (8 requests of 512
-# tokens added 5.4 ms after a 20 ms prefill, docs/PERFORMANCE.md). It divides
+# layers' gathers, so only the first overlapped the forward pass (8 requests of 2,048
+# tokens added 8.3 ms after a 20 ms prefill on one H200, 5.6-5.8 ms on eight streams;
+# docs/PERFORMANCE.md). It divides
 # `_TALLIES`, so send k + _TALLIES, which reuses send k's words, runs after it.
 SEND_STREAMS = 8
 

@@ -31,9 +31,10 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `gateway.http`: h11 over anyio streams to the clients, and
-httpcore's HTTP/1.1 connections, kept alive in a pool (`gateway.pool`), to the upstreams. The broker's status
-(registered instances, free pool bytes) is asked for every `poll_s` and feeds the router.
+HTTP is spoken through `gateway.http`: httptools' parser on both sides, over the plain
+non-blocking sockets of `gateway.sockets`, and to the upstreams on HTTP/1.1 connections
+kept alive in a pool (`gateway.pool`). The broker's status (registered instances, free
+pool bytes) is asked for every `poll_s` and feeds the router.
 """
 
 from __future__ import annotations
@@ -47,27 +48,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import h11
 import msgspec
 import structlog
 import zmq
-from anyio.abc import SocketStream, TaskStatus
+from anyio.abc import TaskStatus
 
 from protocols.ask import cancel_transfer, fetch_status
 from protocols.grants import GRANT_PARAM, sign
 from protocols.signals import run_until_signalled
 
-from .http import (
-    HttpConn,
-    HttpError,
-    UpstreamFailed,
-    UpstreamPool,
-    UpstreamReply,
-    error_body,
-    response_head,
-)
+from . import sockets
+from .http import HttpConn, HttpError, Request, UpstreamFailed, UpstreamPool, UpstreamReply, error_body
 from .metrics import gateway_metrics
 from .routes import Route, Router, Upstream, check_upstreams
+from .sockets import SocketClosed, Stream
 
 log = structlog.get_logger("kvbroker.gateway")
 
@@ -190,17 +184,19 @@ class Gateway:
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
-        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        listeners = await sockets.listen(cfg.host, cfg.port)
+        self.port = listeners[0].getsockname()[1]
         self._zmq = zmq.Context()
         try:
-            await self._serve(listener, task_status)
+            await self._serve(listeners, task_status)
         finally:
             self._zmq.destroy(linger=0)
+            for sock in listeners:
+                sock.close()
 
-    async def _serve(self, listener: anyio.abc.Listener[SocketStream], task_status: TaskStatus[int]) -> None:
+    async def _serve(self, listeners: list[Any], task_status: TaskStatus[int]) -> None:
         cfg = self.config
-        async with listener, UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
+        async with UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
                 anyio.create_task_group() as tg:
             self._pool, self._tasks = pool, tg
             tg.start_soon(self._watch_broker)
@@ -211,7 +207,8 @@ class Gateway:
             log.info("gateway.serving", host=cfg.host, port=self.port, broker=cfg.broker, event_loop=_event_loop(),
                      upstreams=[f"{u.role}:{u.instance_id}={u.url}" for u in cfg.upstreams])
             task_status.started(self.port)
-            await listener.serve(self._serve_client, task_group=tg)
+            for sock in listeners:
+                tg.start_soon(sockets.serve, sock, self._serve_client, tg)
 
     async def _watch_broker(self) -> None:
         cfg = self.config
@@ -232,39 +229,44 @@ class Gateway:
 
     # --- one client connection ---
 
-    async def _serve_client(self, stream: SocketStream) -> None:
-        conn = HttpConn(stream, h11.SERVER)
+    async def _serve_client(self, stream: Stream) -> None:
+        conn = HttpConn(stream, lambda: self.config.max_body_bytes)
         try:
-            async with stream, anyio.create_task_group() as tg:
-                # One reader for the connection's life (not one per request): it feeds the next
-                # request to h11, and notices a client that hangs up while being answered.
-                tg.start_soon(conn.pump)
+            async with anyio.create_task_group() as tg:
+                # One reader for the connection's life (not one per request): it parses the
+                # next request, and notices a client that hangs up while being answered.
+                tg.start_soon(self._pump, conn)
                 try:
                     await self._serve_requests(conn)
                 finally:
                     tg.cancel_scope.cancel()
         except Exception as exc:  # a bug must cost one connection, never the gateway
             log.exception("gateway.connection_crashed", error=repr(exc))
+        finally:
+            stream.close()
+
+    async def _pump(self, conn: HttpConn) -> None:
+        try:
+            await conn.pump()
+        except SocketClosed:
+            pass
 
     async def _serve_requests(self, conn: HttpConn) -> None:
         while True:
             try:
                 with anyio.fail_after(self.config.read_timeout_s):
-                    event = await conn.next_event()
-                    if not isinstance(event, h11.Request):
-                        return  # closed, or an idle keep-alive connection ended
-                    raw = await conn.read_body(self.config.max_body_bytes)
+                    request = await conn.next_request()
             except TimeoutError:
                 return
-            except h11.RemoteProtocolError as exc:
-                await self._send_quietly(conn, exc.error_status_hint, f"malformed HTTP request ({exc}).")
-                return
-            except HttpError as exc:
-                await self._send_quietly(conn, exc.status, exc.message)
+            if request is None:
+                return  # closed, or an idle keep-alive connection ended
+            if isinstance(request, HttpError):
+                await self._send_quietly(conn, request.status, request.message)
+                await conn.linger(self.config.read_timeout_s)
                 return
             ex = _Exchange(conn)
             try:
-                if not await self._while_connected(ex, event, raw):
+                if not await self._while_connected(ex, request):
                     log.info("gateway.client_gone", phase="client")
                     self.events["clients_gone"] += 1
                     return
@@ -276,21 +278,17 @@ class Gateway:
                 if ex.committed:
                     return
                 await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+            except SocketClosed:
                 return  # the client went away mid-answer
             except Exception as exc:  # a bug must cost one request, never the gateway
                 log.exception("gateway.request_crashed", error=repr(exc))
                 if not ex.committed:
                     await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
                 return
-            if conn.h.our_state is h11.MUST_CLOSE or conn.h.their_state is not h11.DONE:
-                return
-            try:
-                conn.h.start_next_cycle()
-            except h11.LocalProtocolError:
+            if not conn.keep_alive or not conn.answered:
                 return
 
-    async def _while_connected(self, ex: _Exchange, request: h11.Request, raw: bytes) -> bool:
+    async def _while_connected(self, ex: _Exchange, request: Request) -> bool:
         """Handle one request, cancelled if the client hangs up meanwhile (`HttpConn.pump`
         cancels the scope): its upstream requests then end too, so vLLM frees what they
         hold. False if the client left."""
@@ -298,7 +296,7 @@ class Gateway:
             # The deadline's scope is the one `pump` cancels: one scope per request.
             with anyio.fail_after(self.config.request_timeout_s) as scope:
                 ex.conn.request_scope = scope
-                await self._handle(ex, request, raw)
+                await self._handle(ex, request)
         except Exception:
             if ex.conn.gone:
                 return False
@@ -310,11 +308,11 @@ class Gateway:
     async def _send_quietly(
         self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
     ) -> None:
-        if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if conn.head_sent:
             return
         try:
             await self._send_whole(conn, status, [("Content-Type", "application/json"), *headers], error_body(status, message))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+        except SocketClosed:
             pass
 
     async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
@@ -323,11 +321,10 @@ class Gateway:
 
     async def _send_whole(self, conn: HttpConn, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         self.answers[status] += 1
-        await conn.send(response_head(status, [*headers, ("Content-Length", str(len(body)))]),
-                        h11.Data(data=body), h11.EndOfMessage())
+        await conn.send_whole(status, headers, body)
 
-    async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
-        method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
+    async def _handle(self, ex: _Exchange, request: Request) -> None:
+        method, target = request.method, request.target.split("?", 1)[0]
         if target == "/health" and method == "GET":
             # Serving, whatever the broker says: a balancer in front must keep sending.
             why = self.router.degraded(self.clock())
@@ -343,7 +340,7 @@ class Gateway:
         if method != "POST":
             raise HttpError(405, f"{target} takes POST, not {method}.")
         passed = [(k.decode(), v.decode("latin-1")) for k, v in request.headers if k.lower() in (b"authorization",)]
-        await self._routed(ex, target, parse_request(raw), passed)
+        await self._routed(ex, target, parse_request(request.body), passed)
 
     async def _forward_models(self, ex: _Exchange) -> None:
         up = self.router.pick("decode", self.clock())
@@ -516,13 +513,13 @@ class Gateway:
         if reply.header("content-length") is not None or not ctype.startswith("text/event-stream"):
             await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
             return
-        # A stream: pass each chunk on as it comes, chunked (h11 frames it).
+        # A stream: pass each chunk on as it comes, chunked.
         ex.committed = True
         self.answers[reply.status] += 1
-        await ex.conn.send(response_head(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")]))
+        await ex.conn.start_stream(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")])
         async for chunk in reply.chunks():
-            await ex.conn.send(h11.Data(data=chunk))
-        await ex.conn.send(h11.EndOfMessage())
+            await ex.conn.send_chunk(chunk)
+        await ex.conn.end_stream()
 
 
 def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:

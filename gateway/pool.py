@@ -15,6 +15,7 @@ most `max_connections` idle connections are kept, each for `keepalive_s`.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import anyio
@@ -118,18 +119,45 @@ class StackPool:
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self._idle: dict[Key, list[Connection]] = {}
-        # fast_acquire: a free slot is taken without a trip through the event loop.
-        self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
+        # Requests in flight, and those waiting for one to end, first come first served. A
+        # count, not anyio's Semaphore: a free slot is taken with no call into the event
+        # loop's machinery (the Semaphore checks for cancellation first).
+        self._busy = 0
+        self._waiting: deque[anyio.Event] = deque()
 
     async def take(self, key: Key) -> Connection:
         """A connection to `key` (host, port) for one request; `give_back` ends its use.
         Raises `Unreachable`."""
-        await self._slots.acquire()
+        if self._busy < self.max_connections and not self._waiting:
+            self._busy += 1
+        else:
+            await self._wait_for_slot()
         try:
             return self._idle_connection(key) or await self._connect(key)
         except BaseException:
-            self._slots.release()
+            self._release()
             raise
+
+    async def _wait_for_slot(self) -> None:
+        turn = anyio.Event()
+        self._waiting.append(turn)
+        try:
+            await turn.wait()  # `_wake_next` hands it a slot, counted
+        except BaseException:
+            if turn.is_set():
+                self._release()  # the slot it was given goes to the next one
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    def _release(self) -> None:
+        self._busy -= 1
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        if self._waiting and self._busy < self.max_connections:
+            self._busy += 1
+            self._waiting.popleft().set()
 
     def _idle_connection(self, key: Key) -> Connection | None:
         stack = self._idle.get(key)
@@ -154,7 +182,7 @@ class StackPool:
 
     def give_back(self, key: Key, conn: Connection) -> None:
         """A request ended: its connection is kept if its response was read whole."""
-        self._slots.release()
+        self._release()
         stack = self._idle.setdefault(key, [])
         if conn.reusable() and len(stack) < self.max_connections:
             conn.idle_since = time.monotonic()

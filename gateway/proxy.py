@@ -252,58 +252,51 @@ class Gateway:
             pass
 
     async def _serve_requests(self, conn: HttpConn) -> None:
+        cfg = self.config
         while True:
-            try:
-                with anyio.fail_after(self.config.read_timeout_s):
-                    request = await conn.next_request()
-            except TimeoutError:
-                return
-            if request is None:
-                return  # closed, or an idle keep-alive connection ended
-            if isinstance(request, HttpError):
-                await self._send_quietly(conn, request.status, request.message)
-                await conn.linger(self.config.read_timeout_s)
-                return
-            ex = _Exchange(conn)
-            try:
-                if not await self._while_connected(ex, request):
-                    log.info("gateway.client_gone", phase="client")
-                    self.events["clients_gone"] += 1
+            ex: _Exchange | None = None
+            # One scope per request: first the wait for it (--read-timeout), then its
+            # answer (--request-timeout); `HttpConn.pump` cancels it if the client hangs up
+            # meanwhile, and its upstream requests then end too, so vLLM frees what they hold.
+            with anyio.CancelScope(deadline=anyio.current_time() + cfg.read_timeout_s) as scope:
+                request = await conn.next_request()
+                if request is None:
+                    return  # closed, or an idle keep-alive connection ended
+                if isinstance(request, HttpError):
+                    await self._send_quietly(conn, request.status, request.message)
+                    await conn.linger(cfg.read_timeout_s)
                     return
-            except HttpError as exc:
-                if ex.committed:
-                    return
-                await self._send_quietly(conn, exc.status, exc.message, exc.headers)
-            except TimeoutError:
-                if ex.committed:
-                    return
-                await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
-            except SocketClosed:
-                return  # the client went away mid-answer
-            except Exception as exc:  # a bug must cost one request, never the gateway
-                log.exception("gateway.request_crashed", error=repr(exc))
-                if not ex.committed:
-                    await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                scope.deadline = anyio.current_time() + cfg.request_timeout_s
+                conn.request_scope = scope
+                ex = _Exchange(conn)
+                try:
+                    await self._handle(ex, request)
+                except HttpError as exc:
+                    if ex.committed:
+                        return
+                    await self._send_quietly(conn, exc.status, exc.message, exc.headers)
+                except SocketClosed:
+                    return  # the client went away mid-answer
+                except Exception as exc:
+                    if conn.gone:
+                        pass  # what broke was the client's leaving
+                    else:  # a bug must cost one request, never the gateway
+                        log.exception("gateway.request_crashed", error=repr(exc))
+                        if not ex.committed:
+                            await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                        return
+                finally:
+                    conn.request_scope = None
+            if conn.gone:
+                log.info("gateway.client_gone", phase="client")
+                self.events["clients_gone"] += 1
                 return
+            if scope.cancelled_caught:
+                if ex is None or ex.committed:
+                    return  # no request within --read-timeout, or an answer cut short
+                await self._send_quietly(conn, 504, f"no answer within --request-timeout {cfg.request_timeout_s:g} s.")
             if not conn.keep_alive or not conn.answered:
                 return
-
-    async def _while_connected(self, ex: _Exchange, request: Request) -> bool:
-        """Handle one request, cancelled if the client hangs up meanwhile (`HttpConn.pump`
-        cancels the scope): its upstream requests then end too, so vLLM frees what they
-        hold. False if the client left."""
-        try:
-            # The deadline's scope is the one `pump` cancels: one scope per request.
-            with anyio.fail_after(self.config.request_timeout_s) as scope:
-                ex.conn.request_scope = scope
-                await self._handle(ex, request)
-        except Exception:
-            if ex.conn.gone:
-                return False
-            raise
-        finally:
-            ex.conn.request_scope = None
-        return not ex.conn.gone
 
     async def _send_quietly(
         self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()

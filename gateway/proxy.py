@@ -383,40 +383,40 @@ class Gateway:
         grant = route_grant(self.config.grant_key, route, self.config.request_timeout_s, time.time())
         d_raw = msgspec.json.encode(decode_body(request, route, grant))
         p_result: dict[str, Any] = {}
-        d_scope = anyio.CancelScope()
-        p_scope = anyio.CancelScope()
+        # P's request is a task; D's is this one. Either side ends the other by cancelling
+        # their task group (D's request is over when it ends P's, and P's when it ends D's).
+        tg: anyio.abc.TaskGroup
 
         async def prefill() -> None:
             up = route.prefill
             self.router.started(up)
             failed = True
             try:
-                with p_scope:
-                    async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
-                        body = await reply.body()
-                    failed = reply.status >= 500
-                    p_result["reply"] = (reply.status, reply.content_type, body)
-                    log.debug("gateway.prefilled", phase="prefill", status=reply.status)
-                    if reply.status >= 300:
-                        log.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
-                    if reply.status >= 300 and not ex.committed:
-                        d_scope.cancel()  # D would wait its load timeout for KV that is not coming
+                async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
+                    body = await reply.body()
+                failed = reply.status >= 500
+                p_result["reply"] = (reply.status, reply.content_type, body)
+                log.debug("gateway.prefilled", phase="prefill", status=reply.status)
+                if reply.status >= 300:
+                    log.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
+                if reply.status >= 300 and not ex.committed:
+                    tg.cancel_scope.cancel()  # D would wait its load timeout for KV that is not coming
             except UpstreamFailed as exc:
                 p_result["failed"] = exc
                 log.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
                 if not ex.committed:
-                    d_scope.cancel()
+                    tg.cancel_scope.cancel()
             finally:
-                self.router.finished(up, self.clock(), failed=failed and not p_scope.cancel_called)
+                self.router.finished(up, self.clock(), failed=failed and "ended" not in p_result)
 
         d_result: list[int | HttpError] = []
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
-                with d_scope:
-                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, route.prefill.instance_id))
-                    if not ex.decoded and "reply" not in p_result:
-                        p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
+                d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, route.prefill.instance_id))
+                if not ex.decoded and "reply" not in p_result:
+                    p_result["ended"] = True  # D will not load this KV: P's copy would never be claimed
+                    tg.cancel_scope.cancel()
         finally:  # also when the client left or the deadline passed (this task is cancelled then)
             if not ex.decoded:
                 self._cancel_soon(route.transfer_id, _given_up(d_result, p_result))

@@ -111,6 +111,7 @@ class HttpConn:
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._size = 0
+        self._continue = False  # it waits for 100 Continue before it sends its body
 
     # --- httptools' callbacks (an exception raised here ends the connection's parsing) ---
 
@@ -125,6 +126,8 @@ class HttpConn:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
+        if len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+            self._continue = True
         self._size += len(name) + len(value)
         if self._size > MAX_HEAD_BYTES:
             raise HttpError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes.")
@@ -132,7 +135,6 @@ class HttpConn:
     def on_headers_complete(self) -> None:
         self._size = 0  # from here, the body's bytes
         self._keep_alive = self.parser.should_keep_alive()
-        self._continue = any(k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in self._headers)
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -142,6 +144,7 @@ class HttpConn:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._continue = False
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
         self.ready.append(Request(p.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers, body,
@@ -167,7 +170,6 @@ class HttpConn:
                     self.gone = True  # it had not its whole answer; P's request may still end on its own
                     scope.cancel()
                 return
-            self._continue = False
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
@@ -179,7 +181,9 @@ class HttpConn:
                 self._arrive(cause if isinstance(cause, HttpError) else HttpError(400, f"malformed HTTP request ({exc})."))
                 broken = True
                 continue
-            if self._continue:  # the client waits for a word before it sends the body
+            if self._continue and self.answered and not self.ready:
+                # The client waits for a word before it sends the body (not sent amid
+                # another request's answer: the client then sends it after its own wait).
                 await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             if self.ready:
                 self._arrived.set()

@@ -49,7 +49,6 @@ class Connection:
         self._head_done = False
         self.done = False  # the whole response has been read
         self.keep_alive = False
-        self._until_eof = False  # a body without length: it ends with the connection
 
     # --- httptools' callbacks ---
 
@@ -59,8 +58,6 @@ class Connection:
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self._head_done = True
-        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
-        self._until_eof = not framed and self.status >= 200 and self.status not in (204, 304)
 
     def on_body(self, body: bytes) -> None:
         self._parts.append(body)
@@ -87,7 +84,7 @@ class Connection:
         except SocketClosed as exc:
             raise Broke(f"the connection broke {when} ({exc})") from None
         if not data:
-            if self._head_done and self._until_eof:
+            if self._head_done and self._until_eof():
                 self.done, self.keep_alive = True, False
                 return
             raise Broke(f"the server closed the connection {when}")
@@ -95,6 +92,11 @@ class Connection:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             raise Broke(f"the answer is not HTTP/1.1 ({exc})") from None
+
+    def _until_eof(self) -> bool:
+        """Whether the body has no length, and ends with the connection."""
+        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
+        return not framed and self.status >= 200 and self.status not in (204, 304)
 
     async def body(self) -> AsyncIterator[bytes]:
         while True:

@@ -276,8 +276,7 @@ class UpstreamReply:
         return self._conn.body()
 
     async def body(self) -> bytes:
-        parts = [c async for c in self._conn.body()]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return await self._conn.read_all()
 
 
 class UpstreamPool:

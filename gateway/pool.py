@@ -108,6 +108,13 @@ class Connection:
                 return
             await self._read("mid-answer")
 
+    async def read_all(self) -> bytes:
+        """The whole body (without `body`'s generator: most bodies came with the head)."""
+        while not self.done:
+            await self._read("mid-answer")
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     def reusable(self) -> bool:
         return self.done and self.keep_alive and not self._parts and not self.stream.closed
 

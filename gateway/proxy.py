@@ -353,10 +353,12 @@ class Gateway:
             route = self.router.route(self.clock(), exclude=tried_p)
             if route is None:
                 break  # every prefill instance was tried
-            with structlog.contextvars.bound_contextvars(transfer_id=route.transfer_id, role="gateway"):
-                log.debug("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
-                          path=target, stream=bool(request.get("stream")))
-                p_failed = await self._one_route(ex, target, request, headers, route)
+            # The transfer's logger, passed down (a bound logger costs less per request than
+            # binding context variables, which every log line then walks).
+            tlog = log.bind(transfer_id=route.transfer_id, role="gateway")
+            tlog.debug("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
+                       path=target, stream=bool(request.get("stream")))
+            p_failed = await self._one_route(ex, target, request, headers, route, tlog)
             if p_failed is None:
                 return
             tried_p.append(route.prefill.instance_id)
@@ -368,12 +370,13 @@ class Gateway:
         log.warning("gateway.decode_alone", phase="route", decode=up.instance_id, tried=tried_p)
         self.events["decode_alone"] += 1
         hdrs = [("Content-Type", "application/json"), *headers]
-        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up)
+        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up, log)
         if isinstance(got, HttpError):
             raise got
 
     async def _one_route(
-        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route
+        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route,
+        tlog: structlog.typing.FilteringBoundLogger,
     ) -> UpstreamFailed | None:
         """Run P's and D's requests together. Returns P's failure when P was never reached
         and nothing went to the client (the caller tries another pair); otherwise the
@@ -396,14 +399,14 @@ class Gateway:
                     body = await reply.body()
                 failed = reply.status >= 500
                 p_result["reply"] = (reply.status, reply.content_type, body)
-                log.debug("gateway.prefilled", phase="prefill", status=reply.status)
+                tlog.debug("gateway.prefilled", phase="prefill", status=reply.status)
                 if reply.status >= 300:
-                    log.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
+                    tlog.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
                 if reply.status >= 300 and not ex.committed:
                     tg.cancel_scope.cancel()  # D would wait its load timeout for KV that is not coming
             except UpstreamFailed as exc:
                 p_result["failed"] = exc
-                log.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
+                tlog.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
                 if not ex.committed:
                     tg.cancel_scope.cancel()
             finally:
@@ -413,7 +416,7 @@ class Gateway:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
-                d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, route.prefill.instance_id))
+                d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, tlog, route.prefill.instance_id))
                 if not ex.decoded and "reply" not in p_result:
                     p_result["ended"] = True  # D will not load this KV: P's copy would never be claimed
                     tg.cancel_scope.cancel()
@@ -437,6 +440,7 @@ class Gateway:
 
     async def _decode(
         self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], first: Upstream,
+        tlog: structlog.typing.FilteringBoundLogger,
         prefill: str | None = None,
     ) -> int | HttpError:
         """D's request, tried on another decode instance while nothing has gone to the
@@ -461,18 +465,18 @@ class Gateway:
                         ex.decoded = reply.status < 300
                         await self._relay(ex, reply)
                         # The request's one line at info: the route and the answer.
-                        log.info("gateway.decoded", phase="decode", prefill=prefill, decode=up.instance_id,
-                                 path=target, status=reply.status, attempt=len(tried))
+                        tlog.info("gateway.decoded", phase="decode", prefill=prefill, decode=up.instance_id,
+                                  path=target, status=reply.status, attempt=len(tried))
                         return reply.status
             except UpstreamFailed as exc:
                 if ex.committed:
-                    log.warning("gateway.decode_broke", phase="decode", error=str(exc))
+                    tlog.warning("gateway.decode_broke", phase="decode", error=str(exc))
                     return HttpError(502, str(exc))  # the stream ends early; the client sees it
                 last = str(exc)
                 reached = reached or exc.reached
             finally:
                 self.router.finished(up, self.clock(), failed=failed)
-            log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
+            tlog.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
             self.events["decode_retries"] += 1
             up = self.router.pick("decode", self.clock(), exclude=tried)
         if not reached:

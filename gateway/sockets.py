@@ -1,12 +1,12 @@
-"""The gateway's TCP sockets: non-blocking sockets read and written as far as they go,
-waiting through anyio (`wait_readable`, `wait_writable`) only when they cannot, on
-asyncio (uvloop) and trio alike.
+"""The gateway's TCP sockets: non-blocking sockets written as far as they go, waiting
+through anyio (`wait_writable`) only when the kernel takes no more, and read once anyio
+says they are readable (`wait_readable`), on asyncio (uvloop) and trio alike.
 
 Why not anyio's socket streams: on asyncio each `send` there takes a trip through the
 event loop even when the kernel took every byte, and each `receive` starts and stops the
 transport's reading (two system calls); with three sockets written and read per proxied
 request, that was a seventh of the gateway's time. Here a write the kernel takes whole
-returns at once, and a read that finds bytes waiting returns them at once.
+returns at once.
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ class Stream:
         self.closed = False
 
     async def receive(self, max_bytes: int) -> bytes:
+        """The next bytes, once some came. It waits before it reads: the gateway reads
+        when it expects an answer or a next request, which has seldom come yet, and a
+        read that finds nothing costs a system call and an exception."""
         while True:
+            try:
+                await anyio.wait_readable(self.sock)
+            except anyio.ClosedResourceError:
+                raise SocketClosed("the connection was closed here") from None
             try:
                 return self.sock.recv(max_bytes)
             except _NOT_READY:
@@ -55,10 +62,6 @@ class Stream:
                 if exc.errno in (errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE):
                     return b""  # the peer is gone: as an end, for the reader
                 raise SocketClosed(str(exc)) from None
-            try:
-                await anyio.wait_readable(self.sock)
-            except anyio.ClosedResourceError:
-                raise SocketClosed("the connection was closed here") from None
 
     async def send(self, data: bytes) -> None:
         view: memoryview | None = None

@@ -40,6 +40,7 @@ pool bytes) is asked for every `poll_s` and feeds the router.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from collections import Counter
@@ -194,7 +195,7 @@ class Gateway:
             for sock in listeners:
                 sock.close()
 
-    async def _serve(self, listeners: list[Any], task_status: TaskStatus[int]) -> None:
+    async def _serve(self, listeners: list[socket.socket], task_status: TaskStatus[int]) -> None:
         cfg = self.config
         async with UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
                 anyio.create_task_group() as tg:

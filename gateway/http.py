@@ -145,6 +145,8 @@ class HttpConn:
 
     def on_message_complete(self) -> None:
         self._continue = False
+        if self.parser.should_upgrade():
+            return  # answered with a 400 (`pump`): llhttp hands what follows the head over unparsed
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         p = self.parser
         self.ready.append(Request(p.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers, body,
@@ -173,7 +175,7 @@ class HttpConn:
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:
-                self._arrive(HttpError(400, "the gateway does not switch protocols; send plain HTTP/1.1 requests."))
+                self._arrive(HttpError(400, "the gateway does not switch protocols; send the request without an Upgrade header."))
                 broken = True
                 continue
             except httptools.HttpParserError as exc:

@@ -450,7 +450,8 @@ async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: 
         # Not HTTP at all: a 400 on that connection, and the gateway serves on.
         port = c.gateway.port
         assert port is not None
-        for junk in (b"\x00\xff GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n"):
+        upgrade = b"POST /v1/completions HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 2\r\n\r\n{}"
+        for junk in (b"\x00\xff GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n", upgrade):
             async with await anyio.connect_tcp("127.0.0.1", port) as raw:
                 await raw.send(junk)
                 with anyio.fail_after(10):

@@ -160,6 +160,8 @@ class Router:
         """Every instance of `role` not in `exclude`, best first (module docstring)."""
         skip = set(exclude)
         pool = [u for u in self._given[role] if u.instance_id not in skip]
+        if len(pool) < 2:
+            return pool  # nothing to rank
         view = self.fresh_view(now)
         registered = self.registered(role, now)
         free = view.free_bytes if view is not None else {}

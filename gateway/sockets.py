@@ -1,16 +1,20 @@
-"""The gateway's TCP sockets: non-blocking sockets written as far as they go, waiting
-through anyio (`wait_writable`) only when the kernel takes no more, and read once anyio
-says they are readable (`wait_readable`), on asyncio (uvloop) and trio alike.
+"""The gateway's TCP connections, on asyncio (uvloop) and trio alike: `receive` (b"" at
+the peer's end), `send`, `readable`, `shutdown_write`, `close`.
 
-Why not anyio's socket streams: on asyncio each `send` there takes a trip through the
-event loop even when the kernel took every byte, and each `receive` starts and stops the
-transport's reading (two system calls); with three sockets written and read per proxied
-request, that was a seventh of the gateway's time. Here a write the kernel takes whole
-returns at once.
+On asyncio a connection is the event loop's transport (uvloop's, in C): bytes arrive by
+callback, with the socket registered once, and a write the kernel takes whole returns at
+once. On trio it is a non-blocking socket, read once trio says it is readable and written
+as far as the kernel takes it. Why not anyio's socket streams: on asyncio each `send`
+there takes a trip through the event loop even when the kernel took every byte, and each
+`receive` starts and stops the transport's reading (two system calls); with three
+connections written and read per proxied request, that was a seventh of the gateway's
+time. A read through `anyio.wait_readable` on asyncio costs two more system calls (the
+socket registered and unregistered each time), three times per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import socket
 import sys
@@ -31,15 +35,119 @@ class SocketClosed(Exception):
     """The connection broke (reset, or closed here) while it was read or written."""
 
 
-class Stream:
-    """A connected TCP socket: `receive` (b"" at the peer's end), `send`, `aclose`."""
+# Bytes read and not yet taken past which a transport stops reading, until they are.
+MAX_BUFFERED = 256 << 10
+
+
+class TransportStream(asyncio.Protocol):
+    """A connection on asyncio: the event loop's transport, bytes kept as they arrive."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False  # closed here, or lost
+        self._closed_here = False
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._eof = False
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None  # while the transport's write buffer is full
+
+    # --- the event loop's callbacks ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._size += len(data)
+        if self._size > MAX_BUFFERED and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return True  # half-closed: the answer may still go out
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = self.closed = True
+        self._wake()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- the stream ---
+
+    async def receive(self, max_bytes: int) -> bytes:
+        while not self._parts:
+            if self._closed_here:
+                raise SocketClosed("the connection was closed here")
+            if self._eof:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        parts = self._parts
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(data) > max_bytes:
+            data, rest = data[:max_bytes], data[max_bytes:]
+            self._parts, self._size = [rest], len(rest)
+        else:
+            self._parts, self._size = [], 0
+        if self._paused and self._size <= MAX_BUFFERED and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise SocketClosed("the connection is closed")
+        transport.write(data)
+        while self._room is not None:  # the kernel took less: wait for the transport's buffer to drain
+            await self._room
+            if self.closed:
+                raise SocketClosed("the connection broke while sending")
+
+    def readable(self) -> bool:
+        """Whether a read would not wait: bytes, or the peer's end, have come (for an idle
+        connection, the server closed it)."""
+        return bool(self._parts) or self._eof
+
+    def shutdown_write(self) -> None:
+        if self.transport is not None and self.transport.can_write_eof() and not self.transport.is_closing():
+            self.transport.write_eof()
+
+    def close(self) -> None:
+        if not self._closed_here:
+            self._closed_here = self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+            self._wake()
+
+
+class SocketStream:
+    """A connection on trio: a non-blocking socket."""
 
     __slots__ = ("sock", "closed")
 
     def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.closed = False
 
@@ -105,6 +213,22 @@ class Stream:
             self.sock.close()
 
 
+Stream = TransportStream | SocketStream
+
+
+async def wrap(sock: socket.socket) -> Stream:
+    """A connected socket as the running event loop's stream."""
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: trio
+        return SocketStream(sock)
+    _, stream = await loop.connect_accepted_socket(TransportStream, sock)
+    return stream
+
+
 async def connect(host: str, port: int) -> Stream:
     """A connection to host:port (each address it resolves to in turn); OSError if none
     takes it. The caller's deadline bounds the wait."""
@@ -125,7 +249,7 @@ async def connect(host: str, port: int) -> Stream:
                 err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if err:
                     raise OSError(err, f"{errno.errorcode.get(err, err)} connecting to {host}:{port}")
-            return Stream(sock)
+            return await wrap(sock)
         except OSError as exc:
             sock.close()
             last = exc
@@ -175,4 +299,13 @@ async def serve(listener: socket.socket, handle: Callable[[Stream], Awaitable[No
                 log.warning("gateway.accept_failed", error=str(exc))
                 await anyio.sleep(0.1)
                 break
-            tg.start_soon(handle, Stream(sock))
+            tg.start_soon(_handle, handle, sock)
+
+
+async def _handle(handle: Callable[[Stream], Awaitable[None]], sock: socket.socket) -> None:
+    try:
+        stream = await wrap(sock)
+    except BaseException:
+        sock.close()
+        raise
+    await handle(stream)

@@ -2,7 +2,7 @@
 clients' requests (`HttpConn`, one request answered at a time on a connection, pipelined
 ones kept in order) and its upstreams' responses (`UpstreamPool`, over the kept-alive
 connections of gateway.pool that every request shares). The gateway frames what it
-writes itself: a head and a short body leave in one write.
+writes itself: a whole answer's head and body leave in one write.
 
 An upstream request that is cancelled (the client left, the deadline passed, P's or D's
 request is no longer needed) closes its connection instead of handing it back to the

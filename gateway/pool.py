@@ -2,10 +2,11 @@
 httptools (llhttp, the parser in C that uvicorn uses) parses, kept alive per upstream in
 a stack of idle ones, the last used first.
 
-A request takes the top of its upstream's stack and checks that one connection only (a
-peek at its socket: an idle connection the server closed, or wrote to, is dropped); a
-connection whose response was not read to its end (a cancelled request, a body left
-unread), or whose server said `Connection: close`, is closed, never handed out again.
+A request takes the top of its upstream's stack and checks that one connection only
+(whether anything came on it while idle: one the server closed, or wrote to, is
+dropped); a connection whose response was not read to its end (a cancelled request, a
+body left unread), or whose server said `Connection: close`, is closed, never handed out
+again.
 
 A request's head and body leave in one write. At most `max_connections` requests are in
 flight at once (a request over it waits for one to end, under the caller's deadline); at

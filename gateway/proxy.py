@@ -31,9 +31,10 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `gateway.http`: httptools' parser on both sides, over the plain
-non-blocking sockets of `gateway.sockets`, and to the upstreams on HTTP/1.1 connections
-kept alive in a pool (`gateway.pool`). The broker's status (registered instances, free
+HTTP is spoken through `gateway.http`: httptools' parser on both sides, over the
+connections of `gateway.sockets` (the event loop's transports on asyncio, non-blocking
+sockets on trio), and to the upstreams on HTTP/1.1 connections kept alive in a pool
+(`gateway.pool`). The broker's status (registered instances, free
 pool bytes) is asked for every `poll_s` and feeds the router.
 """
 

@@ -6,10 +6,11 @@ callback, with the socket registered once, and a write the kernel takes whole re
 once. On trio it is a non-blocking socket, read once trio says it is readable and written
 as far as the kernel takes it. Why not anyio's socket streams: on asyncio each `send`
 there takes a trip through the event loop even when the kernel took every byte, and each
-`receive` starts and stops the transport's reading (two system calls); with three
-connections written and read per proxied request, that was a seventh of the gateway's
-time. A read through `anyio.wait_readable` on asyncio costs two more system calls (the
-socket registered and unregistered each time), three times per request.
+`receive` starts and stops the transport's reading (two system calls), and three
+connections are written and read per proxied request. A read through
+`anyio.wait_readable` on asyncio costs two more system calls (the socket registered and
+unregistered each time) and a future: moving from it to transports cut the gateway's
+CPU per request by about a third.
 """
 
 from __future__ import annotations

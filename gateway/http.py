@@ -1,7 +1,8 @@
-"""HTTP/1.1 for the gateway: its clients' side in h11 (bytes in, events out) over anyio
-byte streams, one request at a time on a connection; its upstreams' side through
-httpcore (httpx's HTTP core), whose kept-alive connections (gateway.pool) every request
-shares.
+"""HTTP/1.1 for the gateway, parsed by httptools (llhttp, in C) on both sides: its
+clients' requests (`HttpConn`, one request answered at a time on a connection, pipelined
+ones kept in order) and its upstreams' responses (`UpstreamPool`, over the kept-alive
+connections of gateway.pool that every request shares). The gateway frames what it
+writes itself: a whole answer's head and body leave in one write.
 
 An upstream request that is cancelled (the client left, the deadline passed, P's or D's
 request is no longer needed) closes its connection instead of handing it back to the
@@ -11,21 +12,20 @@ pool, so the vLLM server sees the disconnect and aborts the request.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Any
 
 import anyio
-import h11
-import httpcore
+import httptools
 import msgspec
-from anyio.abc import ByteStream
 
-from .pool import PooledBody, StackPool
+from .pool import Broke, Connection, StackPool, Unreachable
 from .routes import Upstream
+from .sockets import Stream
 
 READ_CHUNK = 64 << 10
+MAX_HEAD_BYTES = 16 << 10  # a request's line and headers together
 
 
 class HttpError(Exception):
@@ -48,16 +48,20 @@ class UpstreamFailed(Exception):
         self.reached = reached
 
 
-def response_head(status: int, headers: list[tuple[str, str]]) -> h11.Response:
-    return h11.Response(status_code=status, headers=headers, reason=_reason(status))
-
-
 @functools.lru_cache(maxsize=64)
-def _reason(status: int) -> bytes:
+def _status_line(status: int) -> bytes:
     try:
-        return HTTPStatus(status).phrase.encode()
+        reason = HTTPStatus(status).phrase.encode()
     except ValueError:
-        return b""
+        reason = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, reason)
+
+
+def _head(status: int, headers: list[tuple[str, str]], last: bytes) -> bytes:
+    lines = [_status_line(status)]
+    lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers]
+    lines.append(last)
+    return b"".join(lines)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -65,78 +69,198 @@ def error_body(status: int, message: str) -> bytes:
     return msgspec.json.encode({"error": {"message": message, "type": kind, "code": status}})
 
 
-# --- HTTP/1.1 over one stream -----------------------------------------------------------
+# --- the clients' side ------------------------------------------------------------------
+
+
+class Request:
+    """A client's request, whole."""
+
+    __slots__ = ("method", "target", "headers", "body", "keep_alive", "chunked_ok")
+
+    def __init__(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes,
+                 keep_alive: bool, chunked_ok: bool) -> None:
+        self.method, self.target, self.headers, self.body = method, target, headers, body
+        self.keep_alive = keep_alive  # the connection serves on after this answer
+        self.chunked_ok = chunked_ok  # HTTP/1.1: a stream can go chunked (else until the close)
 
 
 class HttpConn:
-    """h11 over an anyio byte stream: `pump` reads, `next_event` waits for what it read,
-    `send` writes."""
+    """A client's connection: `pump` reads and parses (a task beside the one that
+    answers), `next_request` waits for a whole request, `send_whole` or `start_stream`,
+    `send_chunk`, `end_stream` answer it."""
 
-    def __init__(self, stream: ByteStream, role: type[h11.CLIENT | h11.SERVER]) -> None:
+    def __init__(self, stream: Stream, max_body_bytes: Callable[[], int]) -> None:
         self.stream = stream
-        self.h = h11.Connection(role)
+        self.max_body_bytes = max_body_bytes
+        self.parser = httptools.HttpRequestParser(self)
+        self.ready: deque[Request | HttpError | None] = deque()  # None: the client's end
         self._arrived = anyio.Event()
         # The scope of the request being answered, if any: `pump` cancels it when the
         # client hangs up before its whole answer went out, and sets `gone`.
         self.request_scope: anyio.CancelScope | None = None
         self.gone = False
+        self.head_sent = False  # the answer to the current request has begun
+        self.answered = True  # the answer to the current request went out whole
+        self.keep_alive = True
+        self._chunked = True
+        self._head_only = False
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._continue = False  # it waits for 100 Continue before it sends its body
+
+    # --- httptools' callbacks (an exception raised here ends the connection's parsing) ---
+
+    def on_message_begin(self) -> None:
+        self._new_message()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._size += len(url)
+        if self._size > MAX_HEAD_BYTES:
+            raise HttpError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes.")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+        if len(name) == 6 and name.lower() == b"expect" and value.lower() == b"100-continue":
+            self._continue = True
+        self._size += len(name) + len(value)
+        if self._size > MAX_HEAD_BYTES:
+            raise HttpError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes.")
+
+    def on_headers_complete(self) -> None:
+        self._size = 0  # from here, the body's bytes
+        self._keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        limit = self.max_body_bytes()
+        if self._size > limit:
+            raise HttpError(413, f"the request body is over {limit} bytes; send a smaller one or raise --max-body-bytes.")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._continue = False
+        if self.parser.should_upgrade():
+            return  # answered with a 400 (`pump`): llhttp hands what follows the head over unparsed
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        p = self.parser
+        self.ready.append(Request(p.get_method().decode("latin-1"), self._url.decode("latin-1"), self._headers, body,
+                                  self._keep_alive, p.get_http_version() != "1.0"))
+        self._new_message()
+
+    # --- reading ---
 
     async def pump(self) -> None:
-        """Feed h11 every byte the peer sends, until it closes: run as a task beside the
-        one that answers. Bytes that come while a request is answered are a pipelined next
-        request; h11 keeps them for the next cycle."""
+        """Parse every byte the client sends, until it closes: run as a task beside the
+        one that answers. Requests that come while one is answered are pipelined; they
+        wait their turn in `ready`. After what is not HTTP, the rest is read and dropped
+        (see `linger`)."""
+        broken = False
         while True:
-            try:
-                data = await self.stream.receive(READ_CHUNK)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                data = b""
-            self.h.receive_data(data)
-            self._arrived.set()
+            data = await self.stream.receive(READ_CHUNK)
+            if broken and data:
+                continue
             if not data:
+                self._arrive(None)
                 scope = self.request_scope
-                if scope is not None and self.h.our_state is not h11.DONE:
+                if scope is not None and not self.answered:
                     self.gone = True  # it had not its whole answer; P's request may still end on its own
                     scope.cancel()
                 return
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._arrive(HttpError(400, "the gateway does not switch protocols; send the request without an Upgrade header."))
+                broken = True
+                continue
+            except httptools.HttpParserError as exc:
+                cause = exc.__context__
+                self._arrive(cause if isinstance(cause, HttpError) else HttpError(400, f"malformed HTTP request ({exc})."))
+                broken = True
+                continue
+            if self._continue and self.answered and not self.ready:
+                # The client waits for a word before it sends the body (not sent amid
+                # another request's answer: the client then sends it after its own wait).
+                await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.ready:
+                self._arrived.set()
 
-    async def next_event(self) -> Any:
-        while True:
-            event = self.h.next_event()
-            if event is not h11.NEED_DATA:
-                return event
+    def _arrive(self, item: Request | HttpError | None) -> None:
+        self.ready.append(item)
+        self._arrived.set()
+
+    async def next_request(self) -> Request | HttpError | None:
+        """The next request, whole; an HttpError for what was not one (then the connection
+        ends once it is answered); None when the client closed."""
+        while not self.ready:
             await self._arrived.wait()
             self._arrived = anyio.Event()
+        got = self.ready.popleft()
+        self.head_sent, self.answered = False, False
+        if isinstance(got, Request):
+            self.keep_alive, self._chunked, self._head_only = got.keep_alive, got.chunked_ok, got.method == "HEAD"
+        else:
+            self.keep_alive, self._head_only = False, False
+        return got
 
-    async def send(self, *events: Any) -> None:
-        """Send the events' bytes in one write: a head and its body leave together."""
-        data = b"".join([self.h.send(event) or b"" for event in events])
-        if data:
-            await self.stream.send(data)
+    async def linger(self, timeout_s: float) -> None:
+        """End the connection after an answer to what was not a request: no more writes,
+        and the client's bytes still coming read (for up to `timeout_s`) until it closes.
+        Closed at once, with bytes unread, the connection would be reset, and the client
+        could lose the answer before reading it."""
+        self.stream.shutdown_write()
+        with anyio.move_on_after(timeout_s):
+            while await self.next_request() is not None:
+                pass
 
-    async def read_body(self, limit: int) -> bytes:
-        parts, size = [], 0
-        while True:
-            event = await self.next_event()
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > limit:
-                    raise HttpError(413, f"the request body is over {limit} bytes; send a smaller one or raise --max-body-bytes.")
-                parts.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(parts)
-            elif isinstance(event, h11.ConnectionClosed):
-                raise HttpError(400, "the connection closed before the request body ended.")
+    # --- answering ---
+
+    def _closing(self) -> bytes:
+        return b"\r\n" if self.keep_alive else b"Connection: close\r\n\r\n"
+
+    async def send_whole(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        """The whole answer, head and body, in one write."""
+        self.head_sent = True
+        head = _head(status, headers, b"Content-Length: %d\r\n%s" % (len(body), self._closing()))
+        await self.stream.send(head if self._head_only else head + body)
+        self.answered = True
+
+    async def start_stream(self, status: int, headers: list[tuple[str, str]]) -> None:
+        """An answer whose body follows as it comes: chunked (an HTTP/1.0 client's ends
+        with the connection)."""
+        self.head_sent = True
+        if not self._chunked:
+            self.keep_alive = False
+        frame = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        await self.stream.send(_head(status, headers, frame + self._closing()))
+
+    async def send_chunk(self, data: bytes) -> None:
+        if data and not self._head_only:
+            await self.stream.send(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+
+    async def end_stream(self) -> None:
+        if self._chunked and not self._head_only:
+            await self.stream.send(b"0\r\n\r\n")
+        self.answered = True
+
+
+# --- the upstreams' side ----------------------------------------------------------------
 
 
 class UpstreamReply:
     """An upstream's response head; its body is read through `chunks` or `body`."""
 
-    __slots__ = ("status", "headers", "_body")
+    __slots__ = ("status", "headers", "_conn")
 
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: PooledBody) -> None:
-        self.status = status
-        self.headers = headers
-        self._body = body
+    def __init__(self, conn: Connection) -> None:
+        self.status = conn.status
+        self.headers = conn.headers
+        self._conn = conn
 
     def header(self, name: str) -> str | None:
         want = name.encode().lower()
@@ -150,67 +274,80 @@ class UpstreamReply:
         return self.header("content-type") or "application/json"
 
     def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it comes, as sent (not decoded: the client gets the same bytes)."""
-        return self._body.__aiter__()
+        """The body as it comes, as sent (dechunked, not decoded: the client gets the same bytes)."""
+        return self._conn.body()
 
     async def body(self) -> bytes:
-        parts = [c async for c in self._body]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-# What an upstream's connection does wrong, as httpcore names it: before any answer, the
-# request may have reached the server; no connection at all, it cannot have.
-_NOT_REACHED = (httpcore.ConnectError, httpcore.ConnectTimeout)
-_BROKE = (httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError)
+        return await self._conn.read_all()
 
 
 class UpstreamPool:
-    """Kept-alive connections to the upstreams, shared by every request: httpcore's
-    HTTP/1.1 connections in a `StackPool` (gateway.pool says why not a pool of httpx's).
+    """Kept-alive connections to the upstreams, shared by every request (gateway.pool).
 
-    Opened by `async with` inside the event loop that uses it. `keepalive_s` stays under
-    uvicorn's (vLLM's server's) 5 s keep-alive, so an idle connection is dropped here
-    before the server closes it under a request.
+    `keepalive_s` stays under uvicorn's (vLLM's server's) 5 s keep-alive, so an idle
+    connection is dropped here before the server closes it under a request.
     """
 
     def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float = 4.0) -> None:
         self.pool = StackPool(connect_timeout_s, max_connections, keepalive_s)
-        self._urls: dict[tuple[Upstream, str], tuple[httpcore.URL, bytes]] = {}
+        self._heads: dict[tuple[Upstream, str, str], bytes] = {}
 
     async def __aenter__(self) -> UpstreamPool:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.pool.aclose()
+        self.pool.close()
 
-    def _url(self, up: Upstream, target: str) -> tuple[httpcore.URL, bytes]:
-        got = self._urls.get((up, target))
+    def _start(self, up: Upstream, method: str, target: str) -> bytes:
+        """The request line and the headers every request to `up` carries."""
+        got = self._heads.get((up, method, target))
         if got is None:
             host = up.host.encode("idna")
-            url = httpcore.URL(scheme=b"http", host=host, port=up.port, target=target.encode())
-            got = self._urls[(up, target)] = (url, b"%s:%d" % (host, up.port))
+            host = b"[%s]" % host if b":" in host else host
+            got = self._heads[(up, method, target)] = (
+                b"%s %s HTTP/1.1\r\nHost: %s:%d\r\nAccept-Encoding: identity\r\n"
+                % (method.encode(), target.encode(), host, up.port))
         return got
 
-    @asynccontextmanager
-    async def request(
-        self, up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]]
-    ) -> AsyncIterator[UpstreamReply]:
-        """Send one request on a pooled connection and yield the response head; the body
-        is read through the reply. Raises `UpstreamFailed`."""
-        url, host = self._url(up, target)
+    def request(self, up: Upstream, method: str, target: str, body: bytes, headers: list[tuple[str, str]]) -> UpstreamCall:
+        """`async with pool.request(...) as reply`: send one request on a pooled connection
+        and get the response head; the body is read through the reply. Raises
+        `UpstreamFailed`."""
         # The body passes through as sent (identity), on a kept-alive connection.
-        head = [(b"Host", host), (b"Accept-Encoding", b"identity"), (b"Content-Length", b"%d" % len(body))]
-        head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        request = httpcore.Request(method.encode(), url, headers=head, content=body)
+        data = b"".join([self._start(up, method, target), *[f"{k}: {v}\r\n".encode("latin-1") for k, v in headers],
+                         b"Content-Length: %d\r\n\r\n" % len(body), body])
+        return UpstreamCall(self.pool, up, data)
+
+
+class UpstreamCall:
+    __slots__ = ("pool", "up", "data", "conn")
+
+    def __init__(self, pool: StackPool, up: Upstream, data: bytes) -> None:
+        self.pool, self.up, self.data = pool, up, data
+        self.conn: Connection | None = None
+
+    async def __aenter__(self) -> UpstreamReply:
+        up = self.up
         try:
-            response, stream = await self.pool.send((up.host, up.port), request)
-        except _NOT_REACHED as exc:
-            raise UpstreamFailed(up, f"cannot connect ({exc or type(exc).__name__})", reached=False) from None
-        except _BROKE as exc:
-            raise UpstreamFailed(up, f"broke off before answering ({exc or type(exc).__name__})", reached=True) from None
+            self.conn = await self.pool.take((up.host, up.port))
+        except Unreachable as exc:
+            raise UpstreamFailed(up, f"cannot connect ({exc})", reached=False) from None
         try:
-            yield UpstreamReply(response.status, response.headers, stream)
-        except _BROKE as exc:
-            raise UpstreamFailed(up, f"broke off mid-answer ({exc or type(exc).__name__})", reached=True) from None
-        finally:
-            await stream.aclose()  # a body not read to its end closes the connection
+            await self.conn.request(self.data)
+        except Broke as exc:
+            self._end()
+            raise UpstreamFailed(up, f"broke off before answering ({exc})", reached=True) from None
+        except BaseException:
+            self._end()
+            raise
+        return UpstreamReply(self.conn)
+
+    async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._end()  # a body not read to its end closes the connection
+        if isinstance(exc, Broke):
+            raise UpstreamFailed(self.up, f"broke off mid-answer ({exc})", reached=True) from None
+
+    def _end(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self.pool.give_back((self.up.host, self.up.port), conn)

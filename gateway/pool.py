@@ -1,38 +1,126 @@
-"""The gateway's upstream connection pool: per upstream, a stack of idle HTTP/1.1
-connections (httpcore's, the HTTP core of httpx), the last used first.
+"""The gateway's upstream connections: HTTP/1.1 client connections whose responses
+httptools (llhttp, the parser in C that uvicorn uses) parses, kept alive per upstream in
+a stack of idle ones, the last used first.
 
-httpcore's own pool (`AsyncConnectionPool`) walks every connection it holds, and asks
-each idle one's socket whether it is readable (a system call), at the start and the end
-of every request: with the 100-odd connections a gateway holds at 64 clients, that walk
-cost more than the request itself. Here a request takes the top of its upstream's stack
-and checks that one connection only; a connection that is not idle when its response
-closes (a body not read to the end, a cancelled request, a server's `Connection:
-close`) is closed by httpcore, never handed out again.
+A request takes the top of its upstream's stack and checks that one connection only
+(whether anything came on it while idle: one the server closed, or wrote to, is
+dropped); a connection whose response was not read to its end (a cancelled request, a
+body left unread), or whose server said `Connection: close`, is closed, never handed out
+again.
 
-Requests go to httpcore's connections as they are, without httpx's `AsyncClient` on top
-(its request and response models, cookies, auth and redirect layers cost a third of the
-gateway's time per request, and the gateway uses none of them).
-
-Each connection sends a request's head and body in one write, straight on the anyio
-socket stream (`_Stream`).
-
-At most `max_connections` requests are in flight at once (a request over it waits for
-one to end, under the caller's deadline); at most `max_connections` idle connections are
-kept, each for `keepalive_s`.
+A request's head and body leave in one write. At most `max_connections` requests are in
+flight at once (a request over it waits for one to end, under the caller's deadline); at
+most `max_connections` idle connections are kept, each for `keepalive_s`.
 """
 
 from __future__ import annotations
 
-import select
-import socket
+import time
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
-import httpcore
-from anyio.abc import SocketAttribute, SocketStream
+import httptools
+
+from .sockets import SocketClosed, Stream, connect
 
 Key = tuple[str, int]
+READ_CHUNK = 64 << 10
+
+
+class Unreachable(Exception):
+    """No connection could be opened: the request cannot have reached the server."""
+
+
+class Broke(Exception):
+    """The connection broke, or the server's answer was not HTTP, after the request was sent."""
+
+
+class Connection:
+    """One HTTP/1.1 connection to an upstream; one request at a time. `request` sends and
+    reads the response's head; `body` yields the body as it comes."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.parser = httptools.HttpResponseParser(self)
+        self.idle_since = time.monotonic()
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self._parts: list[bytes] = []
+        self._head_done = False
+        self.done = False  # the whole response has been read
+        self.keep_alive = False
+
+    # --- httptools' callbacks ---
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self._head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self._parts.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.keep_alive = self.parser.should_keep_alive()
+
+    # --- the request ---
+
+    async def request(self, data: bytes) -> None:
+        """Send one request (head and body, whole) and read its response's head."""
+        self.status, self.headers, self._head_done, self.done = 0, [], False, False
+        try:
+            await self.stream.send(data)
+        except SocketClosed as exc:
+            raise Broke(f"the connection broke while sending ({exc})") from None
+        while not self._head_done:
+            await self._read("before answering")
+
+    async def _read(self, when: str) -> None:
+        try:
+            data = await self.stream.receive(READ_CHUNK)
+        except SocketClosed as exc:
+            raise Broke(f"the connection broke {when} ({exc})") from None
+        if not data:
+            if self._head_done and self._until_eof():
+                self.done, self.keep_alive = True, False
+                return
+            raise Broke(f"the server closed the connection {when}")
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            raise Broke(f"the answer is not HTTP/1.1 ({exc})") from None
+
+    def _until_eof(self) -> bool:
+        """Whether the body has no length, and ends with the connection."""
+        framed = any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.headers)
+        return not framed and self.status >= 200 and self.status not in (204, 304)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while True:
+            if self._parts:
+                parts = self._parts
+                self._parts = []
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+            if self.done:
+                return
+            await self._read("mid-answer")
+
+    async def read_all(self) -> bytes:
+        """The whole body (without `body`'s generator: most bodies came with the head)."""
+        while not self.done:
+            await self._read("mid-answer")
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def reusable(self) -> bool:
+        return self.done and self.keep_alive and not self._parts and not self.stream.closed
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 class StackPool:
@@ -40,138 +128,79 @@ class StackPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
-        self._idle: dict[Key, list[_Connection]] = {}
-        # fast_acquire: a free slot is taken without a trip through the event loop.
-        self._slots = anyio.Semaphore(max_connections, fast_acquire=True)
+        self._idle: dict[Key, list[Connection]] = {}
+        # Requests in flight, and those waiting for one to end, first come first served. A
+        # count, not anyio's Semaphore: a free slot is taken with no call into the event
+        # loop's machinery (the Semaphore checks for cancellation first).
+        self._busy = 0
+        self._waiting: deque[anyio.Event] = deque()
 
-    async def send(self, key: Key, request: httpcore.Request) -> tuple[httpcore.Response, PooledBody]:
-        """Send `request` on a pooled connection to `key` (host, port); the response's body
-        is read, and its connection handed back, through the `PooledBody`."""
-        await self._slots.acquire()
+    async def take(self, key: Key) -> Connection:
+        """A connection to `key` (host, port) for one request; `give_back` ends its use.
+        Raises `Unreachable`."""
+        if self._busy < self.max_connections and not self._waiting:
+            self._busy += 1
+        else:
+            await self._wait_for_slot()
         try:
-            conn = await self._idle_connection(key)
-            if conn is None:
-                conn = await self._connect(request.url.origin, key)
-            response = await conn.handle_async_request(request)
+            return self._idle_connection(key) or await self._connect(key)
         except BaseException:
-            self._slots.release()
+            self._release()
             raise
-        return response, PooledBody(response.stream, self, key, conn)
 
-    async def _idle_connection(self, key: Key) -> _Connection | None:
+    async def _wait_for_slot(self) -> None:
+        turn = anyio.Event()
+        self._waiting.append(turn)
+        try:
+            await turn.wait()  # `_wake_next` hands it a slot, counted
+        except BaseException:
+            if turn.is_set():
+                self._release()  # the slot it was given goes to the next one
+            else:
+                self._waiting.remove(turn)
+            raise
+
+    def _release(self) -> None:
+        self._busy -= 1
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        if self._waiting and self._busy < self.max_connections:
+            self._busy += 1
+            self._waiting.popleft().set()
+
+    def _idle_connection(self, key: Key) -> Connection | None:
         stack = self._idle.get(key)
+        now = time.monotonic()
         while stack:
             conn = stack.pop()
-            if conn.is_idle() and not conn.has_expired():  # expired, or closed by the server meanwhile
+            # Expired, or closed by the server meanwhile (readable while idle: at its end).
+            if now - conn.idle_since < self.keepalive_s and not conn.stream.readable():
                 return conn
-            with anyio.CancelScope(shield=True):
-                await conn.aclose()
+            conn.close()
         return None
 
-    async def _connect(self, origin: httpcore.Origin, key: Key) -> _Connection:
+    async def _connect(self, key: Key) -> Connection:
         try:
             with anyio.fail_after(self.connect_timeout_s):
-                stream = await anyio.connect_tcp(key[0], key[1])
+                stream = await connect(*key)
         except TimeoutError:
-            raise httpcore.ConnectTimeout(f"no connection within {self.connect_timeout_s:g} s") from None
+            raise Unreachable(f"no connection within {self.connect_timeout_s:g} s") from None
         except OSError as exc:
-            raise httpcore.ConnectError(str(exc) or type(exc).__name__) from None
-        return _Connection(origin, _Stream(stream), keepalive_expiry=self.keepalive_s)
+            raise Unreachable(exc.strerror or str(exc) or type(exc).__name__) from None
+        return Connection(stream)
 
-    async def _returned(self, key: Key, conn: _Connection) -> None:
-        """A response closed: its connection is kept if httpcore left it idle."""
-        self._slots.release()
+    def give_back(self, key: Key, conn: Connection) -> None:
+        """A request ended: its connection is kept if its response was read whole."""
+        self._release()
         stack = self._idle.setdefault(key, [])
-        if conn.is_idle() and len(stack) < self.max_connections:
+        if conn.reusable() and len(stack) < self.max_connections:
+            conn.idle_since = time.monotonic()
             stack.append(conn)
-        elif not conn.is_closed():
-            with anyio.CancelScope(shield=True):
-                await conn.aclose()
+        else:
+            conn.close()
 
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            for stack in self._idle.values():
-                while stack:
-                    await stack.pop().aclose()
-
-
-class _Connection(httpcore.AsyncHTTP11Connection):
-    """httpcore's HTTP/1.1 connection, without the lock around its state: this pool hands a
-    connection to one request at a time, so the lock is never contended, and taking it
-    cost two trips through the event loop per request (anyio's `Lock.acquire`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._state_lock = _Uncontended()
-
-
-class _Uncontended:
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-class _Stream(httpcore.AsyncNetworkStream):
-    """httpcore's view of an anyio socket stream. Writes wait until the next read:
-    httpcore writes a request's head and body apart, and here they leave in one segment
-    (one system call, and one wake-up of the server); the gateway holds each request body
-    whole anyway. No timeouts here: the caller's deadline covers the request."""
-
-    def __init__(self, stream: SocketStream) -> None:
-        self._stream = stream
-        self._out: list[bytes] = []
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if buffer:
-            self._out.append(buffer)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            if self._out:
-                data = b"".join(self._out) if len(self._out) > 1 else self._out[0]
-                self._out.clear()
-                await self._stream.send(data)
-            return await self._stream.receive(max_bytes)
-        except anyio.EndOfStream:
-            return b""
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise httpcore.ReadError(str(exc) or type(exc).__name__) from None
-
-    async def aclose(self) -> None:
-        self._out.clear()
-        await self._stream.aclose()
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":  # an idle connection the server closed: readable, at EOF
-            sock = self._stream.extra(SocketAttribute.raw_socket)
-            return _readable(sock)
-        return None
-
-
-def _readable(sock: socket.socket) -> bool:
-    poll = select.poll()
-    poll.register(sock, select.POLLIN)
-    return bool(poll.poll(0))
-
-
-class PooledBody:
-    """A response's body as it comes; `aclose` hands its connection back to the pool."""
-
-    def __init__(self, stream: Any, pool: StackPool, key: Key, conn: _Connection) -> None:
-        self._stream, self._pool, self._key, self._conn = stream, pool, key, conn
-        self._closed = False
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for part in self._stream:
-            yield part
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self._stream.aclose()  # httpcore shields its own clean-up
-        finally:
-            await self._pool._returned(self._key, self._conn)
+    def close(self) -> None:
+        for stack in self._idle.values():
+            while stack:
+                stack.pop().close()

@@ -31,14 +31,17 @@ When things go wrong:
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
   deadlines.
 
-HTTP is spoken through `gateway.http`: h11 over anyio streams to the clients, and
-httpcore's HTTP/1.1 connections, kept alive in a pool (`gateway.pool`), to the upstreams. The broker's status
-(registered instances, free pool bytes) is asked for every `poll_s` and feeds the router.
+HTTP is spoken through `gateway.http`: httptools' parser on both sides, over the
+connections of `gateway.sockets` (the event loop's transports on asyncio, non-blocking
+sockets on trio), and to the upstreams on HTTP/1.1 connections kept alive in a pool
+(`gateway.pool`). The broker's status (registered instances, free
+pool bytes) is asked for every `poll_s` and feeds the router.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from collections import Counter
@@ -47,27 +50,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import h11
 import msgspec
 import structlog
 import zmq
-from anyio.abc import SocketStream, TaskStatus
+from anyio.abc import TaskStatus
 
 from protocols.ask import cancel_transfer, fetch_status
 from protocols.grants import GRANT_PARAM, sign
 from protocols.signals import run_until_signalled
 
-from .http import (
-    HttpConn,
-    HttpError,
-    UpstreamFailed,
-    UpstreamPool,
-    UpstreamReply,
-    error_body,
-    response_head,
-)
+from . import sockets
+from .http import HttpConn, HttpError, Request, UpstreamFailed, UpstreamPool, UpstreamReply, error_body
 from .metrics import gateway_metrics
 from .routes import Route, Router, Upstream, check_upstreams
+from .sockets import SocketClosed, Stream
 
 log = structlog.get_logger("kvbroker.gateway")
 
@@ -190,17 +186,19 @@ class Gateway:
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        listener = await anyio.create_tcp_listener(local_host=cfg.host, local_port=cfg.port, reuse_port=False)
-        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        listeners = await sockets.listen(cfg.host, cfg.port)
+        self.port = listeners[0].getsockname()[1]
         self._zmq = zmq.Context()
         try:
-            await self._serve(listener, task_status)
+            await self._serve(listeners, task_status)
         finally:
             self._zmq.destroy(linger=0)
+            for sock in listeners:
+                sock.close()
 
-    async def _serve(self, listener: anyio.abc.Listener[SocketStream], task_status: TaskStatus[int]) -> None:
+    async def _serve(self, listeners: list[socket.socket], task_status: TaskStatus[int]) -> None:
         cfg = self.config
-        async with listener, UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
+        async with UpstreamPool(cfg.connect_timeout_s, cfg.max_upstream_connections) as pool, \
                 anyio.create_task_group() as tg:
             self._pool, self._tasks = pool, tg
             tg.start_soon(self._watch_broker)
@@ -211,7 +209,8 @@ class Gateway:
             log.info("gateway.serving", host=cfg.host, port=self.port, broker=cfg.broker, event_loop=_event_loop(),
                      upstreams=[f"{u.role}:{u.instance_id}={u.url}" for u in cfg.upstreams])
             task_status.started(self.port)
-            await listener.serve(self._serve_client, task_group=tg)
+            for sock in listeners:
+                tg.start_soon(sockets.serve, sock, self._serve_client, tg)
 
     async def _watch_broker(self) -> None:
         cfg = self.config
@@ -232,89 +231,83 @@ class Gateway:
 
     # --- one client connection ---
 
-    async def _serve_client(self, stream: SocketStream) -> None:
-        conn = HttpConn(stream, h11.SERVER)
+    async def _serve_client(self, stream: Stream) -> None:
+        conn = HttpConn(stream, lambda: self.config.max_body_bytes)
         try:
-            async with stream, anyio.create_task_group() as tg:
-                # One reader for the connection's life (not one per request): it feeds the next
-                # request to h11, and notices a client that hangs up while being answered.
-                tg.start_soon(conn.pump)
+            async with anyio.create_task_group() as tg:
+                # One reader for the connection's life (not one per request): it parses the
+                # next request, and notices a client that hangs up while being answered.
+                tg.start_soon(self._pump, conn)
                 try:
                     await self._serve_requests(conn)
                 finally:
                     tg.cancel_scope.cancel()
         except Exception as exc:  # a bug must cost one connection, never the gateway
             log.exception("gateway.connection_crashed", error=repr(exc))
+        finally:
+            stream.close()
+
+    async def _pump(self, conn: HttpConn) -> None:
+        try:
+            await conn.pump()
+        except SocketClosed:
+            pass
 
     async def _serve_requests(self, conn: HttpConn) -> None:
+        cfg = self.config
         while True:
-            try:
-                with anyio.fail_after(self.config.read_timeout_s):
-                    event = await conn.next_event()
-                    if not isinstance(event, h11.Request):
-                        return  # closed, or an idle keep-alive connection ended
-                    raw = await conn.read_body(self.config.max_body_bytes)
-            except TimeoutError:
-                return
-            except h11.RemoteProtocolError as exc:
-                await self._send_quietly(conn, exc.error_status_hint, f"malformed HTTP request ({exc}).")
-                return
-            except HttpError as exc:
-                await self._send_quietly(conn, exc.status, exc.message)
-                return
-            ex = _Exchange(conn)
-            try:
-                if not await self._while_connected(ex, event, raw):
-                    log.info("gateway.client_gone", phase="client")
-                    self.events["clients_gone"] += 1
+            ex: _Exchange | None = None
+            # One scope per request: first the wait for it (--read-timeout), then its
+            # answer (--request-timeout); `HttpConn.pump` cancels it if the client hangs up
+            # meanwhile, and its upstream requests then end too, so vLLM frees what they hold.
+            with anyio.CancelScope(deadline=anyio.current_time() + cfg.read_timeout_s) as scope:
+                request = await conn.next_request()
+                if request is None:
+                    return  # closed, or an idle keep-alive connection ended
+                if isinstance(request, HttpError):
+                    await self._send_quietly(conn, request.status, request.message)
+                    await conn.linger(cfg.read_timeout_s)
                     return
-            except HttpError as exc:
-                if ex.committed:
-                    return
-                await self._send_quietly(conn, exc.status, exc.message, exc.headers)
-            except TimeoutError:
-                if ex.committed:
-                    return
-                await self._send_quietly(conn, 504, f"no answer within --request-timeout {self.config.request_timeout_s:g} s.")
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
-                return  # the client went away mid-answer
-            except Exception as exc:  # a bug must cost one request, never the gateway
-                log.exception("gateway.request_crashed", error=repr(exc))
-                if not ex.committed:
-                    await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                scope.deadline = anyio.current_time() + cfg.request_timeout_s
+                conn.request_scope = scope
+                ex = _Exchange(conn)
+                try:
+                    await self._handle(ex, request)
+                except HttpError as exc:
+                    if ex.committed:
+                        return
+                    await self._send_quietly(conn, exc.status, exc.message, exc.headers)
+                except SocketClosed:
+                    return  # the client went away mid-answer
+                except Exception as exc:
+                    if conn.gone:
+                        pass  # what broke was the client's leaving
+                    else:  # a bug must cost one request, never the gateway
+                        log.exception("gateway.request_crashed", error=repr(exc))
+                        if not ex.committed:
+                            await self._send_quietly(conn, 500, "the gateway failed on this request; its log says why.")
+                        return
+                finally:
+                    conn.request_scope = None
+            if conn.gone:
+                log.info("gateway.client_gone", phase="client")
+                self.events["clients_gone"] += 1
                 return
-            if conn.h.our_state is h11.MUST_CLOSE or conn.h.their_state is not h11.DONE:
+            if scope.cancelled_caught:
+                if ex is None or ex.committed:
+                    return  # no request within --read-timeout, or an answer cut short
+                await self._send_quietly(conn, 504, f"no answer within --request-timeout {cfg.request_timeout_s:g} s.")
+            if not conn.keep_alive or not conn.answered:
                 return
-            try:
-                conn.h.start_next_cycle()
-            except h11.LocalProtocolError:
-                return
-
-    async def _while_connected(self, ex: _Exchange, request: h11.Request, raw: bytes) -> bool:
-        """Handle one request, cancelled if the client hangs up meanwhile (`HttpConn.pump`
-        cancels the scope): its upstream requests then end too, so vLLM frees what they
-        hold. False if the client left."""
-        try:
-            # The deadline's scope is the one `pump` cancels: one scope per request.
-            with anyio.fail_after(self.config.request_timeout_s) as scope:
-                ex.conn.request_scope = scope
-                await self._handle(ex, request, raw)
-        except Exception:
-            if ex.conn.gone:
-                return False
-            raise
-        finally:
-            ex.conn.request_scope = None
-        return not ex.conn.gone
 
     async def _send_quietly(
         self, conn: HttpConn, status: int, message: str, headers: Sequence[tuple[str, str]] = ()
     ) -> None:
-        if conn.h.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if conn.head_sent:
             return
         try:
             await self._send_whole(conn, status, [("Content-Type", "application/json"), *headers], error_body(status, message))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, h11.LocalProtocolError):
+        except SocketClosed:
             pass
 
     async def _reply(self, ex: _Exchange, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
@@ -323,11 +316,10 @@ class Gateway:
 
     async def _send_whole(self, conn: HttpConn, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         self.answers[status] += 1
-        await conn.send(response_head(status, [*headers, ("Content-Length", str(len(body)))]),
-                        h11.Data(data=body), h11.EndOfMessage())
+        await conn.send_whole(status, headers, body)
 
-    async def _handle(self, ex: _Exchange, request: h11.Request, raw: bytes) -> None:
-        method, target = request.method.decode(), request.target.decode().split("?", 1)[0]
+    async def _handle(self, ex: _Exchange, request: Request) -> None:
+        method, target = request.method, request.target.split("?", 1)[0]
         if target == "/health" and method == "GET":
             # Serving, whatever the broker says: a balancer in front must keep sending.
             why = self.router.degraded(self.clock())
@@ -343,7 +335,7 @@ class Gateway:
         if method != "POST":
             raise HttpError(405, f"{target} takes POST, not {method}.")
         passed = [(k.decode(), v.decode("latin-1")) for k, v in request.headers if k.lower() in (b"authorization",)]
-        await self._routed(ex, target, parse_request(raw), passed)
+        await self._routed(ex, target, parse_request(request.body), passed)
 
     async def _forward_models(self, ex: _Exchange) -> None:
         up = self.router.pick("decode", self.clock())
@@ -363,10 +355,12 @@ class Gateway:
             route = self.router.route(self.clock(), exclude=tried_p)
             if route is None:
                 break  # every prefill instance was tried
-            with structlog.contextvars.bound_contextvars(transfer_id=route.transfer_id, role="gateway"):
-                log.debug("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
-                          path=target, stream=bool(request.get("stream")))
-                p_failed = await self._one_route(ex, target, request, headers, route)
+            # The transfer's logger, passed down (a bound logger costs less per request than
+            # binding context variables, which every log line then walks).
+            tlog = log.bind(transfer_id=route.transfer_id, role="gateway")
+            tlog.debug("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
+                       path=target, stream=bool(request.get("stream")))
+            p_failed = await self._one_route(ex, target, request, headers, route, tlog)
             if p_failed is None:
                 return
             tried_p.append(route.prefill.instance_id)
@@ -378,12 +372,13 @@ class Gateway:
         log.warning("gateway.decode_alone", phase="route", decode=up.instance_id, tried=tried_p)
         self.events["decode_alone"] += 1
         hdrs = [("Content-Type", "application/json"), *headers]
-        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up)
+        got = await self._decode(ex, target, msgspec.json.encode(request), hdrs, up, log)
         if isinstance(got, HttpError):
             raise got
 
     async def _one_route(
-        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route
+        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route,
+        tlog: structlog.typing.FilteringBoundLogger,
     ) -> UpstreamFailed | None:
         """Run P's and D's requests together. Returns P's failure when P was never reached
         and nothing went to the client (the caller tries another pair); otherwise the
@@ -393,40 +388,40 @@ class Gateway:
         grant = route_grant(self.config.grant_key, route, self.config.request_timeout_s, time.time())
         d_raw = msgspec.json.encode(decode_body(request, route, grant))
         p_result: dict[str, Any] = {}
-        d_scope = anyio.CancelScope()
-        p_scope = anyio.CancelScope()
+        # P's request is a task; D's is this one. Either side ends the other by cancelling
+        # their task group (D's request is over when it ends P's, and P's when it ends D's).
+        tg: anyio.abc.TaskGroup
 
         async def prefill() -> None:
             up = route.prefill
             self.router.started(up)
             failed = True
             try:
-                with p_scope:
-                    async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
-                        body = await reply.body()
-                    failed = reply.status >= 500
-                    p_result["reply"] = (reply.status, reply.content_type, body)
-                    log.debug("gateway.prefilled", phase="prefill", status=reply.status)
-                    if reply.status >= 300:
-                        log.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
-                    if reply.status >= 300 and not ex.committed:
-                        d_scope.cancel()  # D would wait its load timeout for KV that is not coming
+                async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
+                    body = await reply.body()
+                failed = reply.status >= 500
+                p_result["reply"] = (reply.status, reply.content_type, body)
+                tlog.debug("gateway.prefilled", phase="prefill", status=reply.status)
+                if reply.status >= 300:
+                    tlog.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
+                if reply.status >= 300 and not ex.committed:
+                    tg.cancel_scope.cancel()  # D would wait its load timeout for KV that is not coming
             except UpstreamFailed as exc:
                 p_result["failed"] = exc
-                log.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
+                tlog.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
                 if not ex.committed:
-                    d_scope.cancel()
+                    tg.cancel_scope.cancel()
             finally:
-                self.router.finished(up, self.clock(), failed=failed and not p_scope.cancel_called)
+                self.router.finished(up, self.clock(), failed=failed and "ended" not in p_result)
 
         d_result: list[int | HttpError] = []
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
-                with d_scope:
-                    d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, route.prefill.instance_id))
-                    if not ex.decoded and "reply" not in p_result:
-                        p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
+                d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, tlog, route.prefill.instance_id))
+                if not ex.decoded and "reply" not in p_result:
+                    p_result["ended"] = True  # D will not load this KV: P's copy would never be claimed
+                    tg.cancel_scope.cancel()
         finally:  # also when the client left or the deadline passed (this task is cancelled then)
             if not ex.decoded:
                 self._cancel_soon(route.transfer_id, _given_up(d_result, p_result))
@@ -447,6 +442,7 @@ class Gateway:
 
     async def _decode(
         self, ex: _Exchange, target: str, raw: bytes, hdrs: list[tuple[str, str]], first: Upstream,
+        tlog: structlog.typing.FilteringBoundLogger,
         prefill: str | None = None,
     ) -> int | HttpError:
         """D's request, tried on another decode instance while nothing has gone to the
@@ -471,18 +467,18 @@ class Gateway:
                         ex.decoded = reply.status < 300
                         await self._relay(ex, reply)
                         # The request's one line at info: the route and the answer.
-                        log.info("gateway.decoded", phase="decode", prefill=prefill, decode=up.instance_id,
-                                 path=target, status=reply.status, attempt=len(tried))
+                        tlog.info("gateway.decoded", phase="decode", prefill=prefill, decode=up.instance_id,
+                                  path=target, status=reply.status, attempt=len(tried))
                         return reply.status
             except UpstreamFailed as exc:
                 if ex.committed:
-                    log.warning("gateway.decode_broke", phase="decode", error=str(exc))
+                    tlog.warning("gateway.decode_broke", phase="decode", error=str(exc))
                     return HttpError(502, str(exc))  # the stream ends early; the client sees it
                 last = str(exc)
                 reached = reached or exc.reached
             finally:
                 self.router.finished(up, self.clock(), failed=failed)
-            log.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
+            tlog.warning("gateway.decode_retry", phase="decode", error=last, attempt=len(tried))
             self.events["decode_retries"] += 1
             up = self.router.pick("decode", self.clock(), exclude=tried)
         if not reached:
@@ -516,13 +512,13 @@ class Gateway:
         if reply.header("content-length") is not None or not ctype.startswith("text/event-stream"):
             await self._reply(ex, reply.status, [("Content-Type", ctype)], await reply.body())
             return
-        # A stream: pass each chunk on as it comes, chunked (h11 frames it).
+        # A stream: pass each chunk on as it comes, chunked.
         ex.committed = True
         self.answers[reply.status] += 1
-        await ex.conn.send(response_head(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")]))
+        await ex.conn.start_stream(reply.status, [("Content-Type", ctype), ("Cache-Control", "no-cache")])
         async for chunk in reply.chunks():
-            await ex.conn.send(h11.Data(data=chunk))
-        await ex.conn.send(h11.EndOfMessage())
+            await ex.conn.send_chunk(chunk)
+        await ex.conn.end_stream()
 
 
 def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:

@@ -123,6 +123,8 @@ class Router:
         self.new_transfer_id = new_transfer_id or random_transfer_id
         self.view: BrokerView | None = None
         self._load = {u.instance_id: _Load() for u in upstreams}
+        self._given: dict[str, list[Upstream]] = {r: [u for u in upstreams if u.role == r] for r in ("prefill", "decode")}
+        self._given_ids = {r: {u.instance_id for u in us} for r, us in self._given.items()}
         self._picks = 0
 
     # --- what the router is told ---------------------------------------------------
@@ -151,13 +153,15 @@ class Router:
     def registered(self, role: Role, now: float) -> set[str]:
         """The instances of `role` the broker lists, or every one given while it is silent."""
         view = self.fresh_view(now)
-        given = {u.instance_id for u in self.upstreams if u.role == role}
-        return given if view is None else given & view.registered.get(role, set())
+        given = self._given_ids[role]
+        return set(given) if view is None else given & view.registered.get(role, set())
 
     def candidates(self, role: Role, now: float, exclude: Iterable[str] = ()) -> list[Upstream]:
         """Every instance of `role` not in `exclude`, best first (module docstring)."""
         skip = set(exclude)
-        pool = [u for u in self.upstreams if u.role == role and u.instance_id not in skip]
+        pool = [u for u in self._given[role] if u.instance_id not in skip]
+        if len(pool) < 2:
+            return pool  # nothing to rank
         view = self.fresh_view(now)
         registered = self.registered(role, now)
         free = view.free_bytes if view is not None else {}
@@ -181,21 +185,20 @@ class Router:
 
     def pick(self, role: Role, now: float, exclude: Iterable[str] = ()) -> Upstream | None:
         ranked = self.candidates(role, now, exclude)
-        if not ranked:
-            return None
+        return self._take(ranked[0]) if ranked else None
+
+    def _take(self, up: Upstream) -> Upstream:
         self._picks += 1
-        self._load[ranked[0].instance_id].last_picked = self._picks
-        return ranked[0]
+        self._load[up.instance_id].last_picked = self._picks
+        return up
 
     def route(self, now: float, exclude: Iterable[str] = ()) -> Route | None:
         """A new transfer's route, or None when `exclude` leaves a role no instance."""
         skip = list(exclude)
-        if not self.candidates("prefill", now, skip) or not self.candidates("decode", now, skip):
+        ps, ds = self.candidates("prefill", now, skip), self.candidates("decode", now, skip)
+        if not ps or not ds:
             return None
-        p = self.pick("prefill", now, skip)
-        d = self.pick("decode", now, skip)
-        assert p is not None and d is not None
-        return Route(transfer_id=self.new_transfer_id(), prefill=p, decode=d)
+        return Route(transfer_id=self.new_transfer_id(), prefill=self._take(ps[0]), decode=self._take(ds[0]))
 
     def degraded(self, now: float) -> str | None:
         """Why requests may go to instances the broker does not list, in one sentence,

@@ -179,7 +179,7 @@ def broker(tmp_path: Path):
 @asynccontextmanager
 async def cluster(
     broker: BrokerProcess, behaviours: dict[str, Behaviour], *, registered: tuple[str, ...] | None = None,
-    dead: tuple[str, ...] = (), request_timeout_s: float = 20.0,
+    dead: tuple[str, ...] = (), request_timeout_s: float = 20.0, max_upstream_connections: int = 1024,
 ) -> AsyncIterator[Cluster]:
     """Upstreams named p*/d* (prefill/decode), each registered at the broker under its name
     (or only those in `registered`); names in `dead` get a port nobody listens on."""
@@ -196,7 +196,8 @@ async def cluster(
         ups = [Upstream(instance_id=n, role="prefill" if n.startswith("p") else "decode", host="127.0.0.1", port=port)
                for n, port in ports.items()]
         gw = Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1,
-                                   request_timeout_s=request_timeout_s, connect_timeout_s=2))
+                                   request_timeout_s=request_timeout_s, connect_timeout_s=2,
+                                   max_upstream_connections=max_upstream_connections))
         port = await tg.start(gw.run)
         with anyio.fail_after(10):  # the first status reached the router
             while gw.router.view is None:
@@ -449,13 +450,117 @@ async def test_bad_requests_get_a_sentence_and_the_connection_serves_on(broker: 
         # Not HTTP at all: a 400 on that connection, and the gateway serves on.
         port = c.gateway.port
         assert port is not None
-        for junk in (b"\x00\xff GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n"):
+        upgrade = b"POST /v1/completions HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nContent-Length: 2\r\n\r\n{}"
+        for junk in (b"\x00\xff GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\n" + b"X: " + b"y" * 20000 + b"\r\n\r\n", upgrade):
             async with await anyio.connect_tcp("127.0.0.1", port) as raw:
                 await raw.send(junk)
                 with anyio.fail_after(10):
                     head = await raw.receive()
             assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), head[:80]
         assert (await c.post({"prompt": [1]})).status_code == 200  # still serving
+
+
+async def _answers(raw: SocketStream, n: int) -> list[tuple[bytes, bytes]]:
+    """The next `n` answers on a raw connection, each as (head, body); the gateway gives
+    every whole answer a Content-Length."""
+    buf, got = b"", []
+    with anyio.fail_after(10):
+        while len(got) < n:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                head = buf[:end]
+                length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                               if line.startswith(b"content-length:")), 0)
+                if len(buf) >= end + 4 + length:
+                    got.append((head, buf[end + 4:end + 4 + length]))
+                    buf = buf[end + 4 + length:]
+                    continue
+            buf += await raw.receive()
+    return got
+
+
+async def test_pipelined_requests_are_answered_in_order_and_a_client_that_expects_100_continue_gets_it(
+        broker: BrokerProcess) -> None:
+    async with cluster(broker, {"p0": echo, "d0": echo}) as c:
+        port = c.gateway.port
+        assert port is not None
+        body = msgspec.json.encode({"prompt": [7], "max_tokens": 4})
+        post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+            # Three requests in one write: each answered in turn on the same connection.
+            await raw.send(post + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post)
+            (h1, b1), (h2, b2), (h3, b3) = await _answers(raw, 3)
+            assert h1.startswith(b"HTTP/1.1 200") and h2.startswith(b"HTTP/1.1 200") and h3.startswith(b"HTTP/1.1 200")
+            d = c.servers["d0"].seen
+            assert len(d) == 2 and msgspec.json.decode(b1) == completion(d[0]) and msgspec.json.decode(b3) == completion(d[1])
+            assert msgspec.json.decode(b2) == {"status": "ok"}
+            # A client that waits for 100 Continue before it sends the body.
+            await raw.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body))
+            with anyio.fail_after(10):
+                assert await raw.receive() == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await raw.send(body)
+            ((head, answer),) = await _answers(raw, 1)
+            assert head.startswith(b"HTTP/1.1 200") and msgspec.json.decode(answer) == completion(c.servers["d0"].seen[2])
+
+
+async def test_an_http_1_0_client_gets_a_stream_unchunked_to_the_connections_end(broker: BrokerProcess) -> None:
+    async def stream(seen: Seen) -> tuple[int, Any]:
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b"data: one\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return 200, chunks()
+
+    async with cluster(broker, {"p0": echo, "d0": stream}) as c:
+        port = c.gateway.port
+        assert port is not None
+        body = msgspec.json.encode({"prompt": [1], "stream": True})
+        async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+            await raw.send(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            got = b""
+            with anyio.fail_after(10):
+                try:
+                    while True:
+                        got += await raw.receive()
+                except anyio.EndOfStream:
+                    pass
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower()
+        assert b"transfer-encoding" not in head.lower() and rest == b"data: one\n\ndata: [DONE]\n\n"
+
+
+async def test_requests_over_the_upstream_connection_limit_wait_for_one_to_end(broker: BrokerProcess) -> None:
+    """Three upstream requests at most: two requests whose D answers are held keep two, a
+    third request's D takes the last one, and its P waits until one of them ends; then
+    every one is answered."""
+    release = anyio.Event()
+
+    async def held(seen: Seen) -> tuple[int, bytes]:
+        with anyio.fail_after(20):
+            await release.wait()
+        return await echo(seen)
+
+    async with cluster(broker, {"p0": echo, "d0": held}, max_upstream_connections=3) as c:
+        got: list[httpx.Response] = []
+        pool = c.gateway._upstreams.pool
+        async with anyio.create_task_group() as tg:
+            for n in (1, 2):  # one at a time: its P answered, its D held
+                tg.start_soon(lambda: _append(got, c.post({"prompt": [1]})))
+                with anyio.fail_after(10):
+                    while len(c.servers["d0"].seen) < n or len(c.servers["p0"].seen) < n or pool._busy > n:
+                        await anyio.sleep(0.01)
+            tg.start_soon(lambda: _append(got, c.post({"prompt": [1]})))
+            with anyio.fail_after(10):  # the third request's P waits for a slot
+                while not pool._waiting:
+                    await anyio.sleep(0.01)
+            assert len(c.servers["p0"].seen) == 2 and pool._busy == 3
+            release.set()
+        assert [r.status_code for r in got] == [200, 200, 200]
+        with anyio.fail_after(10):  # the last P may end after its D answered the client
+            while pool._busy:
+                await anyio.sleep(0.01)
+        assert len(c.servers["p0"].seen) == len(c.servers["d0"].seen) == 3 and not pool._waiting
 
 
 async def test_a_request_past_its_deadline_gets_504_and_its_upstream_requests_end(broker: BrokerProcess) -> None:

@@ -123,51 +123,55 @@ class Connection:
         self.stream.close()
 
 
+class Slots:
+    """At most `limit` holders at once; the others wait, first come first served. A count,
+    not anyio's Semaphore: a free slot is taken with no call into the event loop's
+    machinery (the Semaphore checks for cancellation first)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.busy = 0
+        self.waiting: deque[anyio.Event] = deque()
+
+    async def take(self) -> None:
+        if self.busy < self.limit and not self.waiting:
+            self.busy += 1
+            return
+        turn = anyio.Event()
+        self.waiting.append(turn)
+        try:
+            await turn.wait()  # `give_back` hands it a slot, counted
+        except BaseException:
+            if turn.is_set():
+                self.give_back()  # the slot it was given goes to the next one
+            else:
+                self.waiting.remove(turn)
+            raise
+
+    def give_back(self) -> None:
+        self.busy -= 1
+        if self.waiting and self.busy < self.limit:
+            self.busy += 1
+            self.waiting.popleft().set()
+
+
 class StackPool:
     def __init__(self, connect_timeout_s: float, max_connections: int, keepalive_s: float) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self._idle: dict[Key, list[Connection]] = {}
-        # Requests in flight, and those waiting for one to end, first come first served. A
-        # count, not anyio's Semaphore: a free slot is taken with no call into the event
-        # loop's machinery (the Semaphore checks for cancellation first).
-        self._busy = 0
-        self._waiting: deque[anyio.Event] = deque()
+        self.slots = Slots(max_connections)  # requests in flight, and those waiting for one to end
 
     async def take(self, key: Key) -> Connection:
         """A connection to `key` (host, port) for one request; `give_back` ends its use.
         Raises `Unreachable`."""
-        if self._busy < self.max_connections and not self._waiting:
-            self._busy += 1
-        else:
-            await self._wait_for_slot()
+        await self.slots.take()
         try:
             return self._idle_connection(key) or await self._connect(key)
         except BaseException:
-            self._release()
+            self.slots.give_back()
             raise
-
-    async def _wait_for_slot(self) -> None:
-        turn = anyio.Event()
-        self._waiting.append(turn)
-        try:
-            await turn.wait()  # `_wake_next` hands it a slot, counted
-        except BaseException:
-            if turn.is_set():
-                self._release()  # the slot it was given goes to the next one
-            else:
-                self._waiting.remove(turn)
-            raise
-
-    def _release(self) -> None:
-        self._busy -= 1
-        self._wake_next()
-
-    def _wake_next(self) -> None:
-        if self._waiting and self._busy < self.max_connections:
-            self._busy += 1
-            self._waiting.popleft().set()
 
     def _idle_connection(self, key: Key) -> Connection | None:
         stack = self._idle.get(key)
@@ -192,7 +196,7 @@ class StackPool:
 
     def give_back(self, key: Key, conn: Connection) -> None:
         """A request ended: its connection is kept if its response was read whole."""
-        self._release()
+        self.slots.give_back()
         stack = self._idle.setdefault(key, [])
         if conn.reusable() and len(stack) < self.max_connections:
             conn.idle_since = time.monotonic()

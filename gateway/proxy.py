@@ -62,6 +62,7 @@ from protocols.signals import run_until_signalled
 from . import sockets
 from .http import HttpConn, HttpError, Request, UpstreamFailed, UpstreamPool, UpstreamReply, error_body
 from .metrics import gateway_metrics
+from .pool import Slots
 from .routes import Route, Router, Upstream, check_upstreams
 from .sockets import SocketClosed, Stream
 
@@ -89,6 +90,8 @@ class GatewayConfig:
     prefill_attempts: int = 2  # (P, D) pairs tried when P cannot be reached
     poll_s: float = 1.0
     # Open connections to all upstreams together; a request over it waits for one to free.
+    # A routed request holds one to P and one to D at once: half as many are routed at a
+    # time, so D's requests, which wait for P's KV, never hold every slot P's need.
     max_upstream_connections: int = 1024
     curve_server_key: str | None = None
     curve_client_secret: bytes | None = None
@@ -182,6 +185,7 @@ class Gateway:
         self.events: Counter[str] = Counter()
         self._tasks: anyio.abc.TaskGroup | None = None  # run()'s: the Cancels go on after their request
         self._pool: UpstreamPool | None = None  # run()'s
+        self._routes = Slots(config.max_upstream_connections // 2)  # routed requests in flight
         self._zmq: zmq.Context | None = None  # run()'s, for every question to the broker
 
     async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -350,6 +354,13 @@ class Gateway:
     # --- a routed request ---
 
     async def _routed(self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+        await self._routes.take()  # before routing: the pair is picked by the load once admitted
+        try:
+            await self._route(ex, target, request, headers)
+        finally:
+            self._routes.give_back()
+
+    async def _route(self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]]) -> None:
         tried_p: list[str] = []
         for _ in range(self.config.prefill_attempts):
             route = self.router.route(self.clock(), exclude=tried_p)

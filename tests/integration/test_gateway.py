@@ -530,37 +530,42 @@ async def test_an_http_1_0_client_gets_a_stream_unchunked_to_the_connections_end
         assert b"transfer-encoding" not in head.lower() and rest == b"data: one\n\ndata: [DONE]\n\n"
 
 
-async def test_requests_over_the_upstream_connection_limit_wait_for_one_to_end(broker: BrokerProcess) -> None:
-    """Three upstream requests at most: two requests whose D answers are held keep two, a
-    third request's D takes the last one, and its P waits until one of them ends; then
-    every one is answered."""
+async def test_requests_over_the_upstream_connection_limit_wait_and_never_lock_each_other_out(
+        broker: BrokerProcess) -> None:
+    """Two upstream connections at most, and each D answers only once P has seen its
+    transfer, as a real D waits for P's KV. Three requests at once: if two D requests held
+    both connections, their P requests could never start and every request would run to
+    its deadline. A routed request holds P's and D's together, so one is routed at a
+    time, the others wait for it, and all three are answered. (D's answers are also held
+    until the test has seen the other two wait.)"""
     release = anyio.Event()
 
-    async def held(seen: Seen) -> tuple[int, bytes]:
+    async def after_prefill(seen: Seen) -> tuple[int, bytes]:
+        tid = seen.body["kv_transfer_params"]["transfer_id"]
         with anyio.fail_after(20):
+            while not any(s.body["kv_transfer_params"]["transfer_id"] == tid for s in c.servers["p0"].seen):
+                await anyio.sleep(0.01)
             await release.wait()
         return await echo(seen)
 
-    async with cluster(broker, {"p0": echo, "d0": held}, max_upstream_connections=3) as c:
+    async with cluster(broker, {"p0": echo, "d0": after_prefill}, max_upstream_connections=2,
+                       request_timeout_s=8) as c:
         got: list[httpx.Response] = []
-        pool = c.gateway._upstreams.pool
+        routes, slots = c.gateway._routes, c.gateway._upstreams.pool.slots
         async with anyio.create_task_group() as tg:
-            for n in (1, 2):  # one at a time: its P answered, its D held
+            for _ in range(3):
                 tg.start_soon(lambda: _append(got, c.post({"prompt": [1]})))
-                with anyio.fail_after(10):
-                    while len(c.servers["d0"].seen) < n or len(c.servers["p0"].seen) < n or pool._busy > n:
-                        await anyio.sleep(0.01)
-            tg.start_soon(lambda: _append(got, c.post({"prompt": [1]})))
-            with anyio.fail_after(10):  # the third request's P waits for a slot
-                while not pool._waiting:
+            with anyio.fail_after(10):  # one routed (its P answered, its D held), the others waiting for it
+                while len(routes.waiting) < 2 or not c.servers["p0"].seen:
                     await anyio.sleep(0.01)
-            assert len(c.servers["p0"].seen) == 2 and pool._busy == 3
+            assert routes.busy == 1 and len(c.servers["p0"].seen) == 1
             release.set()
-        assert [r.status_code for r in got] == [200, 200, 200]
+        assert [r.status_code for r in got] == [200, 200, 200], [r.text for r in got]
         with anyio.fail_after(10):  # the last P may end after its D answered the client
-            while pool._busy:
+            while slots.busy or routes.busy:
                 await anyio.sleep(0.01)
-        assert len(c.servers["p0"].seen) == len(c.servers["d0"].seen) == 3 and not pool._waiting
+        assert len(c.servers["p0"].seen) == len(c.servers["d0"].seen) == 3
+        assert not slots.waiting and not routes.waiting
 
 
 async def test_a_request_past_its_deadline_gets_504_and_its_upstream_requests_end(broker: BrokerProcess) -> None:

@@ -208,7 +208,9 @@ def test_garbage_leaves_broker_serving_and_state_unchanged(tmp_path: Path) -> No
 
 @pytest.mark.anyio
 async def test_clients_register_again_after_broker_restart(tmp_path: Path, anyio_backend: str) -> None:
-    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
+    # A peer lease of a few seconds: on a loaded host a one-second lease evicted a live
+    # client between its heartbeats, which is not what this test is about.
+    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "5")
     broker.start()
 
     class Prefill(NullHandler):

@@ -621,42 +621,15 @@ class ConsumerSide:
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
         """Lease; then ticket, Ready, post, in the producer's turn; then wait for the bytes."""
-        w, tid = self.w, msg.transfer_id
-        assert w.pool is not None and w.client is not None and w.nccl is not None
+        w = self.w
+        assert w.nccl is not None
         load.source = msg.source
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
-                # Room first: a transfer waiting for room does not hold up the producer's
-                # transfers that have theirs.
-                asked = time.monotonic()
-                load.lease = await w.pool.acquire(nbytes)
-                leased = time.monotonic()
-                # The producer's turn is held from the ticket until the receive is posted,
-                # not until it ends: the next transfer's Ready goes while this one is on
-                # the wire, and its receive is posted after this one's (`connector.nccl_link`).
-                async with w.nccl.receiving(msg.source):
-                    turn = time.monotonic()
-                    ticket = w.nccl.ticket(msg.source)
-                    posted = None
-                    try:
-                        await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1])
-                        # Where D's time before the Ready went: room in the pool, the
-                        # producer's turn (the transfers ahead of it posting), the send.
-                        ready = time.monotonic()
-                        w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                                   skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
-                                   seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
-                                   turn_us=_us(turn - leased), send_us=_us(ready - turn))
-                        # Over the ipc backend the bytes may go straight into the blocks (`Into`).
-                        into = ((w.paged, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)),
-                                 load.allocated) if w.paged is not None else None)
-                        posted = await w.nccl.post_recv(msg.source, tid, load.lease, nbytes, load.deadline, ticket,
-                                                        block_nbytes=w.chunk_nbytes, into=into)
-                        load.post_us = _us(time.monotonic() - ready)
-                    finally:
-                        if posted is None:  # its Ready may be out: the producer's send must not pair with another
-                            with anyio.CancelScope(shield=True):
-                                await w.nccl.give_up(msg.source)
+                # Over the ipc backend the bytes may go straight into the blocks (`Into`).
+                into = ((w.paged, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)), load.allocated)
+                        if w.paged is not None else None)
+                posted = await self.post_receive(msg, load, load, offset, nbytes, w.chunk_nbytes, into)
                 if posted.into_blocks:  # nothing to land: the receive's end is the load's
                     load.waited = await w.nccl.wait(
                         posted, load.deadline, landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))
@@ -672,6 +645,47 @@ class ConsumerSide:
         except PoolError as exc:
             return str(exc)
         return ""
+
+    async def post_receive(self, msg: Prepare, load: _Load, holder: _Load | Lane, offset: int, nbytes: int,
+                           block_nbytes: int, into: Any = None, **fields: Any) -> Any:
+        """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes),
+        then take a ticket, send the Ready and post the receive, in the producer's turn;
+        the posted receive. `fields` (a lane's source and heads) go into the Ready and its
+        log line. A ticket whose receive was not posted is given up: its Ready may be out,
+        and the producer's send must not pair with another receive."""
+        w, tid, source = self.w, msg.transfer_id, msg.source
+        assert w.pool is not None and w.client is not None and w.nccl is not None
+        # Room first: a transfer waiting for room does not hold up the producer's
+        # transfers that have theirs.
+        asked = time.monotonic()
+        holder.lease = await w.pool.acquire(nbytes)
+        leased = time.monotonic()
+        # The producer's turn is held from the ticket until the receive is posted, not
+        # until it ends: the next transfer's Ready goes while this one is on the wire, and
+        # its receive is posted after this one's (`connector.nccl_link`).
+        async with w.nccl.receiving(source):
+            turn = time.monotonic()
+            ticket = w.nccl.ticket(source)
+            posted = None
+            try:
+                await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1],
+                                            source=fields.get("source", ""))
+                # Where D's time before the Ready went: room in the pool, the producer's
+                # turn (the transfers ahead of it posting), the send.
+                ready = time.monotonic()
+                w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                           skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
+                           seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
+                           turn_us=_us(turn - leased), send_us=_us(ready - turn), **fields)
+                posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
+                                                block_nbytes=block_nbytes, into=into)
+                if holder is load:
+                    load.post_us = _us(time.monotonic() - ready)
+            finally:
+                if posted is None:
+                    with anyio.CancelScope(shield=True):
+                        await w.nccl.give_up(source)
+        return posted
 
     def _before_landing(self, load: _Load) -> None:
         """As the receive is waited for, before the first chunk can land: put the scatter

@@ -170,8 +170,8 @@ async def receive_lane_nccl(side: ConsumerSide, msg: Prepare, load: _Load, lane:
     """Lease; ticket, Ready, post in the producer's turn; wait for one lane over nccl;
     "" once its bytes are in the lease, else why not (`connector.consumer`'s nccl
     receive, for a lane: its Ready names the source, and it goes in chunks into the lease)."""
-    w, tid = side.w, msg.transfer_id
-    assert w.pool is not None and w.client is not None and w.nccl is not None
+    w = side.w
+    assert w.nccl is not None
     misfit = _misfit(w, msg, load, lane)
     if misfit:
         return misfit
@@ -180,21 +180,8 @@ async def receive_lane_nccl(side: ConsumerSide, msg: Prepare, load: _Load, lane:
     lane.nbytes = nbytes
     try:
         with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
-            lane.lease = await w.pool.acquire(nbytes)
-            async with w.nccl.receiving(lane.source):
-                ticket = w.nccl.ticket(lane.source)
-                posted = None
-                try:
-                    await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1], source=lane.source)
-                    w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                               skip_blocks=spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
-                               seq=ticket[1], source=lane.source, heads=[lane.start, lane.stop])
-                    posted = await w.nccl.post_recv(lane.source, tid, lane.lease, nbytes, load.deadline, ticket,
-                                                    block_nbytes=layers * msg.layout.block_nbytes)
-                finally:
-                    if posted is None:  # its Ready may be out: the producer's send must not pair with another
-                        with anyio.CancelScope(shield=True):
-                            await w.nccl.give_up(lane.source)
+            posted = await side.post_receive(msg, load, lane, offset, nbytes, layers * msg.layout.block_nbytes,
+                                             source=lane.source, heads=[lane.start, lane.stop])
             await w.nccl.wait(posted, load.deadline)
     except TimeoutError:
         return f"no KV from {lane.source} within the load deadline of {w.config.load_timeout_s:g} s"

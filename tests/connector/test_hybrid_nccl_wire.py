@@ -17,7 +17,6 @@ tests/gpu/test_connector_hybrid.py.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from connector.nccl_link import chunks
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_fields
 from tests.connector.test_hetero_nccl_lanes import Wire, on_wire
+from tests.hybrid_engine import hybrid_info
 from tests.support import BrokerProcess, engine_step_pause, wait_until
 from workers.groups import NULL_BLOCK, KvGroups
 from workers.layout import CacheSpec, detect_layout
@@ -37,23 +37,9 @@ BLOCK, HEADS, HEAD_SIZE, NUM_BLOCKS, WINDOW = 16, 2, 32, 48, 40
 LAYER_GROUPS = {name: i % 2 for i, name in enumerate(LAYERS)}
 
 
-@dataclass(frozen=True)
-class Spec:
-    block_size: int = BLOCK
-    num_kv_heads: int = HEADS
-    head_size: int = HEAD_SIZE
-    use_mla: bool = False
-
-
-@dataclass(frozen=True)
-class SlidingWindowSpec(Spec):
-    sliding_window: int = WINDOW
-
-
 def info() -> EngineInfo:
-    return EngineInfo(model="tiny-gemma", spec=SlidingWindowSpec(), block_size=BLOCK, backend="FLASH_ATTN",
-                      kv_heads=HEADS, layer_groups=LAYER_GROUPS, windows=(WINDOW, 0),
-                      group_specs=(SlidingWindowSpec(), Spec()))
+    return hybrid_info(LAYER_GROUPS, block_size=BLOCK, heads=HEADS, head_size=HEAD_SIZE, window=WINDOW,
+                       backend="FLASH_ATTN")
 
 
 def nhd_caches(seed: int) -> dict[str, torch.Tensor]:

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from connector.config import ConfigError, EngineInfo, kv_cache_spec_of, kv_groups_of, parse_config
+from connector.config import ConfigError, kv_cache_spec_of, kv_groups_of, parse_config
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec, refusal_key
 from connector.worker import ConnectorWorker
 from protocols.errors import Refused
+from tests.hybrid_engine import hybrid_info
 from tests.support import BrokerProcess, engine_step_pause, wait_until
 from workers.groups import NULL_BLOCK
 
@@ -25,19 +26,6 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 BLOCK, HEADS, HEAD_SIZE, NUM_BLOCKS, WINDOW = 32, 2, 64, 40, 64
 # Gemma-3's pattern: even layers slide over WINDOW tokens, odd ones attend to all.
 LAYER_GROUPS = {name: i % 2 for i, name in enumerate(LAYERS)}
-
-
-@dataclass(frozen=True)
-class Spec:
-    block_size: int = BLOCK
-    num_kv_heads: int = HEADS
-    head_size: int = HEAD_SIZE
-    use_mla: bool = False
-
-
-@dataclass(frozen=True)
-class SlidingWindowSpec(Spec):
-    sliding_window: int = WINDOW
 
 
 def caches(seed: int) -> dict[str, torch.Tensor]:
@@ -54,9 +42,8 @@ def worker(broker: str, role: str, cache: dict[str, torch.Tensor], window: int =
         {"broker": broker, "instance_id": role, "pool_bytes": 1 << 22, "staging_bytes": 1 << 22, **extra},
         kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
     )
-    info = EngineInfo(model="tiny-gemma", spec=SlidingWindowSpec(sliding_window=window), block_size=BLOCK,
-                      backend="CPU_ATTN/test", kv_heads=HEADS, world_size=world_size, layer_groups=LAYER_GROUPS, windows=(window, 0),
-                      group_specs=(SlidingWindowSpec(sliding_window=window), Spec()))
+    info = hybrid_info(LAYER_GROUPS, block_size=BLOCK, heads=HEADS, head_size=HEAD_SIZE, window=window,
+                       backend="CPU_ATTN/test", world_size=world_size)
     w = ConnectorWorker(config, info)
     w.register_kv_caches(cache)
     return w

@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 
 import torch
 
-from connector.config import EngineInfo, parse_config
+from connector.config import parse_config
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker
 from protocols.logs import configure_logging
+from tests.hybrid_engine import hybrid_info
 from tests.support import wait_until
 from workers.groups import NULL_BLOCK
 
@@ -38,19 +38,6 @@ ROWS = 6
 TOKENS = ROWS * BLOCK_SIZE - 5  # 91: the window group retires (91 - 40 + 1) // 16 blocks
 RETIRED = (TOKENS - WINDOW + 1) // BLOCK_SIZE
 assert RETIRED == 3
-
-
-@dataclass(frozen=True)
-class Spec:
-    block_size: int = BLOCK_SIZE
-    num_kv_heads: int = HEADS
-    head_size: int = HEAD_SIZE
-    use_mla: bool = False
-
-
-@dataclass(frozen=True)
-class SlidingWindowSpec(Spec):
-    sliding_window: int = WINDOW
 
 
 def model_kv(i: int) -> dict[str, torch.Tensor]:
@@ -92,9 +79,8 @@ def worker(broker: str, role: str, kv: dict[str, torch.Tensor], **extra: object)
          **extra},
         kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
     )
-    info = EngineInfo(model="tiny-gemma", spec=SlidingWindowSpec(), block_size=BLOCK_SIZE, backend="FLASH_ATTN",
-                      kv_heads=HEADS, layer_groups=GROUP, windows=(WINDOW, 0),
-                      group_specs=(SlidingWindowSpec(), Spec()))
+    info = hybrid_info(GROUP, block_size=BLOCK_SIZE, heads=HEADS, head_size=HEAD_SIZE, window=WINDOW,
+                       backend="FLASH_ATTN")
     w = ConnectorWorker(config, info)
     w.register_kv_caches(kv)
     return w

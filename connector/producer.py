@@ -4,10 +4,10 @@
    buffer of ``blocks x layers x block_nbytes``, block-major, so D can skip a head of
    blocks it already holds with a byte offset. If the pool is full, wait for the
    broker's Releases (load_timeout_s at most per step, whatever its number of saves):
-   that is the backpressure on prefill. The Offer leaves now, before the forward pass,
-   from the client's loop thread (a step never waits on the broker): the broker's round
-   trip to D and back (about a millisecond) overlaps the forward pass instead of
-   following it.
+   that is the backpressure on prefill. The Offer leaves from the client's loop thread
+   (a step never waits on the broker) once the first layer's copy is queued, so the
+   GPU has work while that thread holds the GIL: the broker's round trip to D and back
+   (about a millisecond) overlaps the forward pass instead of following it.
 2. `save_kv_layer`: copy that layer of the request's blocks into the lease before
    returning (on a GPU with Triton, with the transport's copy kernel, except for a
    hybrid model, whose layers torch copies out of their groups' blocks; a step's saves
@@ -42,6 +42,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import anyio
@@ -70,7 +71,7 @@ class _Staged:
 
     spec: SaveSpec
     lease: Lease
-    staging: torch.Tensor
+    shape: tuple[int, int, int]  # its staging's (blocks or a hybrid model's cells, layers, block bytes)
     created: float
     layers_done: set[int] = field(default_factory=set)
     rows: GroupRows | None = None  # a hybrid model: the rows of its staging (`workers.groups`)
@@ -87,6 +88,13 @@ class _Staged:
     progress: tuple[int, int] | None = None
     settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
 
+    @cached_property
+    def staging(self) -> torch.Tensor:
+        """The lease as ``shape`` (`staging_view`), made on first use: the GPU's copies
+        address the pool by offset, and a view costs bind host time before the forward
+        pass's first kernel is launched."""
+        return staging_view(self.lease.tensor, *self.shape)
+
 
 @dataclass
 class _Group:
@@ -95,11 +103,18 @@ class _Group:
     otherwise), not one per request."""
 
     block_ids: list[int]  # every member's block ids, in member order
-    staging: torch.Tensor  # the members' staging as one, block-major (`staging_view`)
     members: list[_Staged]
     ids: torch.Tensor | None = None  # with `PagedKv`: `block_ids` on the GPU
     words: torch.Tensor | None = None  # with `PagedKv`: the staging pool as words
     offset: int = 0  # with `PagedKv`: the first member's staged bytes, in words into `words`
+
+    @cached_property
+    def staging(self) -> torch.Tensor:
+        """The members' staging as one, block-major (`staging_view`); made on first use
+        (the CPU's copies, or a layer handed over as another tensor than the registered one)."""
+        first, last = self.members[0], self.members[-1]
+        whole = first.lease.base[first.lease.offset : last.lease.offset + last.lease.nbytes]
+        return staging_view(whole, len(self.block_ids), first.shape[1], first.shape[2])
 
 
 class ProducerSide:
@@ -108,6 +123,7 @@ class ProducerSide:
         self.sender: TcpSender | None = None
         self._staged: dict[str, _Staged] = {}
         self._step: list[tuple[str, _Staged]] = []
+        self._offers: list[tuple[str, _Staged]] = []  # bound this step, not offered yet
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
         self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
@@ -147,10 +163,11 @@ class ProducerSide:
                     self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
                 offers.append((tid, staged))
-        if offers:
-            # Offered now, not after the forward pass: D's Prepare and Ready and the Go come
-            # back while the layers are being copied. Not awaited: a step never waits on it.
-            self.w.spawn(self._offer_all, offers)
+        # Offered once the first layer's work is queued (`_send_offers`), not after the
+        # forward pass: D's Prepare and Ready and the Go come back while the layers are
+        # being copied. Not here: the loop thread's Offer work takes the GIL, and before
+        # the first layer is launched the GPU would wait for it.
+        self._offers += offers
 
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
@@ -184,12 +201,10 @@ class ProducerSide:
         at = 0
         for (tid, spec), part in zip(saves.items(), parts):
             n = len(spec.block_ids)
-            out[tid] = _Staged(spec=spec, lease=part, staging=staging_view(part.tensor, n, num_layers, w.block_nbytes),
-                               created=time.monotonic(), ids=None if ids is None else ids[at : at + n], grouped=True)
+            out[tid] = _Staged(spec=spec, lease=part, shape=(n, num_layers, w.block_nbytes), created=time.monotonic(),
+                               ids=None if ids is None else ids[at : at + n], grouped=True)
             at += n
-        whole = w.pool.tensor[parts[0].offset : parts[0].offset + sum(sizes)]
-        group = _Group(block_ids=block_ids, staging=staging_view(whole, len(block_ids), num_layers, w.block_nbytes),
-                       members=list(out.values()))
+        group = _Group(block_ids=block_ids, members=list(out.values()))
         if paged is not None:
             assert ids is not None
             if self._pool_words is None:
@@ -233,15 +248,12 @@ class ProducerSide:
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", nbytes=nbytes, reason=reason)
                 w.spawn(self._offer_aborted, tid, spec, nbytes, f"the prefill instance could not stage it: {reason}")
                 return None
-        if rows is not None:
-            staging = staging_view(lease.tensor, rows.cells, 1, w.block_nbytes)
-        else:
-            staging = staging_view(lease.tensor, len(spec.block_ids), num_layers, w.block_nbytes)
+        shape = (rows.cells, 1, w.block_nbytes) if rows is not None else (len(spec.block_ids), num_layers, w.block_nbytes)
         try:
             ids = w.paged.block_ids(spec.block_ids) if w.paged is not None else None
         except ValueError:  # ids outside the cache: the torch copy names them in save_kv_layer
             ids = None
-        return _Staged(spec=spec, lease=lease, staging=staging, created=time.monotonic(), ids=ids, rows=rows)
+        return _Staged(spec=spec, lease=lease, shape=shape, created=time.monotonic(), ids=ids, rows=rows)
 
     def _duplicate(self, tid: str, old: _Staged, spec: SaveSpec) -> None:
         """A transfer_id that is still staged arrives again (a proxy retry, or a proxy bug).
@@ -303,10 +315,17 @@ class ProducerSide:
             else:
                 for staged in group.members:
                     staged.layers_done.add(idx)
-        if failed:
-            self._copy_failed(layer_name, failed)
         if self._steps is not None:  # after this layer's gathers, in stream order (the seed's invariant)
             self._steps.gathered(idx, torch.cuda.current_stream(self._steps.device))
+        self._send_offers()
+        if failed:
+            self._copy_failed(layer_name, failed)
+
+    def _send_offers(self) -> None:
+        """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
+        if self._offers:
+            offers, self._offers = self._offers, []
+            self.w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -321,6 +340,7 @@ class ProducerSide:
 
     def wait_for_save(self) -> None:
         w = self.w
+        self._send_offers()  # a step that saved no registered layer
         step, self._step = self._step, []
         self._group = None
         event = None
@@ -331,7 +351,7 @@ class ProducerSide:
             if len(staged.layers_done) != len(w.layers):
                 reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
-                self._drop(tid, "aborted", reason)  # offered at bind: D's load fails now, not at its deadline
+                self._drop(tid, "aborted", reason)  # offered already (or just above): D's load fails now, not at its deadline
                 continue
             w.count("staged")
             with w.lock:

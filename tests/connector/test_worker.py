@@ -138,8 +138,9 @@ def run_steps(d: ConnectorWorker, want: set[str], timeout: float) -> tuple[set[s
 
 
 def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) -> None:
-    """P offers at bind, so the broker's Go can come while P's forward pass still runs:
-    the send waits until wait_for_save has every layer, then moves exactly those bytes."""
+    """P offers once the first layer is saved, so the broker's Go can come while P's
+    forward pass still runs: the send waits until wait_for_save has every layer, then
+    moves exactly those bytes."""
     pc, dc = make_caches(seed=31), make_caches(seed=32)
     p = make_worker(broker.endpoint, "p", "p0", pc)
     d = make_worker(broker.endpoint, "d", "d0", dc)
@@ -147,12 +148,13 @@ def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) ->
         src, dst = [3, 4, 5], [20, 21, 22]
         load(d, "t-early", dst, cached=0)
         spec = SaveSpec(req_id="req-t-early", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
-        p.bind(KvBrokerMetadata(saves={"t-early": spec}))  # the step starts; its Offer leaves now
+        saved = {n: t[src].clone() for n, t in pc.items()}
+        p.bind(KvBrokerMetadata(saves={"t-early": spec}))  # the step starts
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])  # its Offer leaves now
         wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
                    "the broker's Go, before the forward pass ends")
         assert p.statistics()["sent"] == 0  # nothing may leave before the copy is complete
-        saved = {n: t[src].clone() for n, t in pc.items()}
-        for name in LAYERS:
+        for name in LAYERS[1:]:
             p.save_kv_layer(name, pc[name])
         p.wait_for_save()
         p.clear()
@@ -170,7 +172,7 @@ def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) ->
 
 
 def test_a_step_that_misses_a_layer_ends_its_transfer_at_once(broker: BrokerProcess) -> None:
-    """Offered at bind, a copy that then misses a layer is not sent half-written: P aborts
+    """Offered at its first layer, a copy that then misses a layer is not sent half-written: P aborts
     it at the broker, and D's load fails at once rather than at its 30 s deadline."""
     pc, dc = make_caches(seed=33), make_caches(seed=34)
     p = make_worker(broker.endpoint, "p", "p0", pc)

@@ -265,13 +265,13 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
 
         load(d, "cut", [40, 41, 42], cached=0)
         spec = SaveSpec(req_id="req-cut", block_ids=[4, 5, 6], num_tokens=3 * 32 - 5, decode="d0")
-        p.bind(KvBrokerMetadata(saves={"cut": spec}))  # offered now; the Go comes during the "forward pass"
+        p.bind(KvBrokerMetadata(saves={"cut": spec}))
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])  # offered now; the Go comes during the "forward pass"
         assert d.nccl is not None
         comms = d.nccl.cache._comms
         posted = lambda: any(not op.done() for c in list(comms.values()) for op in c._pending)  # noqa: E731
         wait_until(posted, 10, "D's receive for 'cut' to be posted")
-        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])  # the step misses a layer: P drops and aborts it
-        p.wait_for_save()
+        p.wait_for_save()  # the step missed the other layers: P drops and aborts it
         p.clear()
         _, errors, seconds = run_steps(d, {"req-cut"}, timeout=30)
         assert errors == {40, 41, 42} and seconds < 4, (errors, seconds)

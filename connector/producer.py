@@ -25,8 +25,11 @@
 4. On Go: over nccl with the copy kernel, post the send at once, even during the
    forward pass: sent into D's blocks, it copies each layer once the compute stream has
    counted that layer gathered (`_StepProgress`), so the transfer runs beside the
-   forward pass and only the last layers' bytes remain when it ends; any other send
-   first waits for the copy (at most load_timeout_s). Then send the requested byte range straight to D's TCP endpoint
+   forward pass and only the last layers' bytes remain when it ends. Over tcp likewise:
+   the send writes each layer to D's socket once `save_kv_layer` has copied it
+   (`_Layers`), the request's KV layer-major on the wire. Any other send (over nccl
+   without the copy kernel, a hybrid model's rows, a lane of another TP size) first
+   waits for the copy (at most load_timeout_s). Then send the requested byte range straight to D's TCP endpoint
    (returns once D acknowledged all of it), or over NCCL on the communicator the Go
    names, when it is next there in D's order (returns once the send has ended on the
    GPU). On Release (D has it) or Abort: free the lease, after any send still reading
@@ -41,8 +44,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING
 
 import anyio
@@ -53,7 +57,7 @@ from protocols.messages import Abort, Go, Release
 from workers.groups import GroupRows, gather_layer_rows
 from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
-from workers.transports.tcp import SourceInUse, TcpSender
+from workers.transports.tcp import SourceInUse, TcpSender, byte_view
 
 from .lanes import Part, cut_lane, cut_read, lane_key, lane_nbytes, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
@@ -86,6 +90,9 @@ class _Staged:
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
     # nccl with the copy kernel: its step's progress word, (address, base) (`ProducerSide._steps`)
     progress: tuple[int, int] | None = None
+    # tcp, one staging row per block: its step's layers copied so far, for a send that
+    # streams them as they are copied (`_Layers`)
+    layers: _Layers | None = None
     settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
 
     @cached_property
@@ -124,6 +131,7 @@ class ProducerSide:
         self._staged: dict[str, _Staged] = {}
         self._step: list[tuple[str, _Staged]] = []
         self._offers: list[tuple[str, _Staged]] = []  # bound this step, not offered yet
+        self._layers: _Layers | None = None  # tcp: this step's layers copied so far
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
         self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
@@ -149,16 +157,20 @@ class ProducerSide:
     # -- main thread -----------------------------------------------------------------------
 
     def bind(self, meta: KvBrokerMetadata) -> None:
+        w = self.w
         # One wait for staging room per step, shared by its saves: a step with many saves
         # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
         deadline = time.monotonic() + self.w.config.load_timeout_s
         progress = self._steps.begin() if self._steps is not None else None
+        # tcp streams a save's layers as they are copied; a hybrid model's rows do not
+        # follow the layers, so it is sent whole
+        layers = self._layers = _Layers(len(w.layers)) if w.nccl is None and w.groups is None else None
         offers: list[tuple[str, _Staged]] = []
         together = self._lease_together(meta.saves) if len(meta.saves) > 1 else {}
         for tid, spec in meta.saves.items():
             staged = together.get(tid) or self._lease(tid, spec, deadline)
             if staged is not None:
-                staged.progress = progress
+                staged.progress, staged.layers = progress, layers
                 with self.w.lock:
                     self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
@@ -320,6 +332,8 @@ class ProducerSide:
         self._send_offers()
         if failed:
             self._copy_failed(layer_name, failed)
+        if self._layers is not None:  # after the copies, and after a failed save was dropped: its send never takes this layer
+            self._layers.copied(idx)
 
     def _send_offers(self) -> None:
         """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
@@ -342,6 +356,7 @@ class ProducerSide:
         w = self.w
         self._send_offers()  # a step that saved no registered layer
         step, self._step = self._step, []
+        layers, self._layers = self._layers, None
         self._group = None
         event = None
         if step and w.pool is not None and w.pool.tensor.is_cuda:  # after every gather of the step
@@ -361,6 +376,8 @@ class ProducerSide:
             staged.settled.set()
             if waiter is not None:  # a Go already waits for this copy
                 w.spawn(self._wake, waiter)
+        if layers is not None:  # after the step's incomplete saves were dropped: their sends stop
+            layers.end()
         self._expire()
 
     async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
@@ -441,6 +458,8 @@ class ProducerSide:
             free_now = staged.sends == 0
             waiter = staged.waiter
         staged.settled.set()
+        if staged.layers is not None:  # a send streaming its layers stops
+            staged.layers.wake()
         if waiter is not None:  # a Go waiting for the copy gives up
             if on_loop:
                 waiter.set()
@@ -467,8 +486,10 @@ class ProducerSide:
             # pass too, and a send into D's blocks copies each layer as the compute stream
             # counts it gathered (`_Streaming`); else a Go during the forward pass waits.
             # A lane for a decode rank of another TP size is cut from the whole staged copy.
-            streaming = (staged is not None and w.nccl is not None and w.paged is not None
-                         and staged.progress is not None and not msg.head_stop)
+            # Over tcp a save's layers stream the same way, each once `save_kv_layer` copied it.
+            streaming = staged is not None and not msg.head_stop and (
+                (w.nccl is not None and w.paged is not None and staged.progress is not None)
+                or staged.layers is not None)
             if staged is not None:
                 staged.sends += 1
                 if not staged.complete and not streaming:
@@ -529,7 +550,14 @@ class ProducerSide:
                     data = await anyio.to_thread.run_sync(split_for_go, w, staged.staging, msg.head_start,
                                                           msg.head_stop)
                 with anyio.fail_after(w.config.load_timeout_s):
-                    await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
+                    if streaming:
+                        stopped = threading.Event()
+                        parts = self._layer_parts(tid, staged, msg.offset, msg.nbytes, stopped,
+                                                  time.monotonic() + w.config.load_timeout_s)
+                        await self.sender.send_parts(endpoint, key, msg.attempt, msg.nbytes, parts,
+                                                     stop=partial(_stop, stopped, staged))
+                    else:
+                        await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
         except (TransferFailed, TimeoutError, OSError) as exc:
             # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
@@ -568,6 +596,27 @@ class ProducerSide:
                     staged.sends += 1  # never reaches 0: the lease is never released
             if free_now:
                 staged.lease.release()
+
+    def _layer_parts(self, tid: str, staged: _Staged, offset: int, nbytes: int, stopped: threading.Event,
+                     deadline: float) -> Iterator[list[memoryview]]:
+        """The staged rows of blocks ``[offset, offset + nbytes)`` (block-major bytes), layer
+        by layer, each layer once `save_kv_layer` has copied it (iterated on the sending
+        thread, which waits here): the wire carries a save's KV layer-major, blocks in
+        order within a layer, and D reads it so (`ConsumerSide._scatter`)."""
+        w = self.w
+        assert staged.layers is not None
+        num_layers, block = len(w.layers), w.block_nbytes
+        row = num_layers * block
+        if offset % row or nbytes % row:
+            raise TransferFailed(tid, f"the byte range {offset}+{nbytes} is not whole blocks of {row} B")
+        first, count = offset // row, nbytes // row
+        view = byte_view(staged.lease.tensor, writable=False)
+        for layer in range(num_layers):
+            if not staged.layers.wait(layer, lambda: staged.dead or stopped.is_set(), deadline):
+                raise TransferFailed(tid, f"its copy was dropped, or its layer {layer} was not copied within "
+                                          "load_timeout_s")
+            at = layer * block
+            yield [view[b * row + at : b * row + at + block] for b in range(first, first + count)]
 
     async def _cut(self, tid: str, staged: _Staged, msg: Go) -> Part:
         """The heads `msg` names, cut out of the staged copy (`connector.lanes.cut_lane`);
@@ -654,6 +703,52 @@ class _StepProgress:
             self._prefix = prefix
             self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),
                                  (self.step << 32) + prefix)
+
+
+class _Layers:
+    """A CPU step's layers copied so far, in order (tcp): a send posted at the Go streams
+    each layer once `save_kv_layer` has copied it (`ProducerSide._layer_parts`), so the
+    transfer runs beside the forward pass and the bytes sent are still the copy taken
+    before the hook returned (the seed's invariant)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._cond = threading.Condition()
+        self._done: set[int] = set()
+        self._prefix = 0  # layers [0, prefix) are copied
+        self._ended = False  # the step's wait_for_save ran: no layer is copied any more
+
+    def copied(self, layer: int) -> None:
+        with self._cond:
+            self._done.add(layer)
+            while self._prefix in self._done:
+                self._prefix += 1
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Let waiters look at their `stop` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, layer: int, stop: Callable[[], bool], deadline: float) -> bool:
+        """Wait until `layer` is copied: True; False once `stop()` holds, the step ended
+        without it, or `deadline` (time.monotonic()) passed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._prefix > layer or self._ended or stop(),
+                                max(deadline - time.monotonic(), 0.0))
+            return self._prefix > layer and not stop()
+
+
+def _stop(stopped: threading.Event, staged: _Staged) -> None:
+    """A cancelled streaming send: end its wait for the next layer."""
+    stopped.set()
+    if staged.layers is not None:
+        staged.layers.wake()
 
 
 class _Streaming:

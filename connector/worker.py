@@ -95,6 +95,8 @@ def compat_fields(info: EngineInfo, layout: LayerLayout, num_layers: int, transp
     hetero = info.kv_heads > 0 or spec.use_mla
     if transport == "nccl":
         transport = f"nccl, {plan()}"
+    elif groups is None:  # both sides must read a save's bytes in the order they are sent
+        transport = "tcp, layer by layer"
     if groups is not None:  # a hybrid model's staged rows differ in width, which lanes do not cut
         hetero = False
     if hetero:  # what a rank holds may differ: the model's heads, the cache's shape per head must not

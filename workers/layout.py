@@ -68,6 +68,7 @@ __all__ = [
     "detect_layout",
     "gather",
     "gather_layer_into_staging",
+    "layer_major_view",
     "scatter",
     "scatter_layer_from_staging",
     "scatter_layers_from_staging",
@@ -232,6 +233,13 @@ def staging_view(buf: torch.Tensor, num_blocks: int, num_layers: int, block_nbyt
             f"needs {need} B but holds {flat.numel()} B."
         )
     return flat.view(num_blocks, num_layers, block_nbytes)
+
+
+def layer_major_view(buf: torch.Tensor, num_blocks: int, num_layers: int, block_nbytes: int) -> torch.Tensor:
+    """View a buffer holding ``[num_layers, num_blocks, block_nbytes]`` bytes (a transfer sent
+    layer by layer) as `staging_view`'s ``[num_blocks, num_layers, block_nbytes]``: a strided
+    view, no copy; each layer's blocks stay contiguous."""
+    return staging_view(buf, num_layers, num_blocks, block_nbytes).permute(1, 0, 2)
 
 
 def gather_layer_into_staging(

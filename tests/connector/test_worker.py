@@ -171,6 +171,65 @@ def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) ->
         d.close()
 
 
+@pytest.mark.parametrize("twin", ["shipped", "unsafe"])
+def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: BrokerProcess, twin: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp the send posted at a Go during the forward pass streams the save layer by
+    layer: D holds layer 0's bytes of every block before layer 1 is computed, and the
+    blocks P writes right after each save never reach D. Its unsafe twin, injected here,
+    counts every layer copied at the first save, so the send reads staging not yet
+    written and D's blocks differ: the test can fail."""
+    from connector import producer
+
+    if twin == "unsafe":
+        real = producer._Layers.copied
+        monkeypatch.setattr(producer._Layers, "copied",
+                            lambda self, layer: [real(self, i) for i in range(self.num_layers)])
+    pc, dc = make_caches(seed=41), make_caches(seed=42)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        mismatched = 0
+        for round_ in range(3):
+            tid, src, dst = f"s{round_}", [3 + round_, 9, 12 + round_, 30], [40, 41 + round_, 50, 60 - round_]
+            for t in pc.values():
+                t[src] = torch.randn_like(t[src])
+            saved = {n: t[src].clone() for n, t in pc.items()}
+            load(d, tid, dst, cached=0)
+            sent = p.statistics()["sent"]
+            p.bind(KvBrokerMetadata(saves={tid: SaveSpec(req_id=f"req-{tid}", block_ids=src,
+                                                         num_tokens=len(src) * 32 - 5, decode="d0")}))
+            p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+            pc[LAYERS[0]][src] = -7.0  # the next layer's compute reuses the blocks at once
+            wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
+                       "the broker's Go, before the forward pass ends")
+            assert d.consumer is not None
+            lease = d.consumer._loads[tid].lease
+            assert lease is not None
+            layer0 = torch.cat([saved[LAYERS[0]][i].contiguous().view(torch.uint8).flatten() for i in range(len(src))])
+            if twin == "shipped":  # streamed: layer 0 is in D's buffer while layer 1 is still to come
+                wait_until(lambda: torch.equal(lease.tensor[: layer0.numel()], layer0), 10,
+                           "layer 0's bytes in D's buffer before layer 1 is saved")
+                assert p.statistics()["sent"] == sent
+            else:  # every layer counted copied: the send has nothing to wait for
+                wait_until(lambda: p.statistics()["sent"] == sent + 1, 10, "the unsafe twin's whole send")
+            for name in LAYERS[1:]:
+                p.save_kv_layer(name, pc[name])
+                pc[name][src] = -7.0
+            p.wait_for_save()
+            p.clear()
+            _, errors, _ = run_steps(d, {f"req-{tid}"}, 10)
+            assert errors == set()
+            mismatched += any(not torch.equal(dc[n][dst], saved[n]) for n in LAYERS)
+        if twin == "shipped":
+            assert mismatched == 0
+        else:
+            assert mismatched == 3, "the send read staging before its layers were copied: the test can fail"
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_step_that_misses_a_layer_ends_its_transfer_at_once(broker: BrokerProcess) -> None:
     """Offered at its first layer, a copy that then misses a layer is not sent half-written: P aborts
     it at the broker, and D's load fails at once rather than at its 30 s deadline."""
@@ -468,18 +527,20 @@ def test_incompatible_peers_are_refused_naming_the_difference(
 
 
 def test_a_peer_on_another_transport_or_chunk_plan_is_refused_naming_it(broker: BrokerProcess) -> None:
-    """P and D on different transports, or over nccl cutting transfers into different
-    chunks (an NCCL send and the receive it pairs with must be the same size), are
-    refused at registration, naming the difference, not at their first transfer."""
+    """P and D on different transports, over nccl cutting transfers into different chunks
+    (an NCCL send and the receive it pairs with must be the same size), or over tcp
+    reading a transfer's bytes in another order (a release that sent them block by
+    block), are refused at registration, naming the difference, not at their first
+    transfer."""
     from connector.nccl_link import plan
 
     p = make_worker(broker.endpoint, "p", "p0", make_caches())
-    assert p.compat["transport"] == "tcp"
+    assert p.compat["transport"] == "tcp, layer by layer"
     try:
-        for other in ("nccl, " + plan(), "nccl, chunks v1 of 64..1024 MiB, last 16 MiB, growth 4/4"):
+        for other in ("nccl, " + plan(), "nccl, chunks v1 of 64..1024 MiB, last 16 MiB, growth 4/4", "tcp"):
             with pytest.raises(Refused) as info:
                 _Peer(broker.endpoint, "decode", {**p.compat, "transport": other}, {})  # registers, or raises
-            assert f"transport: {other} vs tcp" in str(info.value)
+            assert f"transport: {other} vs tcp, layer by layer" in str(info.value)
     finally:
         p.close()
 

@@ -122,6 +122,71 @@ async def test_a_connection_carries_many_transfers(receiver: TcpReceiver, sender
     assert (stats.sent, stats.connects, stats.reused) == (20, 1, 19)
 
 
+class Gate:
+    """Parts for `TcpSender.send_parts` that wait, on the sending thread, until the test opens each."""
+
+    def __init__(self, parts: list[list[memoryview]]) -> None:
+        self.parts = parts
+        self.open = [threading.Event() for _ in parts]
+        self.stopped = threading.Event()
+
+    def __iter__(self):
+        for part, gate in zip(self.parts, self.open):
+            while not gate.wait(0.01):
+                if self.stopped.is_set():
+                    raise SendFailed("gate", "stopped")
+            yield part
+
+
+async def test_parts_stream_as_they_become_ready(receiver: TcpReceiver, sender: TcpSender) -> None:
+    """A payload sent part by part is in D's buffer part by part: the first part's bytes
+    (several buffers, 2,000 of them in one part, beyond one sendmsg's 1,024) arrive while
+    the second does not exist yet, and the send returns once D has all of it."""
+    src = payload(3 * MiB, seed=7)
+    view = memoryview(src.numpy())
+    first = [view[i * 512 : (i + 1) * 512] for i in range(2000)]  # 1,024,000 bytes in 2,000 buffers
+    rest = [view[2000 * 512 : 2 * MiB], view[2 * MiB :]]
+    gate = Gate([first, rest])
+    buf = torch.zeros(3 * MiB, dtype=torch.uint8)
+    done = receiver.expect("parts", 0, buf)
+    gate.open[0].set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sender.send_parts, receiver.endpoint, "parts", 0, 3 * MiB, gate)
+        with anyio.fail_after(10):
+            while not torch.equal(buf[: 2000 * 512], src[: 2000 * 512]):
+                await anyio.sleep(0.005)
+        assert not done.done() and bool((buf[2000 * 512 :] == 0).all())
+        gate.open[1].set()
+        with anyio.fail_after(10):
+            assert await done.wait() == 3 * MiB
+    assert torch.equal(buf, src)
+    assert sender.statistics().sent == 1
+
+
+async def test_parts_that_fall_short_of_the_size_fail_both_sides(receiver: TcpReceiver, sender: TcpSender) -> None:
+    buf = bytearray(1000)
+    done = receiver.expect("short", 0, buf)
+    with anyio.fail_after(10), pytest.raises(SendFailed, match="held 600 B of the 1000 B"):
+        await sender.send_parts(receiver.endpoint, "short", 0, 1000, [[memoryview(bytes(600))]])
+    with anyio.fail_after(10), pytest.raises(RecvFailed):
+        await done.wait()
+
+
+async def test_a_send_cancelled_while_its_next_part_is_not_ready_stops_the_wait(receiver: TcpReceiver,
+                                                                                  sender: TcpSender) -> None:
+    """Cancelled while the sending thread waits for a part, the send calls `stop`, and
+    returns once that thread let go of the parts; D's receive fails."""
+    gate = Gate([[memoryview(bytes(100))], [memoryview(bytes(100))]])
+    gate.open[0].set()
+    done = receiver.expect("stalled", 0, bytearray(200))
+    with anyio.fail_after(10):
+        with anyio.move_on_after(0.2) as scope:
+            await sender.send_parts(receiver.endpoint, "stalled", 0, 200, gate, stop=gate.stopped.set)
+        assert scope.cancelled_caught and gate.stopped.is_set()
+        with pytest.raises(RecvFailed):
+            await done.wait()
+
+
 def test_blocking_api_from_threads(receiver: TcpReceiver, sender: TcpSender) -> None:
     bufs = [bytearray(256 * 1024) for _ in range(8)]
     dones = [receiver.expect(f"b-{i}", 3, bufs[i]) for i in range(8)]

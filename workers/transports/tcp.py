@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,7 @@ from .tcp_wire import (
     configure,
     encode_id,
     parse_endpoint,
-    send_all,
+    send_buffers,
     shutdown,
     still_open,
 )
@@ -114,12 +115,13 @@ log = structlog.get_logger("kvbroker.tcp")
 class _SendOp:
     """One send in progress, so a cancelled async caller can interrupt its thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: Callable[[], None] | None = None) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.aborted = False
         self.started = False
         self.finished = threading.Event()
+        self.stop = stop  # ends a wait for the payload's next part (`TcpSender.send_parts`)
 
     def attach(self, sock: socket.socket) -> None:
         with self.lock:
@@ -142,6 +144,8 @@ class _SendOp:
                 self.finished.set()  # the thread never ran (or will see `aborted` and not read the data)
             elif self.sock is not None:
                 shutdown(self.sock)
+        if self.stop is not None:
+            self.stop()
 
 
 @dataclass(frozen=True)
@@ -179,10 +183,27 @@ class TcpSender:
         Raises:
             SendFailed, TransferRejected, SendTimeout: D does not have the bytes.
         """
-        op = _SendOp()
         view = byte_view(data, writable=False)
+        await self._run(_SendOp(), endpoint, transfer_id, attempt, len(view), [[view]])
+
+    async def send_parts(self, endpoint: str, transfer_id: str, attempt: int, nbytes: int,
+                         parts: Iterable[list[memoryview]], *, stop: Callable[[], None] | None = None) -> None:
+        """`send` for a payload that becomes ready part by part: `parts` yields lists of
+        'B' buffers in payload order, `nbytes` in all, and may block until its next part
+        is ready (it is iterated on the sending thread), so the stream starts before its
+        last part exists. An exception from `parts` breaks the stream: D's receive fails.
+        `stop` is called if the send is cancelled, to end a wait inside `parts`.
+
+        Raises:
+            as `send`, and whatever `parts` raises.
+        """
+        await self._run(_SendOp(stop), endpoint, transfer_id, attempt, nbytes, parts)
+
+    async def _run(self, op: _SendOp, endpoint: str, transfer_id: str, attempt: int, nbytes: int,
+                   parts: Iterable[list[memoryview]]) -> None:
         try:
-            await anyio.to_thread.run_sync(self._send, op, endpoint, transfer_id, attempt, view, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self._send, op, endpoint, transfer_id, attempt, nbytes, parts,
+                                           abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             op.abort()
             with anyio.CancelScope(shield=True):
@@ -193,7 +214,8 @@ class TcpSender:
 
     def send_blocking(self, endpoint: str, transfer_id: str, attempt: int, data: Any) -> None:
         """`send` for synchronous code (a vLLM worker thread, a benchmark)."""
-        self._send(_SendOp(), endpoint, transfer_id, attempt, byte_view(data, writable=False))
+        view = byte_view(data, writable=False)
+        self._send(_SendOp(), endpoint, transfer_id, attempt, len(view), [[view]])
 
     def close(self) -> None:
         """Close idle connections and interrupt sends in flight."""
@@ -218,7 +240,8 @@ class TcpSender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, op: _SendOp, endpoint: str, transfer_id: str, attempt: int, view: memoryview) -> None:
+    def _send(self, op: _SendOp, endpoint: str, transfer_id: str, attempt: int, nbytes: int,
+              parts: Iterable[list[memoryview]]) -> None:
         if not op.begin():
             raise SendFailed(transfer_id, "the send was cancelled")
         with self._lock:
@@ -227,10 +250,22 @@ class TcpSender:
         ok = False
         try:
             tid = encode_id(transfer_id)
-            header = HEADER.pack(MAGIC, VERSION, 0, len(tid), attempt, len(view), tid)
+            header = HEADER.pack(MAGIC, VERSION, 0, len(tid), attempt, nbytes, tid)
             sock = self._checkout(endpoint, transfer_id)
             op.attach(sock)
-            send_all(sock, header, view)
+            # The header goes with the first part: one gathered write where the kernel
+            # takes it all (every socket call gives up the GIL once).
+            head: list[Any] = [header]
+            sent = 0
+            for part in parts:
+                if op.aborted:
+                    raise SendFailed(transfer_id, "the send was cancelled")
+                sent += send_buffers(sock, head + list(part)) - sum(len(h) for h in head)
+                head = []
+            if head:
+                send_buffers(sock, head)
+            if sent != nbytes:  # D would wait for the rest until its deadline: break the stream now
+                raise SendFailed(transfer_id, f"the payload's parts held {sent} B of the {nbytes} B announced")
             status = sock.recv(1)
             if not status:
                 raise self._failure(op, transfer_id, f"{endpoint} closed the connection before acknowledging")
@@ -248,7 +283,7 @@ class TcpSender:
                 self._active.discard(op)
                 if ok:
                     self._sent += 1
-                    self._bytes += len(view)
+                    self._bytes += nbytes
                 else:
                     self._failed += 1
             if sock is not None:

@@ -187,14 +187,23 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:
-    """Write header and payload with one gathered write when the kernel takes it all."""
-    sent = sock.sendmsg([header, payload])
-    if sent < len(header):
-        sock.sendall(memoryview(header)[sent:])
-        sent = len(header)
-    if sent - len(header) < len(payload):
-        sock.sendall(payload[sent - len(header) :])
+# Buffers one sendmsg call takes (Linux's IOV_MAX).
+IOV_MAX = 1024
+
+
+def send_buffers(sock: socket.socket, buffers: list[Any]) -> int:
+    """Write `buffers` ('B' memoryviews or bytes) in order, `IOV_MAX` to a call, resuming
+    after a partial write; the bytes written."""
+    total = sum(len(b) for b in buffers)
+    i = 0
+    while i < len(buffers):
+        sent = sock.sendmsg(buffers[i : i + IOV_MAX])
+        while i < len(buffers) and sent >= len(buffers[i]):
+            sent -= len(buffers[i])
+            i += 1
+        if sent:  # the kernel took part of buffer i
+            buffers[i] = memoryview(buffers[i])[sent:]
+    return total
 
 
 def drain_and_finish(sock: socket.socket, max_bytes: int = 1 << 20, max_s: float = 0.5) -> None:

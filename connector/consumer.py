@@ -55,7 +55,7 @@ import torch
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
 from workers.groups import NULL_BLOCK, scatter_rows
-from workers.layout import layer_major_view, scatter_layers_from_staging, tail, tail_range
+from workers.layout import layer_major_view, scatter_layers_from_staging, staging_view, tail, tail_range
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
@@ -119,9 +119,6 @@ class _Load:
     waited: Waited | None = None
     # nccl: how long posting the receive took, from the Ready's send (us; the line says).
     post_us: int | None = None
-    # Received straight into its blocks (ipc): nothing is left to fail once the bytes are
-    # in, so the Done leaves then (`on_prepare`), not from `get_finished`.
-    in_place: bool = False
     # When its Prepare's handler started (time.monotonic()): the Ready's line says how long
     # D took from there (`prepare_us`), and of that the pool, the producer's turn and the send.
     prepared_at: float = 0.0
@@ -221,11 +218,8 @@ class ConsumerSide:
             if load.state == "received":
                 error = self._scatter(load)
                 if error is None:
-                    with w.lock:  # an in-place receive's Done may have left from the loop thread
-                        tell, load.settled = not load.settled, True
-                    if tell:
-                        dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
-                            (load.transfer_id, load.nbytes, "")]
+                    dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
+                        (load.transfer_id, load.nbytes, "")]
                     scattered = True
                 else:
                     load.state, load.reason = "failed", error
@@ -426,9 +420,12 @@ class ConsumerSide:
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
                 assert load.lease is not None
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))
-            else:  # tcp: the producer streamed it layer by layer (`ProducerSide._layer_parts`)
+            else:
                 assert load.lease is not None
-                staging = layer_major_view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
+                # tcp streams a save layer by layer (`ProducerSide._layer_parts`); nccl
+                # sends the staging as P holds it, block by block
+                view = staging_view if w.nccl is not None else layer_major_view
+                staging = view(load.lease.tensor, count, len(w.layers), w.block_nbytes)
                 scatter_layers_from_staging(staging, w.staged_layers, targets)
         except Exception as exc:
             w.log.exception("transfer.scatter_failed", transfer_id=load.transfer_id, phase="scatter")
@@ -557,15 +554,6 @@ class ConsumerSide:
             tell = bool(reason) and self._fail(load, reason, telling=ended)
         if tell:
             await self._abort(tid, reason)
-        elif not reason and load.in_place:
-            # Told now, while the engine's thread is inside its step: from get_finished the
-            # Done's send took the GIL as the engine went on with the request (0.2 ms of
-            # D's host after get_finished on an H200). Once only, whoever is first.
-            with w.lock:
-                tell = load.state == "received" and not load.settled
-                load.settled = load.settled or tell
-            if tell:
-                await self._finish([(tid, load.nbytes, "")], [])
 
     async def _wait_for_request(self, tid: str) -> _Load | None:
         """A Prepare before the request reached this engine: wait for it, under the deadline."""
@@ -645,7 +633,6 @@ class ConsumerSide:
                 into = ((w.paged, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)), load.allocated)
                         if w.paged is not None else None)
                 posted = await self.post_receive(msg, load, load, offset, nbytes, w.chunk_nbytes, into)
-                load.in_place = posted.into_blocks
                 if posted.into_blocks:  # nothing to land: the receive's end is the load's
                     load.waited = await w.nccl.wait(
                         posted, load.deadline, landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))

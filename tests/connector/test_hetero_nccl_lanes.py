@@ -194,13 +194,14 @@ def test_hetero_over_nccl_the_compatibility_fields_hold_the_models_heads_not_the
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (1, 1)])
 def test_hetero_lanes_over_the_nccl_link_give_each_decode_rank_exactly_its_heads(
     broker: BrokerProcess, p_tp: int, d_tp: int
 ) -> None:
     """Three transfers, every other one with a one-block prefix hit on D, P's blocks
-    overwritten right after each step: each D rank's blocks after its hit hold exactly
-    its heads of what P held at save_kv_layer, its other blocks are untouched; each lane
+    overwritten right after each step (with equal TP sizes, 1-1, the plain staged path
+    that nccl takes without the copy kernel: D scatters its pool block by block): each D
+    rank's blocks after its hit hold exactly its heads of what P held at save_kv_layer, its other blocks are untouched; each lane
     went as a chunked receive into a lease (never into the blocks), both sides derived
     the same chunks, every send paired with its own transfer's receive, every lease came
     back, and the broker counted each lane completed."""

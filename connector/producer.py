@@ -164,7 +164,7 @@ class ProducerSide:
         progress = self._steps.begin() if self._steps is not None else None
         # tcp streams a save's layers as they are copied; a hybrid model's rows do not
         # follow the layers, so it is sent whole
-        layers = self._layers = _Layers(len(w.layers)) if w.nccl is None and w.groups is None else None
+        layers = self._layers = _Layers() if w.nccl is None and w.groups is None else None
         offers: list[tuple[str, _Staged]] = []
         together = self._lease_together(meta.saves) if len(meta.saves) > 1 else {}
         for tid, spec in meta.saves.items():
@@ -260,7 +260,8 @@ class ProducerSide:
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", nbytes=nbytes, reason=reason)
                 w.spawn(self._offer_aborted, tid, spec, nbytes, f"the prefill instance could not stage it: {reason}")
                 return None
-        shape = (rows.cells, 1, w.block_nbytes) if rows is not None else (len(spec.block_ids), num_layers, w.block_nbytes)
+        blocks = (rows.cells, 1) if rows is not None else (len(spec.block_ids), num_layers)
+        shape = (*blocks, w.block_nbytes)
         try:
             ids = w.paged.block_ids(spec.block_ids) if w.paged is not None else None
         except ValueError:  # ids outside the cache: the torch copy names them in save_kv_layer
@@ -332,8 +333,8 @@ class ProducerSide:
         self._send_offers()
         if failed:
             self._copy_failed(layer_name, failed)
-        if self._layers is not None:  # after the copies, and after a failed save was dropped: its send never takes this layer
-            self._layers.copied(idx)
+        if self._layers is not None:  # after the copies, and after a failed save was dropped:
+            self._layers.copied(idx)  # its send never takes this layer
 
     def _send_offers(self) -> None:
         """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
@@ -366,7 +367,8 @@ class ProducerSide:
             if len(staged.layers_done) != len(w.layers):
                 reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
                 w.log.error("transfer.stage_failed", transfer_id=tid, phase="stage", reason=reason)
-                self._drop(tid, "aborted", reason)  # offered already (or just above): D's load fails now, not at its deadline
+                # offered already (or just above): D's load fails now, not at its deadline
+                self._drop(tid, "aborted", reason)
                 continue
             w.count("staged")
             with w.lock:
@@ -696,13 +698,18 @@ class _StepProgress:
         """Layer `layer`'s gathers of this step are enqueued on `stream`: count the
         layers gathered in order so far."""
         self._done.add(layer)
-        prefix = self._prefix
-        while prefix in self._done:
-            prefix += 1
+        prefix = _in_order(self._done, self._prefix)
         if prefix > self._prefix:
             self._prefix = prefix
             self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),
                                  (self.step << 32) + prefix)
+
+
+def _in_order(done: set[int], prefix: int) -> int:
+    """How many layers from 0 are in `done`, counting on from `prefix` (all below it are)."""
+    while prefix in done:
+        prefix += 1
+    return prefix
 
 
 class _Layers:
@@ -711,8 +718,7 @@ class _Layers:
     transfer runs beside the forward pass and the bytes sent are still the copy taken
     before the hook returned (the seed's invariant)."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._done: set[int] = set()
         self._prefix = 0  # layers [0, prefix) are copied
@@ -721,8 +727,7 @@ class _Layers:
     def copied(self, layer: int) -> None:
         with self._cond:
             self._done.add(layer)
-            while self._prefix in self._done:
-                self._prefix += 1
+            self._prefix = _in_order(self._done, self._prefix)
             self._cond.notify_all()
 
     def end(self) -> None:

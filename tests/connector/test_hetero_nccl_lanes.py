@@ -201,9 +201,9 @@ def test_hetero_lanes_over_the_nccl_link_give_each_decode_rank_exactly_its_heads
     """Three transfers, every other one with a one-block prefix hit on D, P's blocks
     overwritten right after each step (with equal TP sizes, 1-1, the plain staged path
     that nccl takes without the copy kernel: D scatters its pool block by block): each D
-    rank's blocks after its hit hold exactly its heads of what P held at save_kv_layer, its other blocks are untouched; each lane
-    went as a chunked receive into a lease (never into the blocks), both sides derived
-    the same chunks, every send paired with its own transfer's receive, every lease came
+    rank's blocks after its hit hold exactly its heads of what P held at save_kv_layer,
+    its other blocks are untouched; each lane went as a chunked receive into a lease
+    (never into the blocks), both sides derived the same chunks, every send paired with its own transfer's receive, every lease came
     back, and the broker counted each lane completed."""
     wire = Wire()
     p_caches = [heads_of(model(seed=7), p_tp, r) for r in range(p_tp)]

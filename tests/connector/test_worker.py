@@ -184,7 +184,7 @@ def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: Bro
     if twin == "unsafe":
         real = producer._Layers.copied
         monkeypatch.setattr(producer._Layers, "copied",
-                            lambda self, layer: [real(self, i) for i in range(self.num_layers)])
+                            lambda self, layer: [real(self, i) for i in range(len(LAYERS))])
     pc, dc = make_caches(seed=41), make_caches(seed=42)
     p = make_worker(broker.endpoint, "p", "p0", pc)
     d = make_worker(broker.endpoint, "d", "d0", dc)

@@ -256,16 +256,17 @@ class TcpSender:
             # The header goes with the first part: one gathered write where the kernel
             # takes it all (every socket call gives up the GIL once).
             head: list[Any] = [header]
-            sent = 0
+            sent = 0  # header included
             for part in parts:
                 if op.aborted:
                     raise SendFailed(transfer_id, "the send was cancelled")
-                sent += send_buffers(sock, head + list(part)) - sum(len(h) for h in head)
+                sent += send_buffers(sock, head + list(part))
                 head = []
             if head:
-                send_buffers(sock, head)
-            if sent != nbytes:  # D would wait for the rest until its deadline: break the stream now
-                raise SendFailed(transfer_id, f"the payload's parts held {sent} B of the {nbytes} B announced")
+                sent += send_buffers(sock, head)
+            if sent - len(header) != nbytes:  # D would wait for the rest until its deadline: break the stream now
+                raise SendFailed(transfer_id, f"the payload's parts held {sent - len(header)} B of the {nbytes} B "
+                                              "announced")
             status = sock.recv(1)
             if not status:
                 raise self._failure(op, transfer_id, f"{endpoint} closed the connection before acknowledging")

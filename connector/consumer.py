@@ -441,6 +441,9 @@ class ConsumerSide:
             blocks=count,
             skipped_blocks=spec.num_cached_blocks,
             since_received_ms=round((time.monotonic() - load.received_at) * 1e3, 3) if load.received_at else None,
+            # over nccl: the post's time from the Ready, and D's host's after the last byte
+            **(load.waited.log_fields() if load.waited is not None else {}),
+            **({"post_us": load.post_us} if load.post_us is not None else {}),
         )
         return None
 
@@ -615,11 +618,10 @@ class ConsumerSide:
                 load.state, load.received_at = "received", time.monotonic()
             elif load.state != "received":  # given up by `get_finished` meanwhile (else `_land` marked it)
                 return load.reason or "the load was given up"
-        # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its next get_finished.
-        # Over nccl, how long D's host took from seeing the last receive end to this line.
-        w.log.info("transfer.received", transfer_id=msg.transfer_id, phase="received", nbytes=nbytes,
-                   **(load.waited.log_fields(time.monotonic()) if load.waited is not None else {}),
-                   **({"post_us": load.post_us} if load.post_us is not None else {}))
+        # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its
+        # next get_finished, whose `transfer.loaded` line says how the receive went. No line
+        # here: with many loads landing at once, this thread's lines took the GIL from the
+        # engine's get_finished that reports them.
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:

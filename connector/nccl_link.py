@@ -256,11 +256,13 @@ class Waited:
     resumed: float
     ended: float
 
-    def log_fields(self, now: float) -> dict[str, int]:
-        """For a transfer's log line written at `now`: how long the waiting thread took to
-        resume, then to land, then until the line (us)."""
-        return {"wake_us": round((self.resumed - self.seen) * 1e6), "land_us": round((self.ended - self.resumed) * 1e6),
-                "hop_us": round((now - self.ended) * 1e6)}
+    def log_fields(self, now: float | None = None) -> dict[str, int]:
+        """For a transfer's log line: how long the waiting thread took to resume, then to
+        land, and (written at `now` by that thread) then until the line (us)."""
+        fields = {"wake_us": round((self.resumed - self.seen) * 1e6), "land_us": round((self.ended - self.resumed) * 1e6)}
+        if now is not None:
+            fields["hop_us"] = round((now - self.ended) * 1e6)
+        return fields
 
 
 @dataclass(eq=False)

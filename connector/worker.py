@@ -350,7 +350,7 @@ class ConnectorWorker:
     # -- vLLM hooks (main thread) ------------------------------------------------------------
 
     def bind(self, meta: Any) -> None:
-        """Keep this step's metadata; a producer leases staging for the step's saves now."""
+        """Keep this step's metadata; a producer stages the step's saves at its first save_kv_layer."""
         self.meta = meta if isinstance(meta, KvBrokerMetadata) else KvBrokerMetadata()
         if self.producer is not None and self.meta.saves:
             self.producer.bind(self.meta)

@@ -60,13 +60,13 @@ def test_the_durations_lines_carry_are_summarized_per_event_and_field() -> None:
     """Fields named *_us or *_ms (a host's own spans, e.g. how long D took from seeing its
     last receive end to reporting it) are summarized per event, over the lines carrying a
     number there; other fields, flags and text are not."""
-    events = [json.loads(_line(f"t{k}", "transfer.received", k, wake_us=10 * k, land_us=5, hop_us=None,
+    events = [json.loads(_line(f"t{k}", "transfer.loaded", k, wake_us=10 * k, land_us=5, hop_us=None,
                                nbytes=4096, done_ms=True, note_ms="late")) for k in range(10)]
     events += [json.loads(_line("t0", "transfer.sent", 0, took=2.5, wake_us=7))]
     got = {(f.event, f.name): f for f in field_stats(events)}
-    assert set(got) == {("transfer.received", "wake_us"), ("transfer.received", "land_us"),
+    assert set(got) == {("transfer.loaded", "wake_us"), ("transfer.loaded", "land_us"),
                         ("transfer.sent", "wake_us")}
-    wake = got["transfer.received", "wake_us"]
+    wake = got["transfer.loaded", "wake_us"]
     assert wake.lines == 10 and wake.median == pytest.approx(45.0) and wake.p90 == pytest.approx(90.0)
-    assert got["transfer.received", "land_us"].median == 5.0 and got["transfer.sent", "wake_us"].lines == 1
+    assert got["transfer.loaded", "land_us"].median == 5.0 and got["transfer.sent", "wake_us"].lines == 1
     assert field_stats([]) == []

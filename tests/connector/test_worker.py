@@ -687,11 +687,13 @@ def test_a_step_of_several_saves_is_staged_together_and_each_arrives_whole(broke
         saves = {tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
                  for tid, (src, _) in plan.items()}
         p.bind(KvBrokerMetadata(saves=saves))
-        assert p.producer is not None and p.producer._group is not None
+        assert p.producer is not None and p.producer._group is None  # staged at the first layer's save
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        assert p.producer._group is not None
         assert p.producer._group.members == [p.producer._staged[tid] for tid in plan]
         leases = [p.producer._staged[tid].lease for tid in plan]
         assert [lease.offset + lease.nbytes for lease in leases[:-1]] == [lease.offset for lease in leases[1:]]
-        for name in LAYERS:
+        for name in LAYERS[1:]:
             p.save_kv_layer(name, pc[name])
         p.wait_for_save()
         p.clear()
@@ -750,8 +752,8 @@ def test_a_layer_that_cannot_be_copied_fails_the_saves_of_its_group(broker: Brok
         saves = {"t-a": SaveSpec(req_id="req-t-a", block_ids=[1], num_tokens=27, decode="d0"),
                  "t-b": SaveSpec(req_id="req-t-b", block_ids=[2, 3], num_tokens=59, decode="d0")}
         p.bind(KvBrokerMetadata(saves=saves))
-        assert p.producer is not None and p.producer._group is not None
         p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        assert p.producer is not None and p.producer._group is not None
         p.save_kv_layer(LAYERS[1], pc[LAYERS[1]][:, :1])  # not the registered shape
         p.wait_for_save()
         p.clear()
@@ -777,10 +779,10 @@ def test_full_staging_pool_stalls_a_step_once_not_once_per_save(broker: BrokerPr
         saves = {f"t-w{i}": SaveSpec(req_id=f"req-w{i}", block_ids=[10 + i], num_tokens=27) for i in range(3)}
         t0 = time.monotonic()
         p.bind(KvBrokerMetadata(saves=saves))
-        took = time.monotonic() - t0
         for name in LAYERS:
             p.save_kv_layer(name, pc[name])
         p.wait_for_save()
+        took = time.monotonic() - t0
         p.clear()
         assert 0.9 < took < 2.0, f"the step waited {took:.2f} s for 3 saves with a 1 s deadline"
         assert p.statistics()["staged_now"] == 1  # only the first transfer holds staging

@@ -229,11 +229,11 @@ def test_a_step_of_four_saves_is_staged_back_to_back_and_lands_whole(broker: Bro
             p.bind(KvBrokerMetadata(saves={
                 tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
                 for tid, src in zip(tids, srcs)}))
-            with p.lock:
-                leases = [p.producer._staged[tid].lease for tid in tids]
-            assert [a.offset + a.nbytes for a in leases[:-1]] == [b.offset for b in leases[1:]], "not back to back"
             for k, name in enumerate(LAYERS):
                 p.save_kv_layer(name, pc[name].view(pc[name].shape) if mixed and k == 0 else pc[name])
+            with p.lock:  # staged at the first layer's save, held until D's Done
+                leases = [p.producer._staged[tid].lease for tid in tids]
+            assert [a.offset + a.nbytes for a in leases[:-1]] == [b.offset for b in leases[1:]], "not back to back"
             p.wait_for_save()
             p.clear()
             for t in pc.values():  # the next step writes these blocks at once

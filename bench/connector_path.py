@@ -40,12 +40,16 @@ compares with two GPUs).
                up to 1.4 ms between two runs of the same code on one H200, with the
                GPU's clock, while the connector's times agreed within 0.2 ms.) The Offer, Prepare, Ready and Go, and the
                communicators' lookups, overlap the forward pass there, as in vLLM.
+               On a GPU the forward pass is a sleep kernel, which leaves the SMs to
+               whatever runs beside it; `--forward gemm` makes it bf16 matrix multiplies
+               on every SM, as a real prefill's are, so what the copy kernels cost the
+               forward pass shows.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--log-format json|console] [--thread-cpu] [--json PATH]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--log-format json|console] [--thread-cpu] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
 while a request was timed, and how long each sat runnable without a CPU: what D's host
@@ -86,6 +90,7 @@ LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * DIM * 2  # one block of every layer, K and V
 DEADLINE_S = 30.0
+GEMM = 4096  # `--forward gemm`: one layer's share is some of these square bf16 matrix multiplies
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,13 @@ class _Engine:
     """One side's device work: where its caches live, its syncs and its engine step."""
 
     def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0,
-                 step_on: str = "gpu") -> None:
+                 step_on: str = "gpu", forward: str = "sleep") -> None:
         self.gpu = transport == "nccl"
         one = self.gpu and torch.cuda.device_count() == 1  # the ipc backend on one GPU: both caches there
         self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
         self.step_on_gpu = self.gpu and step_on == "gpu"
-        self.cycles = self.layer_cycles = 0
+        self.cycles = self.layer_cycles = self.layer_gemms = 0
         self.prefill_ms = 0.0  # the forward pass's time (`layer` x the layers), as first measured here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
@@ -115,6 +120,12 @@ class _Engine:
             self.cycles = int(per_ms * step_ms)
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
+            if prefill_ms > 0 and forward == "gemm":
+                # bf16 matrix multiplies on every SM, as a prefill's are: what the copy
+                # kernels' programs beside them cost shows up, which a sleep kernel hides
+                self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
+                mm = self._timed(lambda: [self._gemm() for _ in range(10)]) / 10
+                self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
@@ -123,7 +134,7 @@ class _Engine:
         """The forward pass alone (every layer's share, no saves), ms: GPU time on a GPU.
         Measured again before each timed request, so a clock that drifts during the run
         moves the baseline and the request alike."""
-        if self.layer_cycles:
+        if self.layer_cycles or self.layer_gemms:
             return self._timed(lambda: [self.layer() for _ in NAMES], runs=1)
         if not self.layer_s:
             return 0.0
@@ -144,9 +155,16 @@ class _Engine:
             took.append(begin.elapsed_time(end))
         return statistics.median(took)
 
+    def _gemm(self) -> None:
+        a, b, out = self.mats
+        torch.mm(a, b, out=out)
+
     def layer(self) -> None:
         """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
-        if self.layer_cycles:
+        if self.layer_gemms:
+            for _ in range(self.layer_gemms):
+                self._gemm()
+        elif self.layer_cycles:
             torch.cuda._sleep(self.layer_cycles)
         elif self.layer_s:
             time.sleep(self.layer_s)
@@ -277,7 +295,7 @@ class _RawTcp:
 
 def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     """P: for each request, tell D, wait until D holds it, then run the step."""
-    engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"])
+    engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"], forward=cfg["forward"])
     configure_logging(cfg["log_format"], cfg["log_level"])
     p, caches = _worker(endpoint, "p", engine, cfg)
     raw_tcp = _RawTcp()
@@ -470,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-ms", type=float, default=0.0,
                     help="P's forward pass, ms spread over its layers before each save_kv_layer (GPU time on nccl; "
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
+    ap.add_argument("--forward", default="sleep", choices=("sleep", "gemm"),
+                    help="nccl, with --prefill-ms: P's forward pass as a sleep kernel (GPU time that leaves the "
+                         "SMs free) or as bf16 matrix multiplies on every SM, as a real prefill's")
     ap.add_argument("--log-format", default="json", choices=("console", "json"),
                     help="the workers' logs: json as in production (microsecond timestamps, for `kvbroker trace`); "
                          "console costs each log line about three times the host time")
@@ -493,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
-           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "inflight": args.inflight,
+           "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
            "thread_cpu": args.thread_cpu, "backend": backend,
            "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,

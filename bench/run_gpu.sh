@@ -75,6 +75,9 @@ bench connector --tokens 512,2048,8192 --iters 20
 bench connector_prefill20 --tokens 512,2048,8192 --iters 20 --prefill-ms 20
 bench connector_inflight8 --tokens 512,2048 --iters 20 --inflight 8
 bench connector_inflight8_prefill20 --tokens 512,2048 --iters 20 --inflight 8 --prefill-ms 20
+# The same forward pass as matrix multiplies on every SM: what the copies cost a real prefill.
+bench connector_prefill20_gemm --tokens 512,2048,8192 --iters 20 --prefill-ms 20 --forward gemm
+bench connector_inflight8_prefill20_gemm --tokens 512,2048 --iters 20 --inflight 8 --prefill-ms 20 --forward gemm
 if [ "$GPUS" = 1 ]; then  # what D's step kernels cost P's forward pass when both share the GPU
   bench connector_prefill20_gpustep --tokens 512,2048,8192 --iters 20 --prefill-ms 20 --step-on gpu
 fi

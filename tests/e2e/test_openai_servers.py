@@ -160,10 +160,15 @@ def test_decode_server_loads_kv_from_prefill_server_and_matches_plain(cluster: d
     # cached (it recomputes only the last token), where the plain server counts none.
     assert [cached_tokens(b) for b in bodies["decode-0"]] == lengths, timeline(cluster, tids)
     assert [cached_tokens(b) for b in bodies["plain"]] == [0] * len(lengths)
-    sent: dict[str, int] = {}
-    for r in log_events(p, "transfer.sent"):
-        sent[r["transfer_id"]] = sent.get(r["transfer_id"], 0) + r["nbytes"]
-    assert [sent.get(t) for t in tids] == [loaded[t]["nbytes"] for t in tids]
+    def sent() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in log_events(p, "transfer.sent"):
+            out[r["transfer_id"]] = out.get(r["transfer_id"], 0) + r["nbytes"]
+        return out
+
+    # P writes its line once its send's end is seen, which may come after D answered.
+    wait_until(lambda: set(tids) <= set(sent()), 10, "P's transfer.sent lines")
+    assert [sent().get(t) for t in tids] == [loaded[t]["nbytes"] for t in tids]
     print(f"\n[openai-servers] {len(prompts)} prompts P->D over HTTP in {took:.2f} s; cached_tokens {lengths}")
 
 

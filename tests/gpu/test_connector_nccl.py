@@ -523,21 +523,21 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
     copy reads each layer only once the compute stream counted that layer gathered. Each
     layer is computed (a few ms of GPU time) before its gather and overwritten on the
     compute stream right after its save; D's blocks hold what P's held at each save. The
-    unsafe twin counts every layer gathered at bind instead of after each layer's
+    unsafe twin counts every layer gathered when the step is staged, instead of after each layer's
     gathers (injected here): the copy then reads staging the gathers have not written
     yet, and every transfer differs."""
     if twin == "unsafe":
-        real_bind = producer.ProducerSide.bind
+        real_stage = producer.ProducerSide._stage
 
-        def bind(self: producer.ProducerSide, meta: KvBrokerMetadata) -> None:
-            real_bind(self, meta)
+        def stage_counted(self: producer.ProducerSide) -> None:  # the step's staging, at its first save
+            real_stage(self)
             steps = self._steps
             assert steps is not None
             word = steps.words.data_ptr() + 8 * (steps.step % steps.SLOTS)
             steps.drv.write_value(torch.cuda.current_stream(steps.device).cuda_stream, word,
                                   (steps.step << 32) + len(self.w.layers))  # before any gather, in stream order
 
-        monkeypatch.setattr(producer.ProducerSide, "bind", bind)
+        monkeypatch.setattr(producer.ProducerSide, "_stage", stage_counted)
         monkeypatch.setattr(producer._StepProgress, "gathered", lambda self, layer, stream: None)
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")

@@ -380,8 +380,6 @@ class ProducerSide:
         if step and w.pool is not None and w.pool.tensor.is_cuda:  # after every gather of the step
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(w.pool.tensor.device))
-        if self._steps is not None:  # also when every save of the step was dropped mid-way
-            self._steps.finish(len(w.layers), torch.cuda.current_stream(self._steps.device))
         for tid, staged in step:
             if len(staged.layers_done) != len(w.layers):
                 reason = f"only {len(staged.layers_done)} of {len(w.layers)} layers were saved in the step"
@@ -717,15 +715,7 @@ class _StepProgress:
         """Layer `layer`'s gathers of this step are enqueued on `stream`: count the
         layers gathered in order so far."""
         self._done.add(layer)
-        self._count(_in_order(self._done, self._prefix), stream)
-
-    def finish(self, num_layers: int, stream: torch.cuda.Stream) -> None:
-        """The step's saves are over: a word short of `num_layers` (a layer never saved,
-        whose saves wait_for_save drops) counts them all, so the sends posted on it,
-        whose streams wait for their layers' count, end (their transfers are aborted)."""
-        self._count(num_layers, stream)
-
-    def _count(self, prefix: int, stream: torch.cuda.Stream) -> None:
+        prefix = _in_order(self._done, self._prefix)
         if prefix > self._prefix:
             self._prefix = prefix
             self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),

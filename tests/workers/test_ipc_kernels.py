@@ -67,22 +67,15 @@ def _address(words: torch.Tensor, i: int) -> int:
 
 
 def _send_blocks(kernels: ModuleType, seq: int, staging: torch.Tensor, d: PagedKv, ids: torch.Tensor,
-                 words: torch.Tensor, programs: int, *, grouped: bool = False, launches: int | None = None) -> None:
-    """One block send as `IpcCommunicator.send_blocks` launches it, into `d`'s blocks `ids`:
-    staged, one launch; posted before its layers are staged (`grouped`), one launch a
-    group of layers (`layer_groups`; only the first `launches` of them, if given)."""
+                 words: torch.Tensor, programs: int) -> None:
+    """One block send as `IpcCommunicator.send_blocks` launches it, into `d`'s blocks `ids`."""
     layers = torch.tensor([r.data_ptr() for r in d.rows], dtype=torch.int64)
-    ends = kernels.layer_groups(d.num_layers) if grouped else [d.num_layers]
-    start = 0
-    for end in ends[:launches]:
-        args = kernels.block_args(
-            seq, src=staging.data_ptr(), layers=layers.data_ptr(), ids=ids.data_ptr(), num_cache_blocks=d.num_blocks,
-            progress=_address(words, progress), ready=_address(words, ready), arrived=_address(words, arrived),
-            tally=_address(words, tally), shape=(ids.numel(), d.num_layers, d.pre, d.row_nbytes),
-            layer_range=(start, end), last=end == ends[-1])
-        grid = kernels.block_grid(programs, args)
-        kernels._blocks_kernel()[(grid,)](*args, BLOCK=kernels._COPY_BLOCK, ABORT_AT=kernels.ABORT)
-        start = end
+    args = kernels.block_args(
+        seq, src=staging.data_ptr(), layers=layers.data_ptr(), ids=ids.data_ptr(), num_cache_blocks=d.num_blocks,
+        progress=_address(words, progress), ready=_address(words, ready), arrived=_address(words, arrived),
+        tally=_address(words, tally), shape=(ids.numel(), d.num_layers, d.pre, d.row_nbytes))
+    grid = kernels.block_grid(programs, args)
+    kernels._blocks_kernel()[(grid,)](*args, BLOCK=kernels._COPY_BLOCK, ABORT_AT=kernels.ABORT)
 
 
 def _caches(num_layers: int, pre: int, num_blocks: int, row_words: int, *, seed: int | None) -> PagedKv:
@@ -108,7 +101,6 @@ def transfers(draw: st.DrawFn) -> dict:
         "d_ids": draw(st.permutations(range(d_blocks)))[:n],
         "programs": draw(st.integers(1, 6)),
         "seq": draw(st.integers(1, 1000)),
-        "grouped": draw(st.booleans()),
     }
 
 
@@ -116,9 +108,9 @@ def transfers(draw: st.DrawFn) -> dict:
 @given(t=transfers())
 def test_each_staged_row_lands_where_the_receivers_scatter_puts_it(kernels: ModuleType, t: dict) -> None:
     """P gathers its blocks into staging (its real gather); the block kernel copies the
-    staging into D's blocks, in one launch or one a group of layers; D ends up exactly
-    as if it had received the staging and scattered it (its real scatter), with every
-    other block untouched, and the send's end counted once."""
+    staging into D's blocks; D ends up exactly as if it had received the staging and
+    scattered it (its real scatter), with every other block untouched, and the send's
+    end counted once."""
     num_layers, pre, row_words = t["shape"]
     p = _caches(num_layers, pre, t["p_blocks"], row_words, seed=t["seq"])
     n = len(t["p_ids"])
@@ -127,34 +119,12 @@ def test_each_staged_row_lands_where_the_receivers_scatter_puts_it(kernels: Modu
     d, scattered = (_caches(num_layers, pre, t["d_blocks"], row_words, seed=None) for _ in range(2))
     scattered.scatter(torch.tensor(t["d_ids"]), scattered.staging_view(staging, n))
     words = _counters(t["seq"], given_up=False, staged_rows=n * num_layers * pre)
-    _send_blocks(kernels, t["seq"], staging, d, torch.tensor(t["d_ids"]), words, t["programs"], grouped=t["grouped"])
+    _send_blocks(kernels, t["seq"], staging, d, torch.tensor(t["d_ids"]), words, t["programs"])
     for layer in range(num_layers):
         assert torch.equal(d.rows[layer], scattered.rows[layer]), f"layer {layer} differs from the scatter's"
         assert torch.equal(d.rows[layer][:, t["d_ids"]], p.rows[layer][:, t["p_ids"]])
     assert int(words[arrived]) == t["seq"], "the receiver was not told, or told another send"
     assert int(words[tally]) == 0, "the programs' tally was not left at 0 for the send that reuses it"
-
-
-def test_a_send_in_groups_of_layers_tells_the_receiver_only_after_its_last(kernels: ModuleType) -> None:
-    """Posted during the forward pass, a send is one launch a group of layers: the
-    groups before the last land their layers' rows and nothing else, and leave `arrived`
-    and the tally alone, so D never takes the transfer for landed before its last layer."""
-    assert kernels.layer_groups(32) == [16, 24, 28, 30, 31, 32]
-    assert kernels.layer_groups(1) == [1] and kernels.layer_groups(5) == [1, 3, 4, 5]
-    p = _caches(5, 2, 4, 8, seed=13)
-    staging = torch.empty(4 * p.staged_block_nbytes, dtype=torch.uint8)
-    p.gather(torch.arange(4), p.staging_view(staging, 4))
-    d = _caches(5, 2, 6, 8, seed=None)
-    ids = [5, 0, 2, 3]
-    words = _counters(4, given_up=False, staged_rows=5)
-    _send_blocks(kernels, 4, staging, d, torch.tensor(ids), words, programs=3, grouped=True, launches=3)
-    for layer in range(5):  # the groups [0, 1), [1, 3), [3, 4) ran; [4, 5) did not
-        want = p.rows[layer][:, :4] if layer < 4 else torch.zeros_like(p.rows[layer][:, :4])
-        assert torch.equal(d.rows[layer][:, ids], want), f"layer {layer}"
-    assert int(words[arrived]) == 0 and int(words[tally]) == 0
-    _send_blocks(kernels, 4, staging, d, torch.tensor(ids), words, programs=3, grouped=True)
-    assert all(torch.equal(d.rows[k][:, ids], p.rows[k][:, :4]) for k in range(5))
-    assert int(words[arrived]) == 4 and int(words[tally]) == 0
 
 
 @pytest.mark.parametrize("staged_rows", [0, 5, 16], ids=["nothing staged", "some staged", "all staged"])

@@ -45,11 +45,9 @@ How one op pairs:
   P's kernel copies the staged rows layer by layer, each layer once a word in P's own
   memory says it is staged: the connector's step word, which P's compute stream sets
   after each layer's gathers (so the send may be posted during the forward pass), or a
-  word per send (`mark_staged`, written after the events the send waits on). Posted
-  before its layers are staged, the send is one launch per group of layers
-  (`layer_groups`), each behind a stream wait (`cuStreamWaitValue64`, no SM) for that
-  group's count: the forward pass keeps every SM while the copy waits. The gathers stay
-  on the compute stream, so P's blocks may be reused as soon as `save_kv_layer` returns.
+  word per send (`mark_staged`, written after the events the send waits on). The
+  gathers stay on the compute stream, so P's blocks may be reused as soon as
+  `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -165,11 +163,9 @@ def _kernel() -> Any:
                     tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
 
         @triton.jit(do_not_specialize=["src", "layers", "ids", "num_cache_blocks", "rows", "progress", "base",
-                                       "ready", "arrived", "tally", "seq", "row_words", "num_layers", "pre",
-                                       "first_row", "end_row", "last"])
+                                       "ready", "arrived", "tally", "seq", "row_words", "num_layers", "pre"])
         def ipc_blocks(src, layers, ids, num_cache_blocks, rows, progress, base, ready, arrived, tally, seq,
-                       row_words, num_layers, pre, first_row, end_row, last, BLOCK: tl.constexpr,
-                       ABORT_AT: tl.constexpr):
+                       row_words, num_layers, pre, BLOCK: tl.constexpr, ABORT_AT: tl.constexpr):
             # The cache's shape is passed at run time, not compiled in: the kernel is then
             # compiled and loaded once, when the communicator is built. Loading a module
             # later, while a peer's stream in this process waits on a count, would wait for
@@ -182,12 +178,9 @@ def _kernel() -> Any:
             # P's compute stream says its layer is staged: `progress` holds base + the
             # layers gathered so far (a word left with a smaller base reads as nothing
             # staged, one with a larger base, written later in the same stream, as all).
-            # This launch copies rows [first_row, end_row) (a group of whole layers); only
-            # the `last` one tells the receiver. A send posted during the forward pass is
-            # one launch per group of layers, each behind a stream wait for its layers'
-            # count (`IpcCommunicator.send_blocks`), so no program waits here for long.
-            # All waits read this GPU's own memory; the receiver wrote `ready` and the ids
-            # over NVLink.
+            # So a send posted during the forward pass copies each layer as its gather
+            # ends. All waits read this GPU's own memory; the receiver wrote `ready` and
+            # the ids over NVLink.
             seq64 = seq.to(tl.int64)
             ready_at = ready.to(tl.pointer_type(tl.int64))
             r = tl.load(ready_at, volatile=True)
@@ -207,7 +200,7 @@ def _kernel() -> Any:
             NUM_LAYERS = num_layers.to(tl.int64)
             PRE = pre.to(tl.int64)
             NB = n // (NUM_LAYERS * PRE)  # the transfer's blocks
-            for t in tl.range(first_row.to(tl.int64) + tl.program_id(0), end_row.to(tl.int64), tl.num_programs(0)):
+            for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
                 layer = t // (NB * PRE)
                 while live & (have <= layer):
                     have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
@@ -232,9 +225,7 @@ def _kernel() -> Any:
                                  cache_modifier=".cs")
                     live = gate < ABORT_AT
             tl.debug_barrier()  # every thread's stores before this program's release below
-            # A program that saw an abort does not count, so the receiver is never told. The
-            # groups before the last ran earlier on the same stream: their rows are in.
-            if live & (last != 0):
+            if live:  # a program that saw an abort does not count, so the receiver is never told
                 tally_at = tally.to(tl.pointer_type(tl.int32))
                 if tl.atomic_add(tally_at, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
                     tl.store(tally_at, 0)
@@ -260,38 +251,20 @@ def copy_shape(src: int, dst: int, nbytes: int, programs: int) -> tuple[int, int
 
 
 def block_grid(programs: int, args: tuple[int, ...]) -> int:
-    """`ipc_blocks`' programs: at most `programs`, and none without a row of its range
-    (args[14:16]) to copy."""
-    return max(1, min(programs, args[15] - args[14]))
-
-
-def layer_groups(num_layers: int) -> list[int]:
-    """Where a send posted during the forward pass cuts its layers into launches (the
-    end of each group): halving towards the end (for 32 layers 16, 8, 4, 2, 1, 1), so a
-    launch waits on its stream, not on the GPU, and the copy left when the last layer
-    is gathered is one layer's."""
-    ends, back = {num_layers}, 1
-    while back < num_layers:
-        ends.add(num_layers - back)
-        back *= 2
-    return sorted(ends)
+    """`ipc_blocks`' programs: at most `programs`, and none without a row (args[4]) to copy."""
+    return max(1, min(programs, args[4]))
 
 
 def block_args(seq: int, *, src: int, layers: int, ids: int, num_cache_blocks: int, progress: int, ready: int,
-               arrived: int, tally: int, shape: tuple[int, int, int, int], base: int | None = None,
-               layer_range: tuple[int, int] | None = None, last: bool = True) -> tuple[int, ...]:
+               arrived: int, tally: int, shape: tuple[int, int, int, int], base: int | None = None) -> tuple[int, ...]:
     """`ipc_blocks`' run-time arguments for send `seq`, in its order: addresses (staging,
     the receiver's layer addresses, its block ids, the progress word, the counters)
     and `shape`, the transfer's (blocks, layers, rows a block, bytes a row); `base`: what
     the progress word holds before any layer is staged (default: ``seq << 32``, the
-    communicator's own word for the send); `layer_range`: the layers this launch copies
-    (default: all); `last`: whether it is the send's last launch (it tells the receiver)."""
+    communicator's own word for the send)."""
     num_blocks, num_layers, pre, row_nbytes = shape
-    a, b = layer_range or (0, num_layers)
-    per_layer = num_blocks * pre
     return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, progress,
-            seq << 32 if base is None else base, ready, arrived, tally, seq, row_nbytes // 8, num_layers, pre,
-            a * per_layer, b * per_layer, int(last))
+            seq << 32 if base is None else base, ready, arrived, tally, seq, row_nbytes // 8, num_layers, pre)
 
 
 class _Copier:
@@ -783,26 +756,11 @@ class IpcCommunicator(Communicator):
                 self.mark_staged(stream, seq, paged.num_layers)
             self.sent = seq
             arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
-            word, base = progress or (self._progress(seq), seq << 32)
-            # Staged: one launch. Else one a group of layers (`layer_groups`), each behind a
-            # stream wait for its layers' count: programs waiting on the GPU for layers
-            # still being computed held SMs the forward pass needed (with matrix
-            # multiplies as the forward pass on one H200, a transfer's 32 programs added
-            # 13 ms to a 23 ms prefill). The stream waits end with the step: its word
-            # counts every layer by wait_for_save (`_StepProgress.finish`).
-            ends = [paged.num_layers] if staged else layer_groups(paged.num_layers)
-            if not staged:
-                self.drv.wait_value(stream.cuda_stream, self.my_ready, seq)  # D's ids: in before the first launch
-            start = 0
-            for end in ends:
-                if not staged:
-                    self.drv.wait_value(stream.cuda_stream, word, base + end)
-                args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
-                                  progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived(seq),
-                                  tally=self._tally(seq), layer_range=(start, end), last=end == ends[-1],
-                                  shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
-                self._blocks(stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
-                start = end
+            word, base = progress or (self._progress(seq), None)
+            args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
+                              progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived(seq),
+                              tally=self._tally(seq), shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
+            self._blocks(stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
             return [*keep, layers]
 
         return self._posted("a block send", steps, ends=self.sends[seq % SEND_STREAMS], sends=[seq])
@@ -888,13 +846,12 @@ class IpcCommunicator(Communicator):
         return all(s.query() for s in self.sends) and self.arrivals.query()
 
     def _release_waits(self, stream: torch.cuda.Stream) -> None:
-        """End this side's GPU waits (its sends' `ready` and staged counts, its receives'
-        `arrived`) and gate the peer's copies into its buffers off (the peer's `ready`),
-        through `stream`. The peer's `arrived` is left alone, so none of the peer's
-        receives looks done without its bytes."""
+        """End this side's GPU waits (its sends' `ready`, its receives' `arrived`) and gate
+        the peer's copies into its buffers off (the peer's `ready`), through `stream`. The
+        peer's `arrived` is left alone, so none of the peer's receives looks done without
+        its bytes."""
         self.drv.make_current(self.ctx)
-        for addr in (self.my_ready, *(self.my_arrived(k) for k in range(_TALLIES)),
-                     *(self._progress(k) for k in range(_TALLIES)), self.peer_ready):
+        for addr in (self.my_ready, *(self.my_arrived(k) for k in range(_TALLIES)), self.peer_ready):
             try:
                 self.drv.write_value(stream.cuda_stream, addr, ABORT)
             except RuntimeError as exc:  # the peer's memory may be gone with the peer

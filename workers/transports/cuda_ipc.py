@@ -123,7 +123,7 @@ _TALLIES = 64  # per-op program tallies and arrival words a communicator cycles 
 # On one stream the copies of a step's requests queued: each waits on the GPU for its
 # layers' gathers, so only the first overlapped the forward pass (8 requests of 2,048
 # tokens added 8.3 ms after a 20 ms prefill on one H200, 5.6-5.8 ms on eight streams;
-# docs/PERFORMANCE.md). It divides
+# docs/PERFORMANCE.md, figures the code quotes). It divides
 # `_TALLIES`, so send k + _TALLIES, which reuses send k's words, runs after it.
 SEND_STREAMS = 8
 

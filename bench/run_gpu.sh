@@ -61,8 +61,7 @@ if [ "$GPUS" -ge 2 ]; then  # the connector's tests (the race among them) over d
 fi
 
 # The connector's path: one request, after a 20 ms prefill, and eight of one step at once.
-# On one GPU D's step is a sleep by default (see bench/connector_path.py); the last run
-# shows the same with D's step a GPU kernel.
+# On one GPU D's step is a sleep by default (see bench/connector_path.py).
 bench() {  # NAME ARGS...: one run of bench/connector_path.py, its table on stdout, JSON and log in $OUT
   local name=$1
   shift
@@ -78,9 +77,6 @@ bench connector_inflight8_prefill20 --tokens 512,2048 --iters 20 --inflight 8 --
 # The same forward pass as matrix multiplies on every SM: what the copies cost a real prefill.
 bench connector_prefill20_gemm --tokens 512,2048,8192 --iters 20 --prefill-ms 20 --forward gemm
 bench connector_inflight8_prefill20_gemm --tokens 512,2048 --iters 20 --inflight 8 --prefill-ms 20 --forward gemm
-if [ "$GPUS" = 1 ]; then  # what D's step kernels cost P's forward pass when both share the GPU
-  bench connector_prefill20_gpustep --tokens 512,2048,8192 --iters 20 --prefill-ms 20 --step-on gpu
-fi
 
 # The peer, on the same GPU(s), beside the connector's rows of this run.
 if python3 -c 'import sys; sys.path.insert(0, "bench"); import nixl_peer; sys.exit(nixl_peer.nixl_module() is None)'; then

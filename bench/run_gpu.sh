@@ -50,13 +50,16 @@ EOF
 cat "$OUT/env.txt"
 
 # The tests: every gpu-marked test, over the ipc backend on one GPU (the two-GPU ones skip);
-# with two GPUs over TEST_BACKEND, then the connector's over direct NCCL as well.
-KVBROKER_NCCL_BACKEND=$TEST_BACKEND timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -s \
+# with two GPUs over TEST_BACKEND, then the connector's over direct NCCL as well. A test
+# still running after TEST_STALL_S has every thread's stack written to the log (pytest's
+# faulthandler), so a hang says where it waits before the timeout ends the run.
+STALL="-o faulthandler_timeout=${TEST_STALL_S:-60}"
+KVBROKER_NCCL_BACKEND=$TEST_BACKEND timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu -v -s $STALL \
   -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest.log"
 echo "pytest (KVBROKER_NCCL_BACKEND=$TEST_BACKEND) rc=$?"
 if [ "$GPUS" -ge 2 ]; then  # the connector's tests (the race among them) over direct NCCL too
   KVBROKER_NCCL_BACKEND=direct timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_connector_nccl.py -v -s \
-    -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest-direct.log"
+    $STALL -p no:cacheprovider 2>&1 | grep -v '^20[0-9][0-9]-.*\[\(info\|debug\)' | tee "$OUT/pytest-direct.log"
   echo "pytest connector (KVBROKER_NCCL_BACKEND=direct) rc=$?"
 fi
 

@@ -523,9 +523,9 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
     copy reads each layer only once the compute stream counted that layer gathered. Each
     layer is computed (a few ms of GPU time) before its gather and overwritten on the
     compute stream right after its save; D's blocks hold what P's held at each save. The
-    unsafe twin counts every layer gathered when the step is staged, instead of after each layer's
-    gathers (injected here): the copy then reads staging the gathers have not written
-    yet, and every transfer differs."""
+    unsafe twin counts every layer gathered when the step is staged, instead of after
+    each layer's gathers (injected here): the copy then reads staging the gathers have
+    not written yet, and every transfer differs."""
     if twin == "unsafe":
         real_stage = producer.ProducerSide._stage
 

@@ -47,8 +47,9 @@ next transfer, through the broker's `Relay` (`workers.rendezvous.BrokerRendezvou
 
 Ordering against the model: P's send waits on an event recorded after the step's
 gathers (`wait_for_save`), on the GPU and without a host wait; a send into D's blocks
-(below) instead waits layer by layer, on a word P's compute stream sets after each
-layer's gathers (`Streaming`), so it is posted at the Go, even during the forward pass. D's receive lands in a
+(below) is instead posted at the Go, even during the forward pass, and follows the
+step's `LayerFeed` (`Streaming.feed`): it is launched a group of layers at a time, each
+behind an event recorded after that group's gathers. D's receive lands in a
 receive-pool lease that has no GPU work pending (a lease goes back to the pool only
 after the scatter that read it has run, see `connector.consumer`).
 
@@ -79,7 +80,7 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
-from workers.transports.communicator import Communicator
+from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.nccl_comm import CommunicatorCache
 from workers.waker import make_waker
 
@@ -218,10 +219,9 @@ class Streaming(Protocol):
     """A send that may be posted while its copy is still being staged (P's forward pass
     may still be running on the GPU): what the link needs from the producer."""
 
-    # (address, base) of a word in P's GPU memory that P's compute stream sets to base +
-    # the layers of the copy gathered so far: a send into D's blocks copies each layer
-    # once that word says so (`Communicator.send_blocks`).
-    progress: tuple[int, int]
+    # Where P's step counts its layers gathered: a send into D's blocks follows it, and is
+    # launched a group of layers at a time as they are (`Communicator.send_blocks`).
+    feed: LayerFeed
 
     def wait(self) -> torch.cuda.Event | None:
         """Block until the copy is staged; the event after its gathers.
@@ -603,8 +603,8 @@ class NcclLink:
         into its blocks, as one op into them (`paged`: this side's cache, its shape).
 
         `streaming` (with `after` None): the copy may still be being gathered on the GPU.
-        Sent into D's blocks, the op is posted now and copies each layer as the compute
-        stream counts it gathered (`Streaming.progress`); any other op waits for the
+        Sent into D's blocks, the op is posted now and launched a group of layers at a
+        time as the step gathers them (`Streaming.feed`); any other op waits for the
         copy in a worker thread (`Streaming.wait`) and is posted after its gathers.
 
         Raises:
@@ -849,10 +849,9 @@ class NcclLink:
             else:
                 if not comm.next_receive_takes_blocks():
                     return None
-                # Streaming: each layer is copied once the compute stream counts it gathered.
+                # Streaming: each group of layers is launched once its gathers are enqueued.
                 work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
-                                        staged=streaming is None, keep=[lease.base],
-                                        progress=None if streaming is None else streaming.progress)
+                                        keep=[lease.base], feed=None if streaming is None else streaming.feed)
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

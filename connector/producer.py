@@ -23,9 +23,10 @@
    dropped rather than sent half-written, and its transfer aborted at the broker. On a
    GPU it records an event after the step's gathers; the NCCL send waits on it.
 4. On Go: over nccl with the copy kernel, post the send at once, even during the
-   forward pass: sent into D's blocks, it copies each layer once the compute stream has
-   counted that layer gathered (`_StepProgress`), so the transfer runs beside the
-   forward pass and only the last layers' bytes remain when it ends. Over tcp likewise:
+   forward pass: sent into D's blocks, it follows the step's layers (`StepLayers`) and
+   is launched a group of layers at a time, each behind an event after that group's
+   gathers, so the transfer runs beside the forward pass and only the last layer's
+   bytes remain when it ends. Over tcp likewise:
    the send writes each layer to D's socket once `save_kv_layer` has copied it
    (`_Layers`), the request's KV layer-major on the wire. Any other send (over nccl
    without the copy kernel, a hybrid model's rows, a lane of another TP size) first
@@ -54,6 +55,7 @@ import torch
 
 from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Release
+from workers.gpu_staging import StepLayers, current_stream, layers_in_order
 from workers.groups import GroupRows, gather_layer_rows
 from workers.layout import gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
@@ -88,8 +90,8 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
-    # nccl with the copy kernel: its step's progress word, (address, base) (`ProducerSide._steps`)
-    progress: tuple[int, int] | None = None
+    # nccl with the copy kernel: its step's layers, which a send posted during the forward pass follows
+    feed: StepLayers | None = None
     # tcp, one staging row per block: its step's layers copied so far, for a send that
     # streams them as they are copied (`_Layers`)
     layers: _Layers | None = None
@@ -135,15 +137,13 @@ class ProducerSide:
         self._layers: _Layers | None = None  # tcp: this step's layers copied so far
         self._group: _Group | None = None
         self._pool_words: torch.Tensor | None = None
-        self._steps: _StepProgress | None = None  # nccl with the copy kernel: made at start_transport
+        self._feed: StepLayers | None = None  # nccl with the copy kernel: this step's layers (`_stage`)
         self._cut_stream: torch.cuda.Stream | None = None  # nccl: where lanes' heads are cut (`connector.lanes`)
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
         if self.w.config.transport == "tcp":
             self.sender = TcpSender(log_context={"role": self.w.role, "instance": self.w.config.instance_id})
-        elif self.w.paged is not None:
-            self._steps = _StepProgress(self.w.paged.device)
         return {}
 
     def close(self) -> None:
@@ -172,7 +172,7 @@ class ProducerSide:
         # One wait for staging room per step, shared by its saves: a step with many saves
         # and a full pool stalls vLLM for load_timeout_s at most, not that once per save.
         deadline = time.monotonic() + self.w.config.load_timeout_s
-        progress = self._steps.begin() if self._steps is not None else None
+        feed = self._feed = StepLayers(len(w.layers)) if w.nccl is not None and w.paged is not None else None
         # tcp streams a save's layers as they are copied; a hybrid model's rows do not
         # follow the layers, so it is sent whole
         layers = self._layers = _Layers() if w.nccl is None and w.groups is None else None
@@ -181,7 +181,7 @@ class ProducerSide:
         for tid, spec in saves.items():
             staged = together.get(tid) or self._lease(tid, spec, deadline)
             if staged is not None:
-                staged.progress, staged.layers = progress, layers
+                staged.feed, staged.layers = feed, layers
                 with self.w.lock:
                     self._staged[tid] = staged  # before the Offer: a Go must find it
                 self._step.append((tid, staged))
@@ -343,8 +343,8 @@ class ProducerSide:
             else:
                 for staged in group.members:
                     staged.layers_done.add(idx)
-        if self._steps is not None:  # after this layer's gathers, in stream order (the seed's invariant)
-            self._steps.gathered(idx, torch.cuda.current_stream(self._steps.device))
+        if self._feed is not None:  # after this layer's gathers, in stream order (the seed's invariant)
+            self._feed.gathered(idx, current_stream(self.w.paged.device))
         self._send_offers()
         if failed:
             self._copy_failed(layer_name, failed)
@@ -375,6 +375,7 @@ class ProducerSide:
         self._send_offers()
         step, self._step = self._step, []
         layers, self._layers = self._layers, None
+        feed, self._feed = self._feed, None
         self._group = None
         event = None
         if step and w.pool is not None and w.pool.tensor.is_cuda:  # after every gather of the step
@@ -397,6 +398,8 @@ class ProducerSide:
                 w.spawn(self._wake, waiter)
         if layers is not None:  # after the step's incomplete saves were dropped: their sends stop
             layers.end()
+        if feed is not None:
+            feed.end()
         self._expire()
 
     async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
@@ -502,12 +505,12 @@ class ProducerSide:
         with w.lock:
             staged = self._staged.get(tid)
             # Over nccl with the copy kernel the send is posted at once, during the forward
-            # pass too, and a send into D's blocks copies each layer as the compute stream
-            # counts it gathered (`_Streaming`); else a Go during the forward pass waits.
+            # pass too, and a send into D's blocks is launched a group of layers at a time
+            # as they are gathered (`_Streaming`); else a Go during the forward pass waits.
             # A lane for a decode rank of another TP size is cut from the whole staged copy.
             # Over tcp a save's layers stream the same way, each once `save_kv_layer` copied it.
             streaming = staged is not None and not msg.head_stop and (
-                (w.nccl is not None and w.paged is not None and staged.progress is not None)
+                (w.nccl is not None and w.paged is not None and staged.feed is not None)
                 or staged.layers is not None)
             if staged is not None:
                 staged.sends += 1
@@ -682,53 +685,6 @@ class ProducerSide:
         self._unstage(msg.transfer_id, "aborted", msg.reason, on_loop=True)
 
 
-class _StepProgress:
-    """Where P's compute stream counts the layers each step has gathered: a word in GPU
-    memory per step (one of `SLOTS`, in turn), set to ``step << 32`` + the layers gathered
-    so far, after their gathers. A send into D's blocks (`_Streaming`) copies a layer once
-    its step's word says so, so it may be posted before the forward pass ends, and the
-    transfer runs beside it. A word holding a later step's count (written later on the
-    same stream, so after this step's gathers) reads as every layer gathered."""
-
-    SLOTS = 64
-
-    def __init__(self, device: torch.device) -> None:
-        from workers.transports.cuda_driver import driver
-
-        drv = driver()
-        if drv is None:
-            raise RuntimeError("the CUDA driver is needed to count a step's gathered layers")
-        self.drv, self.device = drv, device
-        self.words = torch.zeros(self.SLOTS, dtype=torch.int64, device=device)
-        torch.cuda.current_stream(device).synchronize()
-        self.step = 0
-        self._done: set[int] = set()
-        self._prefix = 0
-
-    def begin(self) -> tuple[int, int]:
-        """A new step: its word's (address, base)."""
-        self.step += 1
-        self._done, self._prefix = set(), 0
-        return self.words.data_ptr() + 8 * (self.step % self.SLOTS), self.step << 32
-
-    def gathered(self, layer: int, stream: torch.cuda.Stream) -> None:
-        """Layer `layer`'s gathers of this step are enqueued on `stream`: count the
-        layers gathered in order so far."""
-        self._done.add(layer)
-        prefix = _in_order(self._done, self._prefix)
-        if prefix > self._prefix:
-            self._prefix = prefix
-            self.drv.write_value(stream.cuda_stream, self.words.data_ptr() + 8 * (self.step % self.SLOTS),
-                                 (self.step << 32) + prefix)
-
-
-def _in_order(done: set[int], prefix: int) -> int:
-    """How many layers from 0 are in `done`, counting on from `prefix` (all below it are)."""
-    while prefix in done:
-        prefix += 1
-    return prefix
-
-
 class _Layers:
     """A CPU step's layers copied so far, in order (tcp): a send posted at the Go streams
     each layer once `save_kv_layer` has copied it (`ProducerSide._layer_parts`), so the
@@ -744,7 +700,7 @@ class _Layers:
     def copied(self, layer: int) -> None:
         with self._cond:
             self._done.add(layer)
-            self._prefix = _in_order(self._done, self._prefix)
+            self._prefix = layers_in_order(self._done, self._prefix)
             self._cond.notify_all()
 
     def end(self) -> None:
@@ -775,12 +731,12 @@ def _stop(stopped: threading.Event, staged: _Staged) -> None:
 
 class _Streaming:
     """A send posted at the Go, whatever the forward pass has gathered yet
-    (`connector.nccl_link.Streaming`): its progress is its step's word (`_StepProgress`)."""
+    (`connector.nccl_link.Streaming`): it follows its step's layers (`StepLayers`)."""
 
     def __init__(self, side: ProducerSide, tid: str, staged: _Staged, deadline: float) -> None:
-        assert staged.progress is not None
+        assert staged.feed is not None
         self.side, self.tid, self.staged, self.deadline = side, tid, staged, deadline
-        self.progress = staged.progress
+        self.feed = staged.feed
 
     def wait(self) -> torch.cuda.Event | None:
         staged = self.staged

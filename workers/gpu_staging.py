@@ -29,13 +29,17 @@ every layer of a block range (`copy_range`, D's scatters); elsewhere `index_sele
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
+
+if TYPE_CHECKING:  # pragma: no cover
+    from workers.transports.communicator import LayerSend
 
 try:  # Triton is optional: the per-layer path needs only torch.
     import triton
@@ -43,7 +47,8 @@ try:  # Triton is optional: the per-layer path needs only torch.
 except ImportError:  # pragma: no cover - depends on the host
     triton = None
 
-__all__ = ["PagedKv", "current_stream", "pipeline_bounds", "pipeline_defaults"]
+__all__ = ["PagedKv", "StepLayers", "current_stream", "layer_groups", "layers_in_order", "pipeline_bounds",
+           "pipeline_defaults"]
 
 log = structlog.get_logger()
 
@@ -484,3 +489,93 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _STREAMS[key] = torch.cuda.current_stream(index)
     return stream
+
+
+def layers_in_order(done: set[int], prefix: int) -> int:
+    """How many layers from 0 are in `done`, counting on from `prefix` (all below it are)."""
+    while prefix in done:
+        prefix += 1
+    return prefix
+
+
+def layer_groups(num_layers: int) -> list[int]:
+    """Where a send that follows a forward pass is cut into launches (`StepLayers`): the
+    end of each group of layers, halving towards the end (for 32 layers 16, 8, 4, 2, 1,
+    1). Few launches (each costs the forward pass's thread about 10 us), and the copy
+    left once the last layer is gathered is one layer's."""
+    ends, back = {num_layers}, 1
+    while back < num_layers:
+        ends.add(num_layers - back)
+        back *= 2
+    return sorted(ends)
+
+
+def _record_event(stream: Any) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class StepLayers:
+    """A step's layers as its gathers are enqueued on the compute stream (`gathered`),
+    counted in order: the `LayerFeed` that block sends posted during the forward pass
+    follow (`workers.transports.communicator`).
+
+    Each time the count reaches the end of a group (`layer_groups`), an event is recorded
+    on the compute stream after those gathers, and every send that follows is launched
+    up to there, behind it. A send that starts following later is launched at once up to
+    the last group reached. Launching up to a group's end behind its event is right
+    whichever thread gets there first: the event comes after every gather before it in
+    stream order, and a send skips layers it has launched already.
+
+    `record(stream)` makes the event (injected by the CPU tests, which have no CUDA)."""
+
+    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event) -> None:
+        self.num_layers = num_layers
+        self._ends = layer_groups(num_layers)
+        self._record = record
+        self._lock = threading.Lock()  # the forward pass's thread counts; the broker client's loop follows
+        self._done: set[int] = set()
+        self._prefix = 0  # layers [0, prefix) are gathered
+        self._next = 0  # the group whose end is still to be reached
+        self._reached: tuple[int, Any] | None = None  # the last group end reached, and its event
+        self._followers: list[LayerSend] = []
+
+    def gathered(self, layer: int, stream: Any) -> None:
+        """Layer `layer`'s gathers are enqueued on `stream`. In the forward pass: a send's
+        launch that fails is logged, not raised (its transfer then ends at its deadline)."""
+        with self._lock:
+            self._done.add(layer)
+            self._prefix = layers_in_order(self._done, self._prefix)
+            reached = self._next
+            while reached < len(self._ends) and self._ends[reached] <= self._prefix:
+                reached += 1
+            if reached == self._next:
+                return
+            self._next = reached
+            end = self._ends[reached - 1]
+            event = self._record(stream)
+            self._reached = (end, event)
+            followers = self._followers
+            if end >= self.num_layers:
+                self._followers = []
+        for send in followers:
+            try:
+                send.launch(end, event)
+            except Exception as exc:  # never into vLLM's forward pass
+                log.error("transfer.launch_failed", layers=end, error=repr(exc))
+
+    def follow(self, send: LayerSend) -> None:
+        """`send` is launched up to the last group reached now, and then as each is."""
+        with self._lock:
+            reached = self._reached
+            if reached is None or reached[0] < self.num_layers:
+                self._followers.append(send)
+        if reached is not None:
+            send.launch(*reached)
+
+    def end(self) -> None:
+        """The step is over: a send still following it (its step missed a layer) is never
+        launched further; its transfer was aborted, and the abort ends it."""
+        with self._lock:
+            self._followers = []

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector import consumer, nccl_link, producer
+from connector import consumer, nccl_link
+from workers import gpu_staging
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
@@ -519,26 +520,16 @@ def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
     broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str
 ) -> None:
     """The Go comes while P's forward pass runs (the test waits after the first layer's
-    save until P has posted the send): P posts the send into D's blocks at once, and its
-    copy reads each layer only once the compute stream counted that layer gathered. Each
-    layer is computed (a few ms of GPU time) before its gather and overwritten on the
-    compute stream right after its save; D's blocks hold what P's held at each save. The
-    unsafe twin counts every layer gathered when the step is staged, instead of after
-    each layer's gathers (injected here): the copy then reads staging the gathers have
-    not written yet, and every transfer differs."""
+    save until P has posted the send): P posts the send into D's blocks at once, and it
+    is launched a group of layers at a time, each launch behind an event recorded after
+    that group's gathers. Each layer is computed (a few ms of GPU time) before its gather
+    and overwritten on the compute stream right after its save; D's blocks hold what
+    P's held at each save. The unsafe twin launches the whole copy when the send starts
+    following the step, behind no event (injected here): the copy then reads staging the
+    gathers have not written yet, and every transfer differs."""
     if twin == "unsafe":
-        real_stage = producer.ProducerSide._stage
-
-        def stage_counted(self: producer.ProducerSide) -> None:  # the step's staging, at its first save
-            real_stage(self)
-            steps = self._steps
-            assert steps is not None
-            word = steps.words.data_ptr() + 8 * (steps.step % steps.SLOTS)
-            steps.drv.write_value(torch.cuda.current_stream(steps.device).cuda_stream, word,
-                                  (steps.step << 32) + len(self.w.layers))  # before any gather, in stream order
-
-        monkeypatch.setattr(producer.ProducerSide, "_stage", stage_counted)
-        monkeypatch.setattr(producer._StepProgress, "gathered", lambda self, layer, stream: None)
+        monkeypatch.setattr(gpu_staging.StepLayers, "follow",
+                            lambda self, send: send.launch(self.num_layers, None))
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")

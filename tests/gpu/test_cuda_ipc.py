@@ -94,11 +94,11 @@ def test_sizes_that_differ_fail_the_send_naming_both() -> None:
 def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     """P sends a staged transfer of 8 blocks as one block op; D's receive gives up after
     `cfg["wait_s"]` and reports whether its cache stayed as it was. `cfg["case"]`:
-    "count" (D's receive takes 7 blocks: P's send must refuse it), "gave_up" (P's
-    kernel waits for gathers marked staged only after D gave up: it must end without
-    writing), or "int32_ids" (D's block ids are int32 on its GPU and a step of GPU work
+    "count" (D's receive takes 7 blocks: P's send must refuse it), "gave_up" (P's send
+    follows a step whose layers are counted gathered only after D gave up: it must end
+    without writing), or "int32_ids" (D's block ids are int32 on its GPU and a step of GPU work
     follows them: the blocks must land where the ids say)."""
-    from workers.gpu_staging import PagedKv
+    from workers.gpu_staging import PagedKv, StepLayers
     from workers.pool import BufferPool
 
     try:
@@ -114,7 +114,7 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
                 try:
                     with comm.lock:
                         work = comm.send_blocks(comm.next_send, paged, staged.data_ptr(), 8, after=[ops._now()],
-                                                staged=True, keep=[staged])
+                                                keep=[staged])
                     comm.completion([work], ops.stream, "send").wait(time.monotonic() + 30.0)
                     res["sent"] = [r[:, :8].cpu().numpy() for r in paged.rows]
                 except ValueError as exc:
@@ -122,11 +122,12 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
                 res["stats"] = cache.statistics().__dict__
             else:
                 comm = cache.get("D", initiator=True)
+                step = StepLayers(paged.num_layers)
                 with comm.lock:
-                    seq = comm.next_send
-                    work = comm.send_blocks(seq, paged, staged.data_ptr(), 8, keep=[staged])
+                    work = comm.send_blocks(comm.next_send, paged, staged.data_ptr(), 8, keep=[staged], feed=step)
                 rdv.receive("D", "test/gave-up")
-                comm.mark_staged(torch.cuda.current_stream(device), seq, 8 * paged.num_layers * paged.pre)
+                for layer in range(paged.num_layers):
+                    step.gathered(layer, torch.cuda.current_stream(device))
                 res["send_ended"] = wait_until(work.event.query, 30, "P's block send to end after D gave up")
                 rdv.publish("D", "test/ended", b"1")
         else:
@@ -192,12 +193,13 @@ SIDE_BY_SIDE_D = [REQ_D, [1, 3, 5, 9, 11, 13, 15, 17], [40, 41, 42, 43, 44, 45, 
 
 
 def _side_by_side_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
-    """P posts three whole staged sends to D, the first one's layers never marked staged
-    until the other two have landed: each send waits on the GPU for its own layers, so
-    the two later ones must land while the first still waits (on one stream they would
-    queue behind it, as the copies of a step's requests once did). Then the first is
-    staged and lands; D reports the blocks of all three."""
-    from workers.gpu_staging import PagedKv
+    """P posts three whole staged sends to D, each following a step of its own, the first
+    one's layers never counted gathered until the other two have landed: each send is
+    launched as its own layers are, so the two later ones must land while the first
+    still waits (on one stream they would queue behind it, as the copies of a step's
+    requests once did). Then the first's layers are counted and it lands; D reports the
+    blocks of all three."""
+    from workers.gpu_staging import PagedKv, StepLayers
     from workers.pool import BufferPool
 
     try:
@@ -217,15 +219,18 @@ def _side_by_side_worker(role: str, dev: int, outbox: Any, inbox: Any, results: 
             sends = []
             with comm.lock:
                 for lease in staged:
-                    seq = comm.next_send
-                    sends.append((seq, comm.send_blocks(seq, paged, lease.data_ptr(), 8, keep=[lease])))
+                    step = StepLayers(paged.num_layers)
+                    sends.append((step, comm.send_blocks(comm.next_send, paged, lease.data_ptr(), 8, keep=[lease],
+                                                         feed=step)))
             compute = torch.cuda.current_stream(device)
-            for seq, _ in sends[1:]:
-                comm.mark_staged(compute, seq, paged.num_layers)
+            for step, _ in sends[1:]:
+                for layer in range(paged.num_layers):
+                    step.gathered(layer, compute)
             res["later_landed"] = bool(wait_until(lambda: all(w.event.query() for _, w in sends[1:]), 30,
                                                   "the later sends to land while the first waits for its layers"))
             res["first_waited"] = not sends[0][1].event.query()
-            comm.mark_staged(compute, sends[0][0], paged.num_layers)
+            for layer in range(paged.num_layers):
+                sends[0][0].gathered(layer, compute)
             wait_until(sends[0][1].event.query, 30, "the first send to land once staged")
             res["sent"] = [[r[:, 8 * k : 8 * k + 8].cpu().numpy() for r in paged.rows] for k in range(n)]
             rdv.receive("D", "test/landed")

@@ -4,8 +4,8 @@ its memory up gets nothing. On GPUs, tests/gpu/test_cuda_ipc.py runs the same ke
 compiled, between processes and under overwrites; here CI checks their addressing.
 
 The interpreter runs a grid's programs one after another, so these give every kernel
-its `ready` and staged rows up front: a wait that another program would end cannot be
-run here (the GPU tests cover those)."""
+its `ready` up front: a wait that another program would end cannot be run here (the GPU
+tests cover those)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from workers.gpu_staging import PagedKv  # noqa: E402
 from workers.transports import cuda_ipc  # noqa: E402
 
-ready, arrived, progress, tally = range(4)  # the counter words each kernel call gets
+ready, arrived, tally = range(3)  # the counter words each kernel call gets
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,9 @@ def _interpreter_takes_addresses() -> bool:
     return int(word[0]) == 7
 
 
-def _counters(seq: int, *, given_up: bool, staged_rows: int) -> torch.Tensor:
+def _counters(seq: int, *, given_up: bool) -> torch.Tensor:
     words = torch.zeros(8, dtype=torch.int64)
     words[ready] = cuda_ipc.ABORT + seq if given_up else seq
-    words[progress] = (seq << 32) + staged_rows
     return words
 
 
@@ -67,13 +66,15 @@ def _address(words: torch.Tensor, i: int) -> int:
 
 
 def _send_blocks(kernels: ModuleType, seq: int, staging: torch.Tensor, d: PagedKv, ids: torch.Tensor,
-                 words: torch.Tensor, programs: int) -> None:
-    """One block send as `IpcCommunicator.send_blocks` launches it, into `d`'s blocks `ids`."""
+                 words: torch.Tensor, programs: int, layer_range: tuple[int, int] | None = None,
+                 last: bool = True) -> None:
+    """One launch of a block send as `IpcCommunicator.send_blocks` makes it, into `d`'s
+    blocks `ids`: of every layer, or of `layer_range` (`last`: the send's last launch)."""
     layers = torch.tensor([r.data_ptr() for r in d.rows], dtype=torch.int64)
     args = kernels.block_args(
         seq, src=staging.data_ptr(), layers=layers.data_ptr(), ids=ids.data_ptr(), num_cache_blocks=d.num_blocks,
-        progress=_address(words, progress), ready=_address(words, ready), arrived=_address(words, arrived),
-        tally=_address(words, tally), shape=(ids.numel(), d.num_layers, d.pre, d.row_nbytes))
+        ready=_address(words, ready), arrived=_address(words, arrived), tally=_address(words, tally),
+        shape=(ids.numel(), d.num_layers, d.pre, d.row_nbytes), layer_range=layer_range, last=last)
     grid = kernels.block_grid(programs, args)
     kernels._blocks_kernel()[(grid,)](*args, BLOCK=kernels._COPY_BLOCK, ABORT_AT=kernels.ABORT)
 
@@ -118,7 +119,7 @@ def test_each_staged_row_lands_where_the_receivers_scatter_puts_it(kernels: Modu
     p.gather(torch.tensor(t["p_ids"]), p.staging_view(staging, n))
     d, scattered = (_caches(num_layers, pre, t["d_blocks"], row_words, seed=None) for _ in range(2))
     scattered.scatter(torch.tensor(t["d_ids"]), scattered.staging_view(staging, n))
-    words = _counters(t["seq"], given_up=False, staged_rows=n * num_layers * pre)
+    words = _counters(t["seq"], given_up=False)
     _send_blocks(kernels, t["seq"], staging, d, torch.tensor(t["d_ids"]), words, t["programs"])
     for layer in range(num_layers):
         assert torch.equal(d.rows[layer], scattered.rows[layer]), f"layer {layer} differs from the scatter's"
@@ -127,17 +128,19 @@ def test_each_staged_row_lands_where_the_receivers_scatter_puts_it(kernels: Modu
     assert int(words[tally]) == 0, "the programs' tally was not left at 0 for the send that reuses it"
 
 
-@pytest.mark.parametrize("staged_rows", [0, 5, 16], ids=["nothing staged", "some staged", "all staged"])
-def test_a_receiver_that_gave_its_blocks_up_gets_no_row_and_no_end(kernels: ModuleType, staged_rows: int) -> None:
-    """D's load failed and vLLM may reuse its blocks: past ABORT on `ready`, no program
-    copies a row, whatever P's compute stream has staged, and `arrived` stays as it was
-    (so D never takes the transfer for landed)."""
+@pytest.mark.parametrize("layer_range", [(0, 1), (1, 2), (0, 2)], ids=["first launch", "last launch", "whole"])
+def test_a_receiver_that_gave_its_blocks_up_gets_no_row_and_no_end(kernels: ModuleType,
+                                                                   layer_range: tuple[int, int]) -> None:
+    """D's load failed and vLLM may reuse its blocks: past ABORT on `ready`, no launch of
+    the send copies a row, and `arrived` stays as it was (so D never takes the transfer
+    for landed)."""
     p = _caches(2, 2, 4, 8, seed=7)
     staging = torch.empty(4 * p.staged_block_nbytes, dtype=torch.uint8)
     p.gather(torch.arange(4), p.staging_view(staging, 4))
     d = _caches(2, 2, 6, 8, seed=None)
-    words = _counters(3, given_up=True, staged_rows=staged_rows)
-    _send_blocks(kernels, 3, staging, d, torch.tensor([5, 0, 2, 3]), words, programs=4)
+    words = _counters(3, given_up=True)
+    _send_blocks(kernels, 3, staging, d, torch.tensor([5, 0, 2, 3]), words, programs=4, layer_range=layer_range,
+                 last=layer_range[1] == 2)
     assert all(int(r.abs().sum()) == 0 for r in d.rows), "a row landed in blocks the receiver gave up"
     assert int(words[arrived]) == 0
 
@@ -151,7 +154,7 @@ def test_a_byte_send_copies_exactly_its_bytes_unless_the_receiver_gave_up(
     the size and both addresses allow it, by bytes otherwise, as `_Copier` launches it."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.zeros(nbytes + 64, dtype=torch.uint8)  # bytes past the send's end must stay 0
-    words = _counters(9, given_up=given_up, staged_rows=0)
+    words = _counters(9, given_up=given_up)
     grid, count, wide = kernels.copy_shape(src.data_ptr(), dst.data_ptr(), nbytes, programs)
     kernels._kernel()[(grid,)](src.data_ptr(), dst.data_ptr(), count, _address(words, ready),
                                    _address(words, arrived), _address(words, tally), 9,
@@ -163,25 +166,27 @@ def test_a_byte_send_copies_exactly_its_bytes_unless_the_receiver_gave_up(
         assert int(words[arrived]) == 9 and int(words[tally]) == 0
 
 
-@pytest.mark.parametrize("word", ["its step, every layer", "a later step, no layer yet"])
-def test_a_send_copies_every_layer_once_its_step_or_a_later_one_counted(kernels: ModuleType, word: str) -> None:
-    """A block send reads the producer's step word (`progress`, with a base of its own):
-    its step's count of every layer, or any count of a later step (written later on the
-    same stream, after this step's gathers), lets every row go."""
-    p = _caches(3, 2, 4, 8, seed=11)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_layers=st.integers(1, 6), programs=st.integers(1, 5), data=st.data())
+def test_a_send_launched_in_groups_of_layers_lands_each_group_and_tells_once(
+    kernels: ModuleType, num_layers: int, programs: int, data: st.DataObject,
+) -> None:
+    """A send that follows a forward pass is launched a group of layers at a time
+    (`StepLayers`): each launch copies exactly its layers' rows, and only the last one
+    tells the receiver, once every row is in."""
+    from workers.gpu_staging import layer_groups
+
+    p = _caches(num_layers, 2, 4, 8, seed=num_layers)
     staging = torch.empty(4 * p.staged_block_nbytes, dtype=torch.uint8)
     p.gather(torch.arange(4), p.staging_view(staging, 4))
-    d = _caches(3, 2, 6, 8, seed=None)
-    step = 7
-    words = _counters(5, given_up=False, staged_rows=0)
-    words[progress] = (step << 32) + 3 if word.startswith("its") else (step + 1) << 32
-    ids = torch.tensor([5, 0, 2, 3])
-    layers = torch.tensor([r.data_ptr() for r in d.rows], dtype=torch.int64)
-    args = kernels.block_args(
-        5, src=staging.data_ptr(), layers=layers.data_ptr(), ids=ids.data_ptr(), num_cache_blocks=d.num_blocks,
-        progress=_address(words, progress), ready=_address(words, ready), arrived=_address(words, arrived),
-        tally=_address(words, tally), shape=(4, d.num_layers, d.pre, d.row_nbytes), base=step << 32)
-    kernels._blocks_kernel()[(kernels.block_grid(3, args),)](*args, BLOCK=kernels._COPY_BLOCK, ABORT_AT=kernels.ABORT)
-    for layer in range(3):
-        assert torch.equal(d.rows[layer][:, [5, 0, 2, 3]], p.rows[layer][:, [0, 1, 2, 3]]), f"layer {layer}"
-    assert int(words[arrived]) == 5
+    d = _caches(num_layers, 2, 6, 8, seed=None)
+    ends = data.draw(st.sampled_from([layer_groups(num_layers), [num_layers], list(range(1, num_layers + 1))]))
+    words, ids, start = _counters(5, given_up=False), torch.tensor([5, 0, 2, 3]), 0
+    for end in ends:
+        assert int(words[arrived]) == 0, "the receiver was told before the last launch"
+        _send_blocks(kernels, 5, staging, d, ids, words, programs, layer_range=(start, end), last=end == num_layers)
+        for layer in range(num_layers):
+            copied = torch.equal(d.rows[layer][:, [5, 0, 2, 3]], p.rows[layer][:, [0, 1, 2, 3]])
+            assert copied == (layer < end), f"layer {layer} after the launch of layers [{start}, {end})"
+        start = end
+    assert int(words[arrived]) == 5 and int(words[tally]) == 0

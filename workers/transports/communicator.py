@@ -12,6 +12,11 @@ never through its type:
 * `send_ready()`: whether a send posted now only enqueues, or would first wait on the
   host for the peer (the ipc backend reads the receiver's descriptor before it copies).
 
+A block send may be posted before the producer's layers are all gathered: it then
+follows the producer's `LayerFeed`, which launches it a group of layers at a time as
+their gathers are enqueued (`LayerSend.launch`), and its end (`PendingEnd`) is recorded
+by whichever thread launches its last layers.
+
 This module imports no backend; the backends import it.
 """
 
@@ -31,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from workers.gpu_staging import PagedKv
 
 __all__ = [
-    "Communicator", "CommunicatorLimit", "Completion", "Owner", "Rendezvous", "StreamWork", "check_range", "nbytes_of",
+    "Communicator", "CommunicatorLimit", "Completion", "LayerFeed", "LayerSend", "Owner", "PendingEnd", "Rendezvous",
+    "StreamWork", "check_range", "nbytes_of",
 ]
 
 log = structlog.get_logger()
@@ -77,6 +83,67 @@ class Owner(Protocol):
     def forget(self, comm: Communicator) -> None: ...
 
     def tell_stale(self, comm: Communicator) -> None: ...
+
+
+class PendingEnd:
+    """The end of an op launched in parts, possibly by another thread than the one that
+    posted it (a block send that follows a `LayerFeed`): an event recorded by the launch
+    of its last part. Until then it reads as not done, unlike a CUDA event never
+    recorded, which reads as done. An op given up before its last part (its
+    communicator was aborted) reads as done: its waiter then finds the communicator
+    closed."""
+
+    __slots__ = ("event", "given_up", "_set")
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.given_up = False
+        self._set = threading.Event()
+
+    def record(self, stream: torch.cuda.Stream) -> None:
+        self.event.record(stream)
+        self._set.set()
+
+    def give_up(self) -> None:
+        self.given_up = True
+        self._set.set()
+
+    @property
+    def recorded(self) -> bool:
+        """The last part was launched (or the op given up): no launch is still to come."""
+        return self._set.is_set()
+
+    def wait_recorded(self, timeout_s: float) -> bool:
+        return self._set.wait(max(timeout_s, 0.0))
+
+    def query(self) -> bool:
+        return self._set.is_set() and (self.given_up or self.event.query())
+
+    def wait_on(self, stream: torch.cuda.Stream) -> None:
+        """`stream` waits for the op's end (recorded already; given up: nothing to wait for)."""
+        if not self.given_up:
+            stream.wait_event(self.event)
+
+
+class LayerSend(Protocol):
+    """A posted block send, launched in parts as the producer's layers are gathered."""
+
+    def launch(self, layers: int, after: torch.cuda.Event | None) -> None:
+        """Copy the layers up to `layers` (those not launched yet) once `after`, an
+        event recorded after their gathers, completed; the launch of the last layer
+        also tells the receiver. Never waits on the host."""
+
+
+class LayerFeed(Protocol):
+    """Where a producer counts its step's layers gathered (on the compute stream).
+
+    A block send posted before every layer is gathered follows it: `follow` launches
+    the layers gathered so far at once and the rest as their gathers are enqueued, each
+    behind an event recorded after them. So every wait on the GPU is for work already
+    enqueued: a wait for a count that a later host call would write can stall, on a
+    hardware queue shared with other streams, the very work that writes it."""
+
+    def follow(self, send: LayerSend) -> None: ...
 
 
 class Completion:
@@ -204,13 +271,8 @@ class Communicator:
         return False
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
-                    after: Sequence[torch.cuda.Event | None] = (), staged: bool = False,
-                    keep: Sequence[torch.Tensor] = (), programs: int | None = None,
-                    progress: tuple[int, int] | None = None) -> Any:
-        raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
-
-    def mark_staged(self, stream: torch.cuda.Stream, seq: int, layers: int) -> None:
-        """After `stream`'s work so far, block send `seq` may copy its first `layers` layers."""
+                    after: Sequence[torch.cuda.Event | None] = (), keep: Sequence[torch.Tensor] = (),
+                    programs: int | None = None, feed: LayerFeed | None = None) -> Any:
         raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
 
     # -- shared --------------------------------------------------------------------------

@@ -42,12 +42,17 @@ How one op pairs:
   D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
   P's `ready`, without waiting for its earlier block receives to land (only for the
   one whose arena slot it reuses), and waits for `arrived` on a stream of its own.
-  P's kernel copies the staged rows layer by layer, each layer once a word in P's own
-  memory says it is staged: the connector's step word, which P's compute stream sets
-  after each layer's gathers (so the send may be posted during the forward pass), or a
-  word per send (`mark_staged`, written after the events the send waits on). The
-  gathers stay on the compute stream, so P's blocks may be reused as soon as
-  `save_kv_layer` returns.
+  P's kernel copies the staged rows. A send posted while the forward pass still gathers
+  its layers (the connector posts it at the Go) follows the producer's `LayerFeed`: it
+  is launched a group of layers at a time (`workers.gpu_staging.StepLayers`), each
+  launch behind an event recorded after that group's gathers, by whichever thread
+  comes second: the one posting (the layers gathered by then) or the forward pass's
+  (the rest). So no program holds an SM while layers are still being computed (one
+  launch whose 32 programs waited on the GPU for each layer added 13 ms to a prefill
+  of matrix multiplies on one H200), and no stream waits for a count that a later host
+  call writes (such a wait can stall, on a hardware queue shared with other streams,
+  the very work that would end it). The gathers stay on the compute stream, so P's
+  blocks may be reused as soon as `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,
@@ -93,7 +98,7 @@ from .ipc_mailbox import (
     MailboxError,
     group_steps,
 )
-from .communicator import Communicator, Owner, StreamWork, check_range, nbytes_of
+from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
 from .cuda_driver import CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
@@ -162,10 +167,11 @@ def _kernel() -> Any:
                     tl.store(tally_at, 0)  # the tally is used again _TALLIES ops later, in stream order
                     tl.atomic_xchg(arrived.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
 
-        @triton.jit(do_not_specialize=["src", "layers", "ids", "num_cache_blocks", "rows", "progress", "base",
-                                       "ready", "arrived", "tally", "seq", "row_words", "num_layers", "pre"])
-        def ipc_blocks(src, layers, ids, num_cache_blocks, rows, progress, base, ready, arrived, tally, seq,
-                       row_words, num_layers, pre, BLOCK: tl.constexpr, ABORT_AT: tl.constexpr):
+        @triton.jit(do_not_specialize=["src", "layers", "ids", "num_cache_blocks", "rows", "ready", "arrived",
+                                       "tally", "seq", "row_words", "num_layers", "pre", "first_row", "end_row",
+                                       "last"])
+        def ipc_blocks(src, layers, ids, num_cache_blocks, rows, ready, arrived, tally, seq, row_words, num_layers,
+                       pre, first_row, end_row, last, BLOCK: tl.constexpr, ABORT_AT: tl.constexpr):
             # The cache's shape is passed at run time, not compiled in: the kernel is then
             # compiled and loaded once, when the communicator is built. Loading a module
             # later, while a peer's stream in this process waits on a count, would wait for
@@ -173,14 +179,14 @@ def _kernel() -> Any:
             # Send number `seq` of a whole staged transfer, straight into the receiver's
             # blocks. Staging row (block i, layer, pre p) is (i * NUM_LAYERS + layer) * PRE
             # + p, as P's gathers write it; it goes to row p of block ids[i] of the
-            # receiver's `layer`. Rows are taken in layer order (t = (layer * blocks + i) *
-            # PRE + p), the order P's forward pass stages them, and a row is copied once
-            # P's compute stream says its layer is staged: `progress` holds base + the
-            # layers gathered so far (a word left with a smaller base reads as nothing
-            # staged, one with a larger base, written later in the same stream, as all).
-            # So a send posted during the forward pass copies each layer as its gather
-            # ends. All waits read this GPU's own memory; the receiver wrote `ready` and
-            # the ids over NVLink.
+            # receiver's `layer`. Rows are numbered in layer order (t = (layer * blocks +
+            # i) * PRE + p), and one launch copies rows [first_row, end_row), whole
+            # layers: a send posted during the forward pass is launched a group of layers
+            # at a time, each behind an event after that group's gathers
+            # (`IpcCommunicator.send_blocks`), so no program waits here for the forward
+            # pass. Only the `last` launch tells the receiver; the ones before it ran
+            # earlier on the same stream. All waits read this GPU's own memory; the
+            # receiver wrote `ready` and the ids over NVLink.
             seq64 = seq.to(tl.int64)
             ready_at = ready.to(tl.pointer_type(tl.int64))
             r = tl.load(ready_at, volatile=True)
@@ -191,26 +197,19 @@ def _kernel() -> Any:
             s = src.to(tl.pointer_type(tl.int64))
             lp = layers.to(tl.pointer_type(tl.int64))
             ip = ids.to(tl.pointer_type(tl.int64))
-            staged_at = progress.to(tl.pointer_type(tl.int64))
-            first = base.to(tl.int64)
-            have = first - first  # layers known staged (int64, as it is reassigned below)
             n = rows.to(tl.int64)
             ncb = num_cache_blocks.to(tl.int64)
             ROW = row_words.to(tl.int64)
             NUM_LAYERS = num_layers.to(tl.int64)
             PRE = pre.to(tl.int64)
             NB = n // (NUM_LAYERS * PRE)  # the transfer's blocks
-            for t in tl.range(tl.program_id(0).to(tl.int64), n, tl.num_programs(0)):
-                layer = t // (NB * PRE)
-                while live & (have <= layer):
-                    have = tl.atomic_add(staged_at, 0, sem="acquire", scope="gpu") - first
-                    if have <= layer:  # still waiting: an abort on this side ends the wait
-                        live = tl.load(ready_at, volatile=True) < ABORT_AT
+            for t in tl.range(first_row.to(tl.int64) + tl.program_id(0), end_row.to(tl.int64), tl.num_programs(0)):
                 if live:
                     # Read while this row copies, looked at after it: a receiver that gave
                     # its blocks up (a failed load whose blocks vLLM may reuse) gets no row
                     # started after it said so.
                     gate = tl.load(ready_at, volatile=True)
+                    layer = t // (NB * PRE)
                     i = (t // PRE) % NB
                     p = t % PRE
                     dst = tl.load(lp + layer).to(tl.pointer_type(tl.int64))
@@ -225,7 +224,8 @@ def _kernel() -> Any:
                                  cache_modifier=".cs")
                     live = gate < ABORT_AT
             tl.debug_barrier()  # every thread's stores before this program's release below
-            if live:  # a program that saw an abort does not count, so the receiver is never told
+            # A program that saw an abort does not count, so the receiver is never told.
+            if live & (last != 0):
                 tally_at = tally.to(tl.pointer_type(tl.int32))
                 if tl.atomic_add(tally_at, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
                     tl.store(tally_at, 0)
@@ -251,20 +251,24 @@ def copy_shape(src: int, dst: int, nbytes: int, programs: int) -> tuple[int, int
 
 
 def block_grid(programs: int, args: tuple[int, ...]) -> int:
-    """`ipc_blocks`' programs: at most `programs`, and none without a row (args[4]) to copy."""
-    return max(1, min(programs, args[4]))
+    """`ipc_blocks`' programs: at most `programs`, and none without a row of its range
+    (args[12:14]) to copy."""
+    return max(1, min(programs, args[13] - args[12]))
 
 
-def block_args(seq: int, *, src: int, layers: int, ids: int, num_cache_blocks: int, progress: int, ready: int,
-               arrived: int, tally: int, shape: tuple[int, int, int, int], base: int | None = None) -> tuple[int, ...]:
+def block_args(seq: int, *, src: int, layers: int, ids: int, num_cache_blocks: int, ready: int, arrived: int,
+               tally: int, shape: tuple[int, int, int, int], layer_range: tuple[int, int] | None = None,
+               last: bool = True) -> tuple[int, ...]:
     """`ipc_blocks`' run-time arguments for send `seq`, in its order: addresses (staging,
-    the receiver's layer addresses, its block ids, the progress word, the counters)
-    and `shape`, the transfer's (blocks, layers, rows a block, bytes a row); `base`: what
-    the progress word holds before any layer is staged (default: ``seq << 32``, the
-    communicator's own word for the send)."""
+    the receiver's layer addresses, its block ids, the counters) and `shape`, the
+    transfer's (blocks, layers, rows a block, bytes a row); `layer_range`: the layers
+    this launch copies (default: all); `last`: whether it is the send's last launch (it
+    tells the receiver)."""
     num_blocks, num_layers, pre, row_nbytes = shape
-    return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, progress,
-            seq << 32 if base is None else base, ready, arrived, tally, seq, row_nbytes // 8, num_layers, pre)
+    a, b = layer_range or (0, num_layers)
+    per_layer = num_blocks * pre
+    return (src, layers, ids, num_cache_blocks, num_blocks * num_layers * pre, ready, arrived, tally, seq,
+            row_nbytes // 8, num_layers, pre, a * per_layer, b * per_layer, int(last))
 
 
 class _Copier:
@@ -368,12 +372,48 @@ class _BlockCopier:
             scratch.zero_()
             scratch[0] = 1  # `ready` for send 1
             torch.cuda.current_stream(self.device).synchronize()
-            self(stream, block_args(1, src=word, layers=word, ids=word, num_cache_blocks=1, progress=word + 8,
-                                    ready=word, arrived=word + 16, tally=word + 24, shape=(0, 1, 1, 64)),
+            self(stream, block_args(1, src=word, layers=word, ids=word, num_cache_blocks=1, ready=word,
+                                    arrived=word + 16, tally=word + 24, shape=(0, 1, 1, 64)),
                  programs=1, fast=False)
             stream.synchronize()
             scratch.zero_()
             torch.cuda.current_stream(self.device).synchronize()
+
+
+class _BlockSend:
+    """A posted block send (`IpcCommunicator.send_blocks`), launched a group of layers at a
+    time (`launch`, from the thread that posted it or the producer's forward pass) on its
+    stream, in layer order; the launch of the last layer records its end. Every launch
+    waits on the GPU only for an event already recorded, never for a count to come."""
+
+    def __init__(self, comm: IpcCommunicator, stream: torch.cuda.Stream, args: tuple[int, ...], num_layers: int,
+                 programs: int, end: PendingEnd) -> None:
+        self.comm, self.stream, self.args, self.num_layers, self.programs = comm, stream, args, num_layers, programs
+        self.end = end
+        self.launched = 0  # layers [0, launched) are launched
+        self._lock = threading.Lock()  # launches come from two threads; they go in layer order
+
+    def launch(self, layers: int, after: torch.cuda.Event | None) -> None:
+        with self._lock:
+            if self.end.recorded or layers <= self.launched:  # given up, or launched already
+                return
+            comm = self.comm
+            comm.drv.make_current(comm.ctx)
+            if after is not None:
+                self.stream.wait_event(after)
+            per_layer = self.args[4] // self.num_layers
+            last = layers >= self.num_layers
+            args = (*self.args[:12], self.launched * per_layer, layers * per_layer, int(last))
+            comm._blocks(self.stream, args, programs=self.programs, fast=comm._copy.fast)
+            self.launched = layers
+            if last:
+                self.end.record(self.stream)
+
+    def give_up(self) -> None:
+        """No more launches (the communicator was aborted); its end reads as done."""
+        with self._lock:
+            if not self.end.recorded:
+                self.end.give_up()
 
 
 # -- the shared page ----------------------------------------------------------------------
@@ -411,8 +451,7 @@ class _Counters:
     """This side's GPU counters, in its own GPU memory, which the peer maps and writes:
     `ready` (byte 0: the peer's receive number k may be written, so this side's send k
     may copy); the tallies of this side's copy programs (byte 128: one for each of `_TALLIES`
-    sends in a row), how far each block send's staging has got (byte 512: one word for
-    each of `_TALLIES` sends, written by this side's compute stream), `arrived` (byte
+    sends in a row; bytes 512-1023 are unused), `arrived` (byte
     1024: one word for each of `_TALLIES` receives, the peer's send k landed in this
     side's receive k once word k % _TALLIES reaches k), scratch words for
     the copy kernel's check (from byte 1536), and from byte 2048 the arena where the
@@ -422,7 +461,6 @@ class _Counters:
 
     READY = 0
     TALLY = 128  # this side's sends' program tallies (int32 each)
-    PROGRESS = 512  # this side's block sends' staged rows (int64 each)
     ARRIVED = 1024  # the peer's sends that landed here, a word per op in flight (int64 each)
     ARENA = 2048  # the peer's block ids, for this side's block sends
     LAYERS = ARENA + _ID_SLOTS * MAX_BLOCKS * 8  # where the peer's layers are mapped here (int64 each)
@@ -482,10 +520,11 @@ class IpcCommunicator(Communicator):
         self._my_arrived, self._peer_arrived = counters.addr + _Counters.ARRIVED, base + offset + _Counters.ARRIVED
         self.peer_arena = base + offset + _Counters.ARENA
         self._blocks = _BlockCopier(device)
+        self._following: list[_BlockSend] = []  # block sends that may still have layers to launch
         self._table: tuple[PagedKv, int] | None = None  # this side's published layer table: its cache, its version
         # The end of each of the last `_TALLIES` sends: send k reuses send k - _TALLIES's
         # tally and arrival word, so it waits for that one's end (they may be on two streams).
-        self._send_ends: list[torch.cuda.Event | None] = [None] * _TALLIES
+        self._send_ends: list[torch.cuda.Event | PendingEnd | None] = [None] * _TALLIES
         self._table_copied: torch.cuda.Event | None = None  # the peer's layer table, on `stream`
         self._peer_layers: tuple[int, torch.Tensor, LayerTable] | None = None  # the peer's, mapped: version, addresses, table
 
@@ -523,12 +562,13 @@ class IpcCommunicator(Communicator):
         return self._posted("an op", steps, sends=sent)
 
     def _posted(self, what: str, enqueue: Callable[[], list[torch.Tensor]],
-                ends: torch.cuda.Stream | None = None, sends: Sequence[int] = ()) -> StreamWork:
+                ends: torch.cuda.Stream | PendingEnd | None = None, sends: Sequence[int] = ()) -> StreamWork:
         """Run `enqueue` (one group's steps on this communicator's stream) under the lock,
         with this GPU's context current; a failure ends the communicator, since the peer
         may have paired part of it. The work: an event after the group (on `ends`, if
-        given, where `enqueue` put the op's end), holding the tensors `enqueue` returns;
-        it is also the end of the sends numbered in `sends` (filled by `enqueue`)."""
+        given, where `enqueue` put the op's end; a `PendingEnd`: the op's end, recorded
+        by its last launch), holding the tensors `enqueue` returns; it is also the end
+        of the sends numbered in `sends` (filled by `enqueue`)."""
         self._check_open()
         with self.lock:
             try:
@@ -537,11 +577,14 @@ class IpcCommunicator(Communicator):
             except BaseException:
                 self.fail(f"posting {what} failed")
                 raise
-            done = torch.cuda.Event()
-            done.record(ends or self.stream)
+            if isinstance(ends, PendingEnd):
+                done: torch.cuda.Event | PendingEnd = ends
+            else:
+                done = torch.cuda.Event()
+                done.record(ends or self.stream)
             for seq in sends:
                 self._send_ends[seq % _TALLIES] = done
-        return StreamWork(done, keep)
+        return StreamWork(done, keep)  # type: ignore[arg-type]
 
     def _wait_room(self, seq: int) -> None:
         """Until receive `seq` has a slot: only with SLOTS receives unread by the sender."""
@@ -574,9 +617,16 @@ class IpcCommunicator(Communicator):
         return stream
 
     def _after_reuse(self, stream: torch.cuda.Stream, seq: int) -> None:
-        """`stream` waits for the end of send `seq - _TALLIES`, whose words send `seq` reuses."""
+        """`stream` waits for the end of send `seq - _TALLIES`, whose words send `seq` reuses;
+        if that one's last layers are still to be launched (it follows a forward pass),
+        the host first waits for that launch (`send_ready` says so beforehand)."""
         prior = self._send_ends[seq % _TALLIES]
-        if prior is not None:
+        if isinstance(prior, PendingEnd):
+            if not prior.wait_recorded(self.op_timeout_s):
+                raise SendTimeout("-", f"send {seq - _TALLIES} to {self.peer}, whose counters send {seq} reuses, "
+                                  "was not launched whole in time")
+            prior.wait_on(stream)
+        elif prior is not None:
             stream.wait_event(prior)
 
     def _announce(self, ptr: int, nbytes: int, seq: int) -> None:
@@ -685,15 +735,6 @@ class IpcCommunicator(Communicator):
         """The number the next send gets (hold `lock` from reading it to posting it)."""
         return self.sent + 1
 
-    def mark_staged(self, stream: torch.cuda.Stream, seq: int, layers: int) -> None:
-        """After `stream`'s work so far (a gather), block send `seq` may copy the rows of
-        its first `layers` layers."""
-        self.drv.make_current(self.ctx)
-        self.drv.write_value(stream.cuda_stream, self._progress(seq), (seq << 32) + layers)
-
-    def _progress(self, seq: int) -> int:
-        return self.counters.addr + _Counters.PROGRESS + 8 * (seq % _TALLIES)
-
     def _tally(self, seq: int) -> int:
         return self.counters.addr + _Counters.TALLY + 4 * (seq % _TALLIES)
 
@@ -702,8 +743,12 @@ class IpcCommunicator(Communicator):
         return self.page.box.take(self.out, seq) is not None
 
     def send_ready(self) -> bool:
-        """A send first reads its receive's descriptor, waiting on the host until D wrote it."""
-        return self.receive_posted(self.next_send)
+        """A send first reads its receive's descriptor, waiting on the host until D wrote
+        it, and the end of the send whose counters it reuses, waiting on the host until
+        that one's last layers are launched."""
+        seq = self.next_send
+        prior = self._send_ends[seq % _TALLIES]
+        return self.receive_posted(seq) and not (isinstance(prior, PendingEnd) and not prior.recorded)
 
     def next_receive_takes_blocks(self) -> bool:
         return self.receive_kind(self.next_send) == BLOCKS
@@ -715,18 +760,14 @@ class IpcCommunicator(Communicator):
         return self._descriptor(seq).kind
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
-                    after: Sequence[torch.cuda.Event | None] = (), staged: bool = False,
-                    keep: Sequence[torch.Tensor] = (), programs: int | None = None,
-                    progress: tuple[int, int] | None = None) -> Any:
+                    after: Sequence[torch.cuda.Event | None] = (), keep: Sequence[torch.Tensor] = (),
+                    programs: int | None = None, feed: LayerFeed | None = None) -> Any:
         """Send `num_blocks` staged blocks of `paged`'s shape at address `src` (block-major
         staging, on this GPU or pinned) whole, as send number `seq` (`next_send`, under
-        `lock`), straight into the blocks the receiver's BLOCKS receive names. Each
-        layer's rows are copied once a progress word says that layer is staged, so the
-        gathers may still be running (or not yet enqueued) when this returns: `progress`,
-        (address, base) of a word in this GPU's memory that the sender's compute stream
-        sets to base + the layers gathered; else the communicator's word for this send,
-        which `mark_staged` sets, or with `staged` this op once the events `after`
-        completed (gathers already enqueued). `keep`: tensors to hold until the send's end.
+        `lock`), straight into the blocks the receiver's BLOCKS receive names: at once,
+        after the events `after`, or, with `feed` (the producer's layers, maybe still
+        being gathered), a group of layers at a time as the feed counts them gathered
+        (`_BlockSend`). `keep`: tensors to hold until the send's end.
 
         Raises:
             ValueError: the receiver posted another size or kind of receive, or its cache
@@ -734,6 +775,7 @@ class IpcCommunicator(Communicator):
         """
         if seq != self.sent + 1:
             raise RuntimeError(f"send {seq} is not the next one ({self.sent + 1}); hold the lock from next_send on.")
+        end = PendingEnd()
 
         def steps() -> list[torch.Tensor]:
             desc = self._descriptor(seq)
@@ -752,18 +794,20 @@ class IpcCommunicator(Communicator):
             self.page.box.consume(self.out, seq)
             stream = self._send_stream(seq)
             self._wait_for(after, stream)
-            if staged and progress is None:
-                self.mark_staged(stream, seq, paged.num_layers)
             self.sent = seq
             arena = _Counters.arena(self.counters.addr + _Counters.ARENA, seq)
-            word, base = progress or (self._progress(seq), None)
             args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
-                              progress=word, base=base, ready=self.my_ready, arrived=self.peer_arrived(seq),
-                              tally=self._tally(seq), shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
-            self._blocks(stream, args, programs=programs or COPY_PROGRAMS, fast=self._copy.fast)
+                              ready=self.my_ready, arrived=self.peer_arrived(seq), tally=self._tally(seq),
+                              shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
+            send = _BlockSend(self, stream, args, paged.num_layers, programs or COPY_PROGRAMS, end)
+            self._following = [*(f for f in self._following if not f.end.recorded), send]
+            if feed is None:
+                send.launch(paged.num_layers, None)
+            else:
+                feed.follow(send)
             return [*keep, layers]
 
-        return self._posted("a block send", steps, ends=self.sends[seq % SEND_STREAMS], sends=[seq])
+        return self._posted("a block send", steps, ends=end, sends=[seq])
 
     def _descriptor(self, seq: int) -> Descriptor:
         """Receive descriptor `seq`, waiting for it under the op deadline: spinning first
@@ -822,6 +866,8 @@ class IpcCommunicator(Communicator):
     def _abort(self) -> None:
         box = self.page.box
         box.abort()  # the peer's host stops waiting for this side's descriptors
+        for send in self._following:  # layers not launched yet never will be: their sends end here
+            send.give_up()
         # Its own stream: the communicator's stream may be the one waiting.
         releases = torch.cuda.Stream(self.device)
         self._release_waits(releases)

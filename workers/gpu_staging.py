@@ -523,10 +523,13 @@ class StepLayers:
 
     Each time the count reaches the end of a group (`layer_groups`), an event is recorded
     on the compute stream after those gathers, and every send that follows is launched
-    up to there, behind it. A send that starts following later is launched at once up to
-    the last group reached. Launching up to a group's end behind its event is right
-    whichever thread gets there first: the event comes after every gather before it in
-    stream order, and a send skips layers it has launched already.
+    up to there, behind it. A send that starts following later is launched at once for
+    each group reached, each behind that group's event: the host runs ahead of the GPU,
+    so when the Go comes every layer may be enqueued while few are computed, and one
+    launch behind the last event would copy the whole transfer after the forward pass.
+    Launching up to a group's end behind its event is right whichever thread gets there
+    first: the event comes after every gather before it in stream order, and a send
+    skips layers it has launched already.
 
     `record(stream)` makes the event (injected by the CPU tests, which have no CUDA)."""
 
@@ -538,7 +541,7 @@ class StepLayers:
         self._done: set[int] = set()
         self._prefix = 0  # layers [0, prefix) are gathered
         self._next = 0  # the group whose end is still to be reached
-        self._reached: tuple[int, Any] | None = None  # the last group end reached, and its event
+        self._reached: list[tuple[int, Any]] = []  # each group end reached, and its event
         self._followers: list[LayerSend] = []
 
     def gathered(self, layer: int, stream: Any) -> None:
@@ -555,7 +558,7 @@ class StepLayers:
             self._next = reached
             end = self._ends[reached - 1]
             event = self._record(stream)
-            self._reached = (end, event)
+            self._reached.append((end, event))
             followers = self._followers
             if end >= self.num_layers:
                 self._followers = []
@@ -566,13 +569,13 @@ class StepLayers:
                 log.error("transfer.launch_failed", layers=end, error=repr(exc))
 
     def follow(self, send: LayerSend) -> None:
-        """`send` is launched up to the last group reached now, and then as each is."""
+        """`send` is launched for each group reached now, and then as each is."""
         with self._lock:
-            reached = self._reached
-            if reached is None or reached[0] < self.num_layers:
+            reached = list(self._reached)
+            if not reached or reached[-1][0] < self.num_layers:
                 self._followers.append(send)
-        if reached is not None:
-            send.launch(*reached)
+        for end, event in reached:
+            send.launch(end, event)
 
     def end(self) -> None:
         """The step is over: a send still following it (its step missed a layer) is never

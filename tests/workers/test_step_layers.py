@@ -81,16 +81,23 @@ def test_every_launch_waits_for_the_gathers_of_the_layers_it_copies(num_layers: 
                 f"a launch of layers [0, {layers}) waits for the gathers of {sorted(after or ())} only"
 
 
-def test_a_send_that_follows_mid_step_is_launched_at_once_up_to_the_last_group_reached() -> None:
+def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers() -> None:
+    """The host runs ahead of the GPU: when the Go comes, every layer's gathers may be
+    enqueued while few have run. Each group is then launched behind its own event, so
+    the copy still moves as the forward pass computes, not all of it after."""
     step, stream = StepLayers(32, record=record), Stream()
     for layer in range(20):
         gather(step, stream, layer)
     send = Send()
     step.follow(send)
-    assert [layers for layers, _ in send.launches] == [16]
+    assert [(layers, len(after or ())) for layers, after in send.launches] == [(16, 16)]
     for layer in range(20, 32):
         gather(step, stream, layer)
-    assert [layers for layers, _ in send.launches] == [16, 24, 28, 30, 31, 32]
+    late = Send()
+    step.follow(late)
+    for s in (send, late):
+        assert [(layers, len(after or ())) for layers, after in s.launches] == [
+            (16, 16), (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
 
 
 def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:

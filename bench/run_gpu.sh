@@ -32,6 +32,8 @@ fi
 {
   date -u +%Y-%m-%dT%H:%MZ
   git log -1 --format='commit %h %s' 2>/dev/null || echo "commit: not a git checkout"
+  # What ran, whatever the checkout's git state: compare with the same line on a commit.
+  echo "sources sha1 $(find broker connector protocols workers bench -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 - <<'EOF'
 import torch

@@ -501,8 +501,8 @@ def layers_in_order(done: set[int], prefix: int) -> int:
 def layer_groups(num_layers: int) -> list[int]:
     """Where a send that follows a forward pass is cut into launches (`StepLayers`): the
     end of each group of layers, halving towards the end (for 32 layers 16, 8, 4, 2, 1,
-    1). Few launches (each costs the forward pass's thread about 10 us), and the copy
-    left once the last layer is gathered is one layer's."""
+    1). Few launches (each is host time on the forward pass's thread), and the copy left
+    once the last layer is gathered is one layer's."""
     ends, back = {num_layers}, 1
     while back < num_layers:
         ends.add(num_layers - back)

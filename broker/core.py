@@ -11,8 +11,13 @@ heads on it (`broker/lanes.py`); with equal TP sizes, rank r to rank r, all its 
 Invariants this module keeps (each one has a test):
 
 - Credits are conserved: for every decode pool, `reserved` is the sum of the credit held
-  by its lanes in PREPARING or SENDING, and 0 <= reserved <= capacity, after any
-  sequence of messages, ticks and evictions.
+  by its lanes in PREPARING or SENDING and by the claims (EXPECTED) it holds room for,
+  and 0 <= reserved <= capacity, after any sequence of messages, ticks and evictions.
+- Room is reserved at the claim: an Expect that says how many bytes its request will
+  take reserves that room in the claimant's pool (or queues for it, in claim order,
+  with the Offers waiting there), so the Offer finds it held and D prepares at once;
+  a claim that moves, ends or is lost gives it back. The Offer's own size rules: a
+  claim's room of another size is given back and reserved again.
 - A prefill rank is released once its last lane of a transfer ended; the lanes into one
   decode rank end together (one that fails ends the others: that rank needs them all).
 - Every wait has a deadline: a transfer lives at most `transfer_lease_s`; a credit wait
@@ -460,6 +465,11 @@ class Broker(Handshake):
             return
         t.absent_until = None
         assert d.pool is not None
+        # The room its claim reserved (or queued for) at the Expect, on this very peer.
+        claimed = t.state is S.EXPECTED and t.decode == d.peer_id
+        if t.decode is not None and (not claimed or t.reserved and t.reserved != d.pool.credit_for(t.nbytes)):
+            self._release_room(t, out)  # the Offer is of another size: its room is reserved anew
+            claimed = False
         if d.pool.credit_for(t.nbytes) > d.pool.capacity:
             self._abort(
                 now,
@@ -472,8 +482,35 @@ class Broker(Handshake):
         t.decode, t.state, t.credit_deadline = d.peer_id, S.WAITING_CREDIT, now + self.config.credit_timeout_s
         t.tried.add(d.peer_id)
         d.transfers.add(t.key)
+        if claimed and t.reserved:  # held since the claim: D prepares at once
+            self._prepare(d, t, t.reserved, out)
+            return
+        if not claimed:  # else it keeps the place its claim took in the queue
+            d.pool.waiting[t.key] = None
+        self._grant(d, out)
+
+    def _claim_room(self, t: Transfer, d: Peer, nbytes: int, out: list[Effect]) -> None:
+        """At an Expect of `nbytes` (0: not known): reserve that room in claimant `d`'s
+        pool for the transfer's Offer, or queue for it in claim order. A claim larger than
+        the pool, or from a peer of another TP size than the lanes were planned for,
+        reserves nothing; its Offer is refused, saying why."""
+        if (nbytes <= 0 or d.pool is None or d.pool.credit_for(nbytes) > d.pool.capacity
+                or d.reg.world_size != t.decode_tp):  # planned for another TP size: refused at the Offer
+            return
+        t.decode, t.nbytes = d.peer_id, nbytes
         d.pool.waiting[t.key] = None
         self._grant(d, out)
+
+    def _release_room(self, t: Transfer, out: list[Effect]) -> None:
+        """Give back the room `t` holds or waits for in its decode peer's pool; the next
+        waiter is served."""
+        d = self.peers.get(t.decode) if t.decode else None
+        reserved, t.reserved, t.decode = t.reserved, 0, None
+        if d is not None:
+            assert d.pool is not None
+            d.pool.waiting.pop(t.key, None)
+            d.pool.reserved -= reserved
+            self._grant(d, out)
 
     def _with_siblings(self, t: Transfer) -> Peer | None:
         """The decode instance another lane of the transfer went to: a request's lanes
@@ -487,7 +524,8 @@ class Broker(Handshake):
         return None
 
     def _grant(self, d: Peer, out: list[Effect]) -> None:
-        """Serve waiting transfers FIFO while the head fits; a large head blocks the rest (no starvation)."""
+        """Serve waiting transfers FIFO while the head fits; a large head blocks the rest
+        (no starvation). A claim not offered yet only takes its room."""
         pool = d.pool
         assert pool is not None
         while pool.waiting:
@@ -498,33 +536,36 @@ class Broker(Handshake):
                 return
             del pool.waiting[key]
             pool.reserved += need
-            t.reserved, t.state, t.credit_deadline = need, S.PREPARING, None
-            assert t.prefill is not None
-            out.append(
-                Send(
-                    d.identity,
-                    Prepare(
-                        transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill,
-                        attempt=t.attempt, prompt=t.prompt, head_start=t.heads[0], head_stop=t.heads[1],
-                    ),
-                )
+            if t.state is S.EXPECTED:
+                t.reserved = need
+                continue
+            self._prepare(d, t, need, out)
+
+    def _prepare(self, d: Peer, t: Transfer, need: int, out: list[Effect]) -> None:
+        """`t` holds `need` of `d`'s pool: tell `d` to prepare for it."""
+        pool = d.pool
+        assert pool is not None and t.prefill is not None
+        t.reserved, t.state, t.credit_deadline = need, S.PREPARING, None
+        out.append(
+            Send(
+                d.identity,
+                Prepare(
+                    transfer_id=t.transfer_id, nbytes=t.nbytes, layout=t.layout, source=t.prefill,
+                    attempt=t.attempt, prompt=t.prompt, head_start=t.heads[0], head_stop=t.heads[1],
+                ),
             )
-            if self.config.note_steps:
-                out.append(Note("transfer.prepared", {"transfer_id": t.transfer_id, "decode": d.peer_id,
-                                                      "attempt": t.attempt, "credit_free": pool.free}, level="debug"))
+        )
+        if self.config.note_steps:
+            out.append(Note("transfer.prepared", {"transfer_id": t.transfer_id, "decode": d.peer_id,
+                                                  "attempt": t.attempt, "credit_free": pool.free}, level="debug"))
 
     def _unroute(self, t: Transfer, out: list[Effect]) -> None:
         """Take a transfer off its decode peer; credit it held returns and serves the next waiter."""
         d = self.peers.get(t.decode) if t.decode else None
-        t_reserved = t.reserved
-        t.reserved, t.decode, t.credit_deadline, t.state = 0, None, None, S.UNROUTED
-        if d is not None:
-            assert d.pool is not None
-            d.pool.waiting.pop(t.key, None)
-            d.pool.reserved -= t_reserved
-            if t.expected_by != d.peer_id:
-                d.transfers.discard(t.key)
-            self._grant(d, out)
+        t.credit_deadline, t.state = None, S.UNROUTED
+        if d is not None and t.expected_by != d.peer_id:
+            d.transfers.discard(t.key)
+        self._release_room(t, out)
 
     def _drop(self, t: Transfer, out: list[Effect]) -> None:
         """Remove a finished transfer from every table; its credit returns."""

@@ -25,7 +25,7 @@ from protocols.messages import (
     Release,
 )
 
-from .lanes import lane_share, one_size, plan, wire_heads
+from .lanes import claim_share, lane_share, one_size, plan, wire_heads
 from .ledger import BrokerConfig, Effect, Note, Peer, Send, rank_in, remember
 from .transfers import (
     HOLDS_CREDIT,
@@ -64,6 +64,8 @@ class Handshake:
         def _room_for(self, n: int) -> None: ...
         def _route(self, now: float, t: Transfer, out: list[Effect]) -> None: ...
         def _unroute(self, t: Transfer, out: list[Effect]) -> None: ...
+        def _claim_room(self, t: Transfer, d: Peer, nbytes: int, out: list[Effect]) -> None: ...
+        def _release_room(self, t: Transfer, out: list[Effect]) -> None: ...
         def _drop(self, t: Transfer, out: list[Effect]) -> None: ...
         def _abort(self, now: float, t: Transfer, reason: str, out: list[Effect], skip: str | None = None) -> None: ...
         def _await_named_prefill(self, now: float, t: Transfer) -> None: ...
@@ -201,6 +203,7 @@ class Handshake:
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
             self._await_named_prefill(now, t)
             peer.transfers.add(key)
+            self._claim_room(t, peer, claim_share(msg.nbytes, lane, peer.reg), out)
             return
         if t.expected_by == peer.peer_id or t.waiting_claim == peer.peer_id:
             self.counters["repeated"] += 1
@@ -238,6 +241,8 @@ class Handshake:
         if t.state is S.EXPECTED:
             t.expected_from = msg.prefill or t.expected_from
             self._await_named_prefill(now, t)
+            self._release_room(t, out)  # the previous claim's room, if any: the new claimant's instead
+            self._claim_room(t, peer, claim_share(msg.nbytes, lane, peer.reg), out)
             return
         self._unroute(t, out)
         self._route(now, t, out)

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from protocols.heads import Lane, lane_refusal, lanes, rank_heads
 from protocols.messages import Layout, Register
 
-__all__ = ["equal_tp_refusal", "lane_share", "pairing_refusal", "plan", "wire_heads"]
+__all__ = ["claim_share", "equal_tp_refusal", "lane_share", "pairing_refusal", "plan", "wire_heads"]
 
 
 def pairing_refusal(p: Register, d: Register) -> str | None:
@@ -70,6 +70,19 @@ def lane_share(nbytes: int, layout: Layout, lane: Lane, p: Register) -> tuple[in
     block = layout.block_nbytes // held * moved
     return nbytes // held * moved, Layout(kind=layout.kind, dtype=layout.dtype, num_layers=layout.num_layers,
                                           num_blocks=layout.num_blocks, block_nbytes=block)
+
+
+def claim_share(nbytes: int, lane: Lane, d: Register) -> int:
+    """The bytes of `lane` out of decode rank `lane.rank`'s claim of `nbytes` (its Expect:
+    every lane into that rank together): its heads' share, as `lane_share` cuts the
+    Offer's on the prefill side. Only the room reserved at the claim rests on it; the
+    Offer's own size is what is sent, and a claim's room of another size is given back
+    and reserved again at the Offer."""
+    if d.kv_replicated or d.kv_heads == 0:
+        return nbytes
+    start, stop = rank_heads(d.kv_heads, d.world_size, lane.rank)
+    held, moved = stop - start, lane.stop - lane.start
+    return nbytes if moved == held else nbytes // held * moved
 
 
 def wire_heads(lane: Lane, p: Register, d: Register) -> tuple[int, int]:

@@ -481,9 +481,10 @@ class ConsumerSide:
             if load.state != "waiting":
                 continue
             parked = self._parked.get(tid)
+            nbytes = self._claim_nbytes(load.spec)
             if parked is not None:
                 # Its Prepare came first: no Expect now, but one on registering again.
-                await client.expect(tid, load.spec.prefill, announce=False)
+                await client.expect(tid, load.spec.prefill, nbytes=nbytes, announce=False)
                 parked.set()
                 continue
             # Tracked by the client, so a broker restart gets it again (with the route it
@@ -491,8 +492,23 @@ class ConsumerSide:
             # accepted by the broker; one for a transfer granted to another decode peer
             # is refused, and that refusal fails this load at once instead of at its
             # deadline.
-            await self.w.send_bounded("expect", tid, client.expect, tid, load.spec.prefill)
-            w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id)
+            await self.w.send_bounded("expect", tid, partial(client.expect, nbytes=nbytes), tid, load.spec.prefill)
+            w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id, nbytes=nbytes)
+
+    def _claim_nbytes(self, spec: LoadSpec) -> int:
+        """What the producer will offer for `spec` into this rank, every lane together (the
+        staged size of all its blocks, as `_receive` checks it): the room the broker
+        reserves at the Expect. 0 where this side cannot tell (no cache registered, a
+        hybrid request whose groups do not match: its Prepare is refused anyway)."""
+        w = self.w
+        n = len(spec.block_ids)
+        if not w.layers or n == 0:
+            return 0
+        if w.groups is not None:
+            if len(spec.groups) != len(w.groups.windows):
+                return 0
+            return w.groups.rows(n, spec.num_tokens).cells * w.block_nbytes
+        return n * len(w.layers) * w.block_nbytes
 
     async def _finish(self, dones: list[tuple[str, int, str]], aborts: list[tuple[str, str]]) -> None:
         assert self.w.client is not None

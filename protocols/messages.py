@@ -112,6 +112,10 @@ class Expect(_Msg, kw_only=True, tag="expect"):
     # Instance id of the prefill instance the request went to, when the proxy named it:
     # if that peer is lost before it offers, the broker ends the wait at once.
     prefill: OptId = ""
+    # The bytes P will offer for the request into this decode rank, every lane together
+    # (0: not known): the broker reserves that room in this peer's pool at the claim, so
+    # the Offer finds it held, or waits in the pool's queue in claim order.
+    nbytes: Bytes = 0
 
 
 class Offer(_Msg, kw_only=True, tag="offer"):

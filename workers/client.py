@@ -18,6 +18,7 @@ import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
@@ -304,10 +305,12 @@ class BrokerClient:
         self._offers[transfer_id] = msg
         await self.send(msg, tracked=True)
 
-    async def expect(self, transfer_id: str, prefill: str = "", *, announce: bool = True) -> None:
-        """Await a transfer. `announce=False`: its Prepare already came, so only on
-        registering again is the Expect sent (the broker may have lost track meanwhile)."""
-        msg = Expect(transfer_id=transfer_id, prefill=prefill)
+    async def expect(self, transfer_id: str, prefill: str = "", *, nbytes: int = 0, announce: bool = True) -> None:
+        """Await a transfer; `nbytes`: the room its Offer will take here (0: not known),
+        reserved by the broker at once. `announce=False`: its Prepare already came, so
+        only on registering again is the Expect sent (the broker may have lost track
+        meanwhile)."""
+        msg = Expect(transfer_id=transfer_id, prefill=prefill, nbytes=nbytes)
         self._expects[transfer_id] = msg
         if announce:
             await self.send(msg, tracked=True)
@@ -373,8 +376,8 @@ class SyncBrokerClient:
     ) -> None:
         self.portal.call(self.client.offer, transfer_id, nbytes, layout, decode, prompt)
 
-    def expect(self, transfer_id: str, prefill: str = "") -> None:
-        self.portal.call(self.client.expect, transfer_id, prefill)
+    def expect(self, transfer_id: str, prefill: str = "", nbytes: int = 0) -> None:
+        self.portal.call(partial(self.client.expect, nbytes=nbytes), transfer_id, prefill)
 
     def abort(self, transfer_id: str, reason: str) -> None:
         self.portal.call(self.client.abort, transfer_id, reason)

@@ -58,12 +58,13 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             assert pid in (t.prefill, t.decode, t.expected_by, t.waiting_claim), f"{pid} holds {key} but is not part of it"
         if p.pool is not None:
             pool = p.pool
-            holders = [t for t in b.transfers.values() if t.decode == pid and t.state in HOLDS_CREDIT]
+            holders = [t for t in b.transfers.values() if t.decode == pid]  # lanes granted, claims holding room
             assert pool.reserved == sum(t.reserved for t in holders)
             assert 0 <= pool.reserved <= pool.capacity
             assert pool.reserved + pool.free == pool.capacity
-            for key in pool.waiting:
-                assert b.transfers[key].state is S.WAITING_CREDIT and b.transfers[key].decode == pid
+            for key in pool.waiting:  # Offers waiting for credit, and claims waiting for room
+                w = b.transfers[key]
+                assert w.state in (S.WAITING_CREDIT, S.EXPECTED) and w.decode == pid and w.reserved == 0
             if pool.waiting:  # FIFO: the head waits only because it does not fit
                 assert pool.credit_for(b.transfers[next(iter(pool.waiting))].nbytes) > pool.free
     assert b.by_tid == {tid: {k for k in b.transfers if k[0] == tid} for tid in {k[0] for k in b.transfers}}
@@ -83,6 +84,10 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
         if t.state in HOLDS_CREDIT:
             assert t.decode is not None and t.credit_deadline is None
             assert t.reserved == b.peers[t.decode].pool.credit_for(t.nbytes)  # type: ignore[union-attr]
+        elif t.state is S.EXPECTED and t.decode is not None:  # its claim's room: held, or queued for
+            cpool = b.peers[t.decode].pool
+            assert cpool is not None and t.decode == t.expected_by and t.credit_deadline is None
+            assert (t.reserved == cpool.credit_for(t.nbytes) > 0) != (key in cpool.waiting)
         else:
             assert t.reserved == 0
         # A deadline for the instance the transfer names to register: an Expect's prefill
@@ -94,7 +99,7 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
         if t.state is S.EXPECTED and t.expected_from and (named is None or named.role != "prefill"):
             assert t.absent_until is not None, f"{key} waits for {t.expected_from}, which is absent, with no deadline"
         if t.state is S.EXPECTED:
-            assert t.prefill is None and t.decode is None and t.expected_by is not None
+            assert t.prefill is None and t.decode in (None, t.expected_by) and t.expected_by is not None
         elif t.state is S.UNROUTED:
             assert t.prefill is not None and t.decode is None
         else:
@@ -146,8 +151,8 @@ class FakePeer:
     def offer(self, tid: str, nbytes: int, *, decode: str = "", layout: Layout | None = None) -> list[Send | Note]:
         return self.send(Offer(transfer_id=tid, nbytes=nbytes, decode=decode, layout=layout or Layout()))
 
-    def expect(self, tid: str) -> list[Send | Note]:
-        return self.send(Expect(transfer_id=tid))
+    def expect(self, tid: str, nbytes: int = 0) -> list[Send | Note]:
+        return self.send(Expect(transfer_id=tid, nbytes=nbytes))
 
     def expect_from(self, tid: str, prefill: str) -> list[Send | Note]:
         return self.send(Expect(transfer_id=tid, prefill=prefill))

@@ -617,6 +617,81 @@ def test_credit_is_granted_fifo(c: FakeCluster) -> None:
     assert c.pool(d) == (100, 90, 0)
 
 
+def test_a_claim_reserves_its_room_and_its_offer_is_prepared_at_once(c: FakeCluster) -> None:
+    """D's scheduler took the request: the room is held from its Expect, so an Offer that
+    comes later, even behind another Offer waiting for that pool, is prepared at once."""
+    p, d = c.prefill(), c.decode(pool=100)
+    d.expect("a", nbytes=60)
+    assert c.pool(d) == (100, 60, 0) and c.state("a") is S.EXPECTED and d.take() == []
+    p.offer("other", 50, decode="d")  # does not fit beside the claim: waits
+    assert c.state("other") is S.WAITING_CREDIT
+    p.offer("a", 60)
+    assert prepared(d) == ["a"] and c.pool(d) == (100, 60, 1)
+    d.ready("a")
+    d.done("a")
+    assert prepared(d) == ["other"] and c.pool(d) == (100, 50, 0)
+
+
+def test_claims_take_room_in_claim_order_whatever_the_order_of_offers(c: FakeCluster) -> None:
+    """Backpressure known before P computes: a claim that finds no room queues for it, and
+    its Offer keeps that place instead of going behind the others."""
+    p, d = c.prefill(), c.decode(pool=100)
+    d.expect("a", nbytes=60)
+    d.expect("b", nbytes=60)
+    assert c.pool(d) == (100, 60, 1)
+    p.offer("b", 60)  # b's prefill ends first: it still waits for a's room
+    assert c.state("b") is S.WAITING_CREDIT and d.take() == []
+    p.offer("a", 60)
+    assert prepared(d) == ["a"]
+    d.ready("a")
+    d.done("a")
+    assert prepared(d) == ["b"] and c.pool(d) == (100, 60, 0)
+
+
+@pytest.mark.parametrize("how", ["d aborts its load", "d is lost", "the lease ends", "a front end cancels"])
+def test_a_claim_that_ends_without_an_offer_gives_its_room_back(c: FakeCluster, how: str) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    d.expect("a", nbytes=100)
+    p.offer("b", 50)
+    assert c.pool(d) == (100, 100, 1)
+    if how == "d aborts its load":
+        d.abort("a", "the request finished")
+    elif how == "d is lost":
+        d2 = c.decode("d2", pool=100)
+        c.advance(CONFIG.peer_lease_s + 0.1, keep_alive=[p, d2])
+    elif how == "the lease ends":
+        c.advance(CONFIG.transfer_lease_s - 0.1)  # b's credit wait ended long before: another Offer waits
+        assert c.state("a") is S.EXPECTED and c.state("b") is None
+        p.offer("b2", 50)
+        assert c.state("b2") is S.WAITING_CREDIT
+        c.advance(0.2)
+    else:
+        c.deliver(b"gateway", Cancel(transfer_id="a"))
+    assert c.state("a") is None
+    waiting = "b2" if how == "the lease ends" else "b"
+    assert c.state(waiting) is S.PREPARING
+    if how != "d is lost":  # else it went to d2
+        assert c.pool(d) == (100, 50, 0)
+        assert [m.transfer_id for m in d.take() if isinstance(m, Prepare)] == [waiting]
+
+
+def test_an_offer_of_another_size_than_the_claim_is_reserved_anew(c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100)
+    d.expect("a", nbytes=30)
+    p.offer("a", 70)
+    assert d.take_one(Prepare).nbytes == 70 and c.pool(d) == (100, 70, 0)
+
+
+def test_a_claim_that_moves_moves_its_room(c: FakeCluster) -> None:
+    p, d1, d2 = c.prefill(), c.decode("d1", pool=100), c.decode("d2", pool=100)
+    d1.expect("a", nbytes=80)
+    d2.expect("a", nbytes=80)  # the proxy sent the request to d2 instead
+    assert c.pool(d1) == (100, 0, 0) and c.pool(d2) == (100, 80, 0)
+    assert [m for m in d1.take() if isinstance(m, Abort)] == [Abort(transfer_id="a", reason="d2:0 claims it now")]
+    p.offer("a", 80)
+    assert prepared(d2) == ["a"] and d1.take() == []
+
+
 def test_credit_is_reserved_in_whole_pool_alignment_units(c: FakeCluster) -> None:
     # D's pool leases whole 4 KiB units: three 2,000-byte transfers need 12 KiB, not 6,000 B.
     p, d = c.prefill(), c.decode(pool=8192, alignment=4096)
@@ -1325,7 +1400,10 @@ class BrokerMachine(RuleBasedStateMachine):
         # Now and then the request names its prefill instance: one registered, or one that is not.
         named = sorted({p.reg.instance_id for p in self.b.peers.values() if p.role == "prefill"} | {"p-absent"})
         prefill = data.draw(st.sampled_from(["", *named]))
-        self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids), prefill=prefill))
+        # Mostly the claim says the room it needs (the Offer's size, or another), reserved at once.
+        nbytes = data.draw(st.sampled_from([0, t.nbytes if t else 0]) | st.integers(0, 100) | sizes)
+        self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids), prefill=prefill,
+                                                  nbytes=nbytes))
 
     @rule(data=st.data(), offer=st.booleans())
     def late_message(self, data: st.DataObject, offer: bool) -> None:
@@ -1334,7 +1412,9 @@ class BrokerMachine(RuleBasedStateMachine):
         role = "prefill" if offer else "decode"
         peers = {p.reg.rank: p for p in self.b.peers.values() if p.role == role}
         ended = {**self.b.aborted, **self.b.delivered}
-        keys = sorted(k for k, (until, _) in ended.items() if until > self.c.now and k not in self.b.transfers)
+        # Ended whole: a lane of it still alive (into a decode rank that is not registered)
+        # makes an Offer sent again a protocol error, not a late message.
+        keys = sorted(k for k, (until, _) in ended.items() if until > self.c.now and k[0] not in self.b.by_tid)
         keys = [k for k in keys if k[1] in peers]
         if not keys:
             return

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from broker.transfers import TransferState, lane_id
 from protocols.heads import lanes, rank_heads
-from protocols.messages import Abort, Cancel, Error, Go, Layout, Prepare, Registered, Release
+from protocols.messages import Abort, Cancel, Error, Expect, Go, Layout, Prepare, Registered, Release
 
 from .fake_cluster import FakeCluster, FakePeer
 
@@ -248,3 +248,30 @@ def test_hetero_credit_is_conserved_across_rank_pairs(
         assert len(runs) == len(set(runs)) and set(runs) <= set(want)
         if len(runs) == len(want):  # delivered in full: exactly its heads, each once
             assert sorted(h for a, b in runs for h in range(a, b)) == list(range(*rank_heads(heads, d_tp, rank)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.sampled_from([4, 8]), p_tp=st.sampled_from([1, 2, 4]), d_tp=st.sampled_from([1, 2, 4]),
+       head_bytes=st.integers(1, 40))
+def test_hetero_each_decode_ranks_claim_reserves_exactly_what_its_lanes_offers_take(
+    heads: int, p_tp: int, d_tp: int, head_bytes: int
+) -> None:
+    """Each D rank claims the bytes of its own heads (its Expect's `nbytes`, every lane
+    into it together); the broker cuts that per lane by heads as it cuts P's Offers, so
+    each lane's Offer finds its room held to the byte and is prepared at once."""
+    c = FakeCluster()
+    ps = instance(c, "p", "prefill", p_tp, heads=heads)
+    ds = instance(c, "d", "decode", d_tp, heads=heads, pool=10_000)
+    for d in ds:
+        d.send(Expect(transfer_id="t", prefill="p", nbytes=head_bytes * heads // d_tp))
+        assert c.pool(d) == (10_000, head_bytes * heads // d_tp, 0)
+        assert d.take() == []
+    claimed = {key: t.reserved for key, t in c.broker.transfers.items()}  # each lane's room, from the claims
+    for p in ps:
+        p.offer("t", head_bytes * heads // p_tp, decode="d")
+    for d in ds:
+        preps = [m for m in d.take() if isinstance(m, Prepare)]
+        assert sum(m.nbytes for m in preps) == head_bytes * heads // d_tp
+        assert c.pool(d) == (10_000, head_bytes * heads // d_tp, 0)
+    assert all(t.state is S.PREPARING for t in c.broker.transfers.values())
+    assert {key: t.nbytes for key, t in c.broker.transfers.items()} == claimed

@@ -326,6 +326,37 @@ def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
         d.close()
 
 
+def test_a_claim_reserves_its_room_at_the_broker_before_the_prefill_offers(broker: BrokerProcess) -> None:
+    """D's Expect says the bytes P will offer (the staged size of every block of the
+    prompt, a prefix hit included): the broker holds that room in D's pool from the claim,
+    the Offer finds it held, and the room comes back once the KV is in."""
+    pc, dc = make_caches(seed=5), make_caches(seed=6)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        load(d, "t-room", [20, 21, 22, 23], cached=1)
+
+        def claim() -> dict | None:
+            status = broker.status()
+            held = [t for t in status["transfers"] if t["transfer_id"] == "t-room" and t["state"] == "expected"]
+            pool = next(x for x in status["pools"] if x["peer_id"] == "d0:0")
+            return {"nbytes": held[0]["nbytes"], "reserved": pool["reserved"]} if held and pool["reserved"] else None
+
+        held = wait_until(claim, 10, "the claim's room reserved at the broker")
+        assert held["nbytes"] == 4 * len(LAYERS) * p.block_nbytes  # what P stages for 4 blocks
+        assert held["reserved"] >= held["nbytes"]
+        stage(p, pc, "t-room", [1, 2, 3, 4], decode="d0")
+        _, errors, _ = run_steps(d, {"req-t-room"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[21, 22, 23]], pc[n][[2, 3, 4]])
+        wait_until(lambda: next(x for x in broker.status()["pools"] if x["peer_id"] == "d0:0")["reserved"] == 0,
+                   10, "the room back once the KV is in")
+    finally:
+        p.close()
+        d.close()
+
+
 def test_an_offer_naming_no_decode_instance_reaches_the_one_of_two_that_holds_the_request(
     broker: BrokerProcess,
 ) -> None:

@@ -186,19 +186,29 @@ class Completion:
 
 class StreamWork:
     """A posted group of a backend with a stream of its own (direct, ipc): an event after
-    it on that stream.
+    it on that stream (a `PendingEnd` where the op is launched in parts).
 
     Holds the group's tensors, so the caching allocator cannot hand their memory to
     anyone else while the ops may still use it."""
 
     __slots__ = ("event", "tensors")
 
-    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, event: torch.cuda.Event | PendingEnd, tensors: list[torch.Tensor]) -> None:
         self.event, self.tensors = event, tensors
 
     def wait(self) -> None:
-        """Make the current stream wait for the group (no host block)."""
-        torch.cuda.current_stream().wait_event(self.event)
+        """Make the current stream wait for the group (no host block).
+
+        Raises:
+            RuntimeError: the group is launched in parts and its last part is not yet:
+                there is no event to wait on (its `Completion` waits on the host)."""
+        stream = torch.cuda.current_stream()
+        if isinstance(self.event, PendingEnd):
+            if not self.event.recorded:
+                raise RuntimeError("this op's last part is not launched yet; wait for its Completion on the host.")
+            self.event.wait_on(stream)
+        else:
+            stream.wait_event(self.event)
 
 
 class Communicator:

@@ -584,7 +584,7 @@ class IpcCommunicator(Communicator):
                 done.record(ends or self.stream)
             for seq in sends:
                 self._send_ends[seq % _TALLIES] = done
-        return StreamWork(done, keep)  # type: ignore[arg-type]
+        return StreamWork(done, keep)
 
     def _wait_room(self, seq: int) -> None:
         """Until receive `seq` has a slot: only with SLOTS receives unread by the sender."""

@@ -559,7 +559,8 @@ class StepLayers:
             end = self._ends[reached - 1]
             event = self._record(stream)
             self._reached.append((end, event))
-            followers = self._followers
+            # A copy: `follow` may add to the list (under the lock) while these launch outside it.
+            followers = list(self._followers)
             if end >= self.num_layers:
                 self._followers = []
         for send in followers:

@@ -25,7 +25,9 @@ compares with two GPUs).
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
-               seen within one step. Where P and D share one GPU, D's step is a sleep
+               seen within one step (with the step a sleep, D runs no model, so the
+               step's get_finished may wait up to 1 ms for a landing, as in vLLM:
+               `connector.consumer.IDLE_WAIT_S`). Where P and D share one GPU, D's step is a sleep
                (`--step-on host`): two processes time-slice one GPU, so a decode kernel of
                D's would hold up P's forward pass and copies by up to a time slice each
                time, which a D on a GPU of its own never does.
@@ -44,6 +46,12 @@ compares with two GPUs).
                whatever runs beside it; `--forward gemm` makes it bf16 matrix multiplies
                on every SM, as a real prefill's are, so what the copy kernels cost the
                forward pass shows.
+               The row also splits that time where P's host sees its forward pass end
+               (it waits for it, as vLLM's sampler does): `forward_stretch_ms`, how much
+               longer the pass took than alone (the gathers that materialize the KV on
+               its stream, and on one GPU the sends' copies sharing its memory), and
+               `after_forward_end_ms`, from then until D reported the last request
+               (the last layers' copies, D's step, its get_finished and scatter).
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
@@ -85,6 +93,7 @@ from connector.config import EngineInfo, parse_config  # noqa: E402
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 from protocols.logs import configure_logging  # noqa: E402
+import structlog  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -326,7 +335,12 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     p.save_kv_layer(name, caches[name])
                 p.wait_for_save()
                 p.clear()
-                conn.send((t0, alone))
+                # P's host waits for its forward pass to end, as vLLM's sampler does: then the
+                # request's time splits into the pass (stretched by the step's gathers) and after.
+                engine.sync()
+                ended = time.perf_counter()
+                structlog.get_logger().info("bench.forward_end", transfer_id=tids[-1])
+                conn.send((t0, alone, ended))
                 assert conn.recv() == "done"
                 # raw: the same bytes once, D's receive ready first
                 assert p.pool is not None
@@ -365,6 +379,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         alone: dict[int, list[float]] = {t: [] for t in cfg["tokens"]}  # P's forward pass by itself, ms
         tails: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        # the forward pass's stretch over its time alone, and the time after P's host saw it end
+        split: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
@@ -379,13 +395,17 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             conn.send("bound")
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
-            started: tuple[float, float] | None = None  # P's (t0, forward pass alone)
+            started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
             while True:  # the engine steps all along, before P's step too (as a busy engine does)
+                # A step of D's engine: with the step a sleep, D runs no model (an idle
+                # engine, whose get_finished may wait for a landing); a GPU step is a decode.
+                d.bind(KvBrokerMetadata(idle=not engine.step_on_gpu))
                 g0 = time.perf_counter()
                 _, recving = d.get_finished(set())
                 g1 = time.perf_counter()
+                d.clear()
                 waiting -= recving or set()
                 if not waiting:
                     break
@@ -399,7 +419,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             engine.sync()  # the scatter get_finished enqueued
             t1 = time.perf_counter()
             cpu[tok].stop()
-            t0, forward_ms = started if started is not None else conn.recv()
+            t0, forward_ms, ended = started if started is not None else conn.recv()
             took = t1 - t0
             if check:
                 for name, got in want.items():
@@ -427,6 +447,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 alone[tok].append(forward_ms)
                 tails[tok][0].append(g1 - g0)  # the get_finished that reported the last request
                 tails[tok][1].append(t1 - g1)  # then D's compute stream catching up with the scatter
+                split[tok][0].append((ended - t0) * 1e3 - forward_ms)
+                split[tok][1].append((t1 - ended) * 1e3)
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
@@ -440,6 +462,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "iters": len(conn_s), "stats": d.statistics(),
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
                          "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3),
+                         "forward_stretch_ms": round(statistics.median(split[tok][0]), 3),
+                         "after_forward_end_ms": round(statistics.median(split[tok][1]), 3),
                          **({"d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})
         results.put(rows)
     except BaseException as exc:
@@ -542,11 +566,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"D failed: {rows}", file=sys.stderr)
         return 1
     print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}"
-          f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}")
+          f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}{'stretch ms':>12}{'after end ms':>14}")
     for r in rows:
         print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
               f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}"
-              f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}")
+              f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}"
+              f"{r['forward_stretch_ms']:>12.3f}{r['after_forward_end_ms']:>14.3f}")
     for r in rows:
         if "d_threads" in r:
             print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")

@@ -243,8 +243,8 @@ async def on_lane(side: ConsumerSide, msg: Prepare, load: _Load, arrived: float)
                 lane.received = True
                 lanes = [x for x in load.lanes.values() if x.received]
                 if sum(x.stop - x.start for x in lanes) == w.heads[1] - w.heads[0]:
-                    load.state, load.received_at = "received", time.monotonic()
                     load.nbytes = sum(x.nbytes for x in lanes)
+                    side._received(load)
             elif not reason and load.state != "received":
                 reason = load.reason or "the load was given up"
         tell = bool(reason) and side._fail(load, reason, telling=ended)

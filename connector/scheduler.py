@@ -110,6 +110,9 @@ class KvBrokerMetadata(msgspec.Struct, kw_only=True):
 
     saves: dict[str, SaveSpec] = {}
     loads: dict[str, LoadSpec] = {}
+    # The step schedules no tokens: the worker runs no model, and vLLM's engine sleeps
+    # after it, so the worker's get_finished may wait for a landing (`consumer.IDLE_WAIT_S`).
+    idle: bool = False
 
 
 def tokens_digest(request: Any) -> str:
@@ -330,7 +333,8 @@ class ConnectorScheduler:
         """This step's saves and loads; the pending dicts are emptied."""
         if self.is_producer:
             self._collect_saves(scheduler_output)
-        meta = KvBrokerMetadata(saves=self._saves, loads=self._loads)
+        meta = KvBrokerMetadata(saves=self._saves, loads=self._loads,
+                                idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
         self._saves, self._loads = {}, {}
         return meta
 

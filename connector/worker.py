@@ -377,7 +377,7 @@ class ConnectorWorker:
         """(sending, receiving) request ids: blocks are never held on send, so sending is None."""
         if self.consumer is None:
             return None, None
-        return None, self.consumer.get_finished(finished_req_ids)
+        return None, self.consumer.get_finished(finished_req_ids, idle=self.meta.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set() if self.consumer is None else self.consumer.get_block_ids_with_load_errors()

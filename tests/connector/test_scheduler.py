@@ -70,6 +70,10 @@ class FakeSchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
 
+    @property
+    def total_num_scheduled_tokens(self) -> int:  # as vLLM's SchedulerOutput has it
+        return sum(self.num_scheduled_tokens.values())
+
 
 def scheduler(role: str, instance: str = "inst", key: bytes | None = None, now: float = 1e9) -> ConnectorScheduler:
     config = ConnectorConfig(broker="tcp://127.0.0.1:7100", role=role, instance_id=instance, grant_key=key)  # type: ignore[arg-type]
@@ -81,6 +85,18 @@ def req(rid: str, n: int, tid: str | None = "t-1", **params: Any) -> FakeRequest
 
 
 # -- consumer -------------------------------------------------------------------------------
+
+
+def test_a_step_that_schedules_no_tokens_is_marked_idle_for_the_worker() -> None:
+    s = scheduler("consumer")
+    r = req("r1", 100)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([7, 8, 9, 10]), 100)
+    # The step that hands the load over runs no model: its request waits for the KV.
+    meta = s.build_connector_meta(FakeSchedulerOutput())
+    assert meta.idle and set(meta.loads) == {"t-1"}
+    busy = s.build_connector_meta(FakeSchedulerOutput(num_scheduled_tokens={"r2": 1}))
+    assert not busy.idle
 
 
 def test_consumer_claims_prompt_past_local_hit_async() -> None:

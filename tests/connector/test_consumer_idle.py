@@ -1,0 +1,115 @@
+"""A step that runs no model reports a load that lands during its get_finished.
+
+vLLM's engine sleeps 1 ms after a step that ran no model, and a load landing in that
+sleep was reported only at the next step. Such a step's get_finished (`idle`) waits for
+a load being received to land or fail (`ConsumerSide._await_landing`) and reports it
+in the same call. A real decode worker with a real broker; the loads are set in their
+receiving state here, and a second thread lands or fails them the way the transport's
+threads do, once the step is seen waiting. The wait's bound is raised for the test, so a
+slow machine cannot turn a landing into a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from connector.consumer import IDLE_WAIT_S, _Load
+from connector.scheduler import LoadSpec
+from tests.connector.test_worker import make_caches, make_worker
+from tests.support import BrokerProcess
+
+pytestmark = pytest.mark.slow
+
+
+class _SaysWaiting(threading.Condition):
+    """The consumer's `landed` condition, on the same lock, that says when a step waits on it."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait_for(predicate, timeout)
+
+
+@pytest.fixture
+def side(broker: BrokerProcess) -> Iterator[Any]:
+    d = make_worker(broker.endpoint, "d", "d0", make_caches())
+    try:
+        assert d.consumer is not None
+        d.consumer.landed = _SaysWaiting(d.lock)
+        d.consumer.idle_wait_s = 30.0
+        yield d.consumer
+    finally:
+        d.close()
+
+
+def _load(side: Any, tid: str, state: str = "receiving") -> _Load:
+    spec = LoadSpec(req_id=f"req-{tid}", block_ids=[1, 2, 3], num_cached_blocks=0, num_tokens=40)
+    w = side.w
+    nbytes = len(spec.block_ids) * len(w.layers) * w.block_nbytes  # what the producer's bytes fill
+    load = _Load(tid, spec, time.monotonic() + 60, state=state, lease=w.pool.acquire_nowait(nbytes), nbytes=nbytes)
+    with side.w.lock:
+        side._loads[tid] = load
+    return load
+
+
+def _once_waiting(side: Any, act: Callable[[], None]) -> threading.Thread:
+    """A thread that runs `act` once a step waits on `landed` (never, if none does)."""
+
+    def run() -> None:
+        if side.landed.waiting.wait(30):
+            act()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_the_bound_is_one_idle_engine_step() -> None:
+    assert IDLE_WAIT_S == pytest.approx(1e-3)
+
+
+def test_an_idle_step_reports_a_load_that_lands_while_it_waits(side: Any) -> None:
+    load = _load(side, "lands")
+
+    def land() -> None:
+        with side.w.lock:
+            side._received(load)
+
+    t = _once_waiting(side, land)
+    started = time.monotonic()
+    assert side.get_finished(set(), idle=True) == {"req-lands"}
+    assert time.monotonic() - started < 30, "the step waited out its bound instead of waking on the landing"
+    assert side.landed.waiting.is_set()
+    t.join(5)
+
+
+def test_an_idle_step_reports_a_load_that_fails_while_it_waits(side: Any) -> None:
+    load = _load(side, "fails")
+    t = _once_waiting(side, lambda: side._fail(load, "the producer was lost", telling=False))
+    assert side.get_finished(set(), idle=True) == {"req-fails"}
+    assert side.get_block_ids_with_load_errors() == {1, 2, 3}
+    t.join(5)
+
+
+def test_a_step_that_ran_a_model_does_not_wait(side: Any) -> None:
+    _load(side, "busy")
+    assert side.get_finished(set(), idle=False) is None
+    assert not side.landed.waiting.is_set()
+
+
+@pytest.mark.parametrize("state", ["waiting", "received"])
+def test_an_idle_step_waits_only_while_nothing_ended_and_something_is_received(side: Any, state: str) -> None:
+    """A load still waiting for its Prepare has no bytes on the way; one received already
+    is reported at once."""
+    _load(side, "other", state=state)
+    got = side.get_finished(set(), idle=True)
+    assert not side.landed.waiting.is_set()
+    assert got == ({"req-other"} if state == "received" else None)

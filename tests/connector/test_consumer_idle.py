@@ -5,8 +5,8 @@ sleep was reported only at the next step. Such a step's get_finished (`idle`) wa
 a load being received to land or fail (`ConsumerSide._await_landing`) and reports it
 in the same call. A real decode worker with a real broker; the loads are set in their
 receiving state here, and a second thread lands or fails them the way the transport's
-threads do, once the step is seen waiting. The wait's bound is raised for the test, so a
-slow machine cannot turn a landing into a timeout.
+threads do, once the step is seen waiting. The wait's bounds are raised for the test, so
+a slow machine cannot turn a landing into a timeout.
 """
 
 from __future__ import annotations
@@ -27,14 +27,21 @@ pytestmark = pytest.mark.slow
 
 
 class _SaysWaiting(threading.Condition):
-    """The consumer's `landed` condition, on the same lock, that says when a step waits on it."""
+    """The consumer's `landed` condition, on the same lock, that says when a step waits on
+    it: `waiting` at the first wait, `waits[k]` at the (k+1)-th."""
 
     def __init__(self, lock: Any) -> None:
         super().__init__(lock)
-        self.waiting = threading.Event()
+        self.waits = [threading.Event() for _ in range(4)]
+        self.count = 0
+
+    @property
+    def waiting(self) -> threading.Event:
+        return self.waits[0]
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
-        self.waiting.set()
+        self.waits[min(self.count, len(self.waits) - 1)].set()
+        self.count += 1
         return super().wait_for(predicate, timeout)
 
 
@@ -44,7 +51,7 @@ def side(broker: BrokerProcess) -> Iterator[Any]:
     try:
         assert d.consumer is not None
         d.consumer.landed = _SaysWaiting(d.lock)
-        d.consumer.idle_wait_s = 30.0
+        d.consumer.idle_wait_s = d.consumer.landing_gap_s = 30.0
         yield d.consumer
     finally:
         d.close()
@@ -60,11 +67,14 @@ def _load(side: Any, tid: str, state: str = "receiving") -> _Load:
     return load
 
 
-def _once_waiting(side: Any, act: Callable[[], None]) -> threading.Thread:
-    """A thread that runs `act` once a step waits on `landed` (never, if none does)."""
+def _once_waiting(side: Any, *acts: Callable[[], None]) -> threading.Thread:
+    """A thread that runs ``acts[k]`` once a step waits on `landed` the (k+1)-th time
+    (stopping at the first wait that never comes)."""
 
     def run() -> None:
-        if side.landed.waiting.wait(30):
+        for k, act in enumerate(acts):
+            if not side.landed.waits[k].wait(30):
+                return
             act()
 
     t = threading.Thread(target=run, daemon=True)
@@ -91,6 +101,34 @@ def test_an_idle_step_reports_a_load_that_lands_while_it_waits(side: Any) -> Non
     t.join(5)
 
 
+def test_an_idle_step_reports_together_the_loads_that_keep_landing(side: Any) -> None:
+    """The first landing does not end the step's wait while another load is still being
+    received: it waits for the next landing (within `landing_gap_s`), and reports both."""
+    first, second = _load(side, "first"), _load(side, "second")
+
+    def land(load: _Load) -> Callable[[], None]:
+        def act() -> None:
+            with side.w.lock:
+                side._received(load)
+        return act
+
+    t = _once_waiting(side, land(first), land(second))
+    assert side.get_finished(set(), idle=True) == {"req-first", "req-second"}
+    assert side.landed.count == 2
+    t.join(5)
+
+
+def test_an_idle_step_that_finds_a_load_landed_reports_it_at_once(side: Any) -> None:
+    """A load that landed during the engine's sleep is reported without waiting for
+    another still being received."""
+    landed = _load(side, "landed")
+    _load(side, "later")
+    with side.w.lock:
+        side._received(landed)
+    assert side.get_finished(set(), idle=True) == {"req-landed"}
+    assert side.landed.count == 0
+
+
 def test_an_idle_step_reports_a_load_that_fails_while_it_waits(side: Any) -> None:
     load = _load(side, "fails")
     t = _once_waiting(side, lambda: side._fail(load, "the producer was lost", telling=False))
@@ -105,11 +143,8 @@ def test_a_step_that_ran_a_model_does_not_wait(side: Any) -> None:
     assert not side.landed.waiting.is_set()
 
 
-@pytest.mark.parametrize("state", ["waiting", "received"])
-def test_an_idle_step_waits_only_while_nothing_ended_and_something_is_received(side: Any, state: str) -> None:
-    """A load still waiting for its Prepare has no bytes on the way; one received already
-    is reported at once."""
-    _load(side, "other", state=state)
-    got = side.get_finished(set(), idle=True)
-    assert not side.landed.waiting.is_set()
-    assert got == ({"req-other"} if state == "received" else None)
+def test_an_idle_step_does_not_wait_for_a_load_with_no_bytes_on_the_way(side: Any) -> None:
+    """A load still waiting for its Prepare: nothing can land in this step."""
+    _load(side, "other", state="waiting")
+    assert side.get_finished(set(), idle=True) is None
+    assert side.landed.count == 0

@@ -537,7 +537,7 @@ class ConsumerSide:
             if load.state != "waiting":
                 continue
             parked = self._parked.get(tid)
-            nbytes = self._claim_nbytes(load.spec)
+            nbytes = self._staged_nbytes(load.spec)
             if parked is not None:
                 # Its Prepare came first: no Expect now, but one on registering again.
                 await client.expect(tid, load.spec.prefill, nbytes=nbytes, announce=False)
@@ -551,11 +551,12 @@ class ConsumerSide:
             await self.w.send_bounded("expect", tid, partial(client.expect, nbytes=nbytes), tid, load.spec.prefill)
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id, nbytes=nbytes)
 
-    def _claim_nbytes(self, spec: LoadSpec) -> int:
-        """What the producer will offer for `spec` into this rank, every lane together (the
-        staged size of all its blocks, as `_receive` checks it): the room the broker
-        reserves at the Expect. 0 where this side cannot tell (no cache registered, a
-        hybrid request whose groups do not match: its Prepare is refused anyway)."""
+    def _staged_nbytes(self, spec: LoadSpec) -> int:
+        """What the producer stages and offers for `spec` into this rank, every lane
+        together: the staged size of all its blocks, which `_receive` checks a Prepare
+        against, and the room the broker reserves at the Expect. 0 where this side cannot
+        tell (no cache registered, a hybrid request whose groups do not match: its Prepare
+        is refused anyway)."""
         w = self.w
         n = len(spec.block_ids)
         if not w.layers or n == 0:
@@ -673,13 +674,12 @@ class ConsumerSide:
         if w.groups is not None:  # a hybrid model: rows hold the layers whose window keeps them
             if len(spec.groups) != len(w.groups.windows) or k >= n:
                 return f"the request holds blocks of {len(spec.groups)} KV cache groups after a {k}-block hit"
-            rows = w.groups.rows(n, spec.num_tokens)
-            if msg.nbytes != rows.cells * w.block_nbytes:
-                return (f"{msg.nbytes} B offered do not match the {rows.cells * w.block_nbytes} B the KV cache "
+            if msg.nbytes != (staged := self._staged_nbytes(spec)):
+                return (f"{msg.nbytes} B offered do not match the {staged} B the KV cache "
                         f"groups' windows hold for {spec.num_tokens} tokens")
-            first, cells = rows.tail_cells(k)
+            first, cells = w.groups.rows(n, spec.num_tokens).tail_cells(k)
             offset, nbytes = first * w.block_nbytes, cells * w.block_nbytes
-        elif msg.nbytes != n * layers * w.block_nbytes or k >= n:
+        elif msg.nbytes != self._staged_nbytes(spec) or k >= n:
             return (
                 f"{msg.nbytes} B offered do not match {n} blocks of {layers * w.block_nbytes} B after a {k}-block hit"
             )

@@ -83,6 +83,12 @@ bench connector_inflight8_prefill20 --tokens 512,2048 --iters 20 --inflight 8 --
 bench connector_prefill20_gemm --tokens 512,2048,8192 --iters 20 --prefill-ms 20 --forward gemm
 bench connector_inflight8_prefill20_gemm --tokens 512,2048 --iters 20 --inflight 8 --prefill-ms 20 --forward gemm
 
+# What the gathers that materialize the KV cost a forward pass on this GPU, with and
+# without a copy of the same bytes beside them (the sends' share of its memory).
+timeout "${BENCH_TIMEOUT:-150}" python3 bench/gather_stretch.py --json "$OUT/gather_stretch.json" 2>&1 \
+  | tee "$OUT/gather_stretch.log"
+echo "gather_stretch rc=$?"
+
 # The peer, on the same GPU(s), beside the connector's rows of this run.
 if python3 -c 'import sys; sys.path.insert(0, "bench"); import nixl_peer; sys.exit(nixl_peer.nixl_module() is None)'; then
   timeout "${NIXL_TIMEOUT:-300}" python3 bench/nixl_peer.py --tokens 512,2048,8192 --iters 20 \

@@ -177,7 +177,7 @@ class ProducerSide:
         # follow the layers, so it is sent whole
         layers = self._layers = _Layers() if w.nccl is None and w.groups is None else None
         offers: list[tuple[str, _Staged]] = []
-        together = self._lease_together(saves) if len(saves) > 1 else {}
+        together = self._lease_together(saves) if saves else {}
         for tid, spec in saves.items():
             staged = together.get(tid) or self._lease(tid, spec, deadline)
             if staged is not None:
@@ -196,9 +196,10 @@ class ProducerSide:
         """Stage a step's saves back to back in one lease cut into one per save, so
         `save_kv_layer` gathers each layer for all of them with one copy: a step of N
         requests then costs 32 copies instead of 32 x N (each 10-20 us of host time, a
-        kernel launch on a GPU, torch's indexing on a CPU). Only with room now and every
-        block id inside the cache; {} otherwise, and each save is leased on its own
-        (waiting for room if need be)."""
+        kernel launch on a GPU, torch's indexing on a CPU). A step of one save too: on a
+        GPU its copy then addresses the pool by offset, with no view made for each layer.
+        Only with room now and every block id inside the cache; {} otherwise, and each
+        save is leased on its own (waiting for room if need be)."""
         w = self.w
         if w.pool is None or not w.layouts or w.groups is not None:  # a hybrid model's rows: one by one
             return {}

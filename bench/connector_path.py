@@ -110,6 +110,19 @@ class Spec:
     use_mla: bool = False
 
 
+def gpu_ms(work: Callable[[], object], runs: int = 3) -> float:
+    """Milliseconds of GPU time `work` enqueues (the median of `runs`)."""
+    took = []
+    for _ in range(runs):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        work()
+        end.record()
+        end.synchronize()
+        took.append(begin.elapsed_time(end))
+    return statistics.median(took)
+
+
 class _Engine:
     """One side's device work: where its caches live, its syncs and its engine step."""
 
@@ -153,16 +166,7 @@ class _Engine:
         return (time.perf_counter() - t0) * 1e3
 
     def _timed(self, work: Callable[[], object], runs: int = 3) -> float:
-        """Milliseconds of GPU time `work` enqueues (the median of `runs`)."""
-        took = []
-        for _ in range(runs):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            work()
-            end.record()
-            end.synchronize()
-            took.append(begin.elapsed_time(end))
-        return statistics.median(took)
+        return gpu_ms(work, runs)
 
     def _gemm(self) -> None:
         a, b, out = self.mats

@@ -22,29 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from connector_path import gpu_ms as _gpu_ms  # noqa: E402
 from workers.gpu_staging import PagedKv  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
-
-
-def _gpu_ms(work: Callable[[], object], reps: int) -> float:
-    took = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        work()
-        end.record()
-        end.synchronize()
-        took.append(begin.elapsed_time(end))
-    return statistics.median(took)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -105,6 +106,10 @@ WAIT_PAUSE_S = 1e-4
 # report (the poller hands an expired transfer back at once; this only bounds a poller
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
+
+# Transfers cancelled before their op was posted, remembered so the post is refused: an
+# Abort can come while the Go's send waits for its turn. The oldest are forgotten first.
+CANCELLED_KEPT = 256
 
 # Bump when `chunks` (or `pipeline_bounds`) cuts a transfer differently for the same
 # parameters, or when the order of a pair's transfers changes: peers of two versions must
@@ -547,6 +552,8 @@ class NcclLink:
         self._send_order = SendOrder()  # touched on the client's loop thread only
         self._order_changed: dict[str, anyio.Event] = {}
         self._inflight: dict[str, dict[str, threading.Event]] = {}  # peer -> transfer id -> cancel flag
+        # (peer, transfer id) cancelled before their op was posted: the post is refused (`cancel`)
+        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         self.poller = Poller()
 
@@ -662,15 +669,18 @@ class NcclLink:
     # -- both ------------------------------------------------------------------------------
 
     def cancel(self, peer: str, transfer_id: str) -> None:
-        """End `transfer_id`'s op with `peer` before its deadline, if it is posted or being
-        posted: its communicator is aborted (an op left posted would pair with the next
-        transfer's, and the ops queued behind it on that pair end too), or, not yet
-        posted, it is not posted. Its `send`/`wait` then raises. A communicator still
-        being built for it stops waiting for the peer's rendezvous data. A transfer still
-        waiting for its turn is left to its caller's cancel scope."""
+        """End `transfer_id`'s op with `peer` before its deadline: posted or being posted,
+        its communicator is aborted (an op left posted would pair with the next
+        transfer's, and the ops queued behind it on that pair end too); not posted yet
+        (waiting for its turn, or its caller not there yet), its post is refused when it
+        comes. Its `send`/`wait` then raises. A communicator still being built for it
+        stops waiting for the peer's rendezvous data."""
         with self._lock:
             flag = self._inflight.get(peer, {}).get(transfer_id)
             if flag is None:
+                self._cancelled[(peer, transfer_id)] = None
+                while len(self._cancelled) > CANCELLED_KEPT:
+                    self._cancelled.popitem(last=False)
                 return
             flag.set()
         self.rendezvous.wake()  # a communicator still being built for it stops waiting for the peer
@@ -744,6 +754,9 @@ class NcclLink:
         # known before the caller lets the next transfer post; `cancel` ends it early.
         flag = threading.Event()
         with self._lock:
+            if (peer, transfer_id) in self._cancelled:
+                del self._cancelled[(peer, transfer_id)]
+                raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
             self._inflight.setdefault(peer, {})[transfer_id] = flag
         try:
             comm = self._postable_now(peer, op, ticket, flag, streaming)

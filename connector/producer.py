@@ -548,6 +548,8 @@ class ProducerSide:
                         if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
                             part = await self._cut(tid, staged, msg)
                             source, after, block_nbytes = part, part.event, part.block_nbytes
+                    if staged.dead:  # aborted while the Go waited (its lane's cut): post nothing
+                        raise TransferFailed(tid, f"it ended before its send was posted: {staged.dropped}")
                     posting = True
                     deadline = time.monotonic() + w.config.load_timeout_s
                     waited = await w.nccl.send(

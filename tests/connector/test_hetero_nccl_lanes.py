@@ -118,11 +118,15 @@ class WireLink:
         if sent.transfer_id != posted.transfer_id:
             self.wire.unpaired.append((sent.transfer_id, posted.transfer_id))
         if sent.plan != posted.plan or sent.data.numel() != posted.nbytes:
-            sent.taken.set()
+            with self.wire.cond:
+                sent.taken.set()
+                self.wire.cond.notify_all()
             raise TransferFailed(posted.transfer_id, f"chunks {sent.plan} sent, {posted.plan} received")
         lease = posted.lease
         lease.base[lease.offset:lease.offset + posted.nbytes].copy_(sent.data)
-        sent.taken.set()
+        with self.wire.cond:
+            sent.taken.set()
+            self.wire.cond.notify_all()
         now = time.monotonic()
         return Waited(now, now, now)
 
@@ -144,14 +148,25 @@ class WireLink:
             while len(self.wire.sent[pair]) != ticket[1]:
                 if not self.wire.cond.wait(deadline - time.monotonic()):
                     raise TransferFailed(transfer_id, "its turn on the wire did not come")
+            if transfer_id in self.wire.cancelled:  # as `NcclLink.cancel` refuses a post after it
+                raise TransferFailed(transfer_id, "the wire's send was cancelled before it was posted")
             self.wire.sent[pair].append(sent)
             self.wire.ops.append(("send", transfer_id, self.me, decode, paged is not None))
             self.wire.cut[(self.me, decode)] = isinstance(lease, Part)
             self.wire.cond.notify_all()
-        if not await anyio.to_thread.run_sync(sent.taken.wait, max(deadline - time.monotonic(), 0.0)):
-            raise TransferFailed(transfer_id, "the wire's send was not received by its deadline")
+        if not await anyio.to_thread.run_sync(self._given, sent, transfer_id, deadline):
+            raise TransferFailed(transfer_id, "the wire's send was cancelled or not received by its deadline")
         now = time.monotonic()
         return Waited(now, now, now)
+
+    def _given(self, sent: _Sent, transfer_id: str, deadline: float) -> bool:
+        """Until D took `sent` (True), or it was cancelled or its deadline passed (False):
+        a cancel ends a posted send, as aborting its communicator does."""
+        with self.wire.cond:
+            while not sent.taken.is_set():
+                if transfer_id in self.wire.cancelled or not self.wire.cond.wait(deadline - time.monotonic()):
+                    return False
+        return True
 
     def abandon(self, decode: str, ticket: tuple[str, int]) -> None:
         return None

@@ -90,11 +90,11 @@ RECEIVE_GRACE_S = 1.0
 
 
 # A step that runs no model (its requests all wait for KV) is followed by vLLM's 1 ms
-# sleep (`EngineCore._process_engine_step`), and a load landing then was seen only at
-# the next step's get_finished: half a millisecond later on average. Such a step's
-# get_finished waits up to this long for a load being received to land, and reports it
-# at once. About the sleep after it: an idle engine's loop turns half as often, and a
-# request arriving meanwhile is scheduled that much later at most.
+# sleep (`EngineCore._process_engine_step`), and a load landing in that sleep is seen
+# only at the next step's get_finished. Such a step's get_finished waits up to this long
+# for a load being received to land, and reports it at once: about the sleep's length,
+# so an idle engine's loop turns at most half as often, and a request arriving meanwhile
+# is scheduled at most that much later.
 IDLE_WAIT_S = 1e-3
 # Once one load of an idle step has landed, the step waits for the others while they keep
 # landing, each within this long of the last: a step's eight loads landed within 0.1 ms

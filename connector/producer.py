@@ -548,7 +548,7 @@ class ProducerSide:
                         if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
                             part = await self._cut(tid, staged, msg)
                             source, after, block_nbytes = part, part.event, part.block_nbytes
-                    if staged.dead:  # aborted while the Go waited (its lane's cut): post nothing
+                    if staged.dead:  # ended while the Go waited (its lane's cut): post nothing
                         raise TransferFailed(tid, f"it ended before its send was posted: {staged.dropped}")
                     posting = True
                     deadline = time.monotonic() + w.config.load_timeout_s
@@ -558,8 +558,10 @@ class ProducerSide:
                         paged=paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
                 except TransferFailed as exc:
                     # The op has ended (never posted, timed out, or its communicator failed);
-                    # D would hold its receive, and its turn for this producer, until its deadline.
-                    ours = exc.reason
+                    # D would hold its receive, and its turn for this producer, until its
+                    # deadline. Unless the transfer was ended already (aborted, released):
+                    # the broker knows.
+                    ours = None if staged.dead else exc.reason
                     raise
             else:
                 assert self.sender is not None

@@ -138,7 +138,7 @@ class _Engine:
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
             torch.cuda.set_device(self.device)
-            per_ms = 1_000_000 / self._timed(lambda: torch.cuda._sleep(1_000_000))
+            per_ms = 1_000_000 / gpu_ms(lambda: torch.cuda._sleep(1_000_000))
             self.cycles = int(per_ms * step_ms)
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
@@ -146,7 +146,7 @@ class _Engine:
                 # bf16 matrix multiplies on every SM, as a prefill's are: what the copy
                 # kernels' programs beside them cost shows up, which a sleep kernel hides
                 self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
-                mm = self._timed(lambda: [self._gemm() for _ in range(10)]) / 10
+                mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
                 self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
@@ -157,16 +157,13 @@ class _Engine:
         Measured again before each timed request, so a clock that drifts during the run
         moves the baseline and the request alike."""
         if self.layer_cycles or self.layer_gemms:
-            return self._timed(lambda: [self.layer() for _ in NAMES], runs=1)
+            return gpu_ms(lambda: [self.layer() for _ in NAMES], runs=1)
         if not self.layer_s:
             return 0.0
         t0 = time.perf_counter()
         for _ in NAMES:
             self.layer()
         return (time.perf_counter() - t0) * 1e3
-
-    def _timed(self, work: Callable[[], object], runs: int = 3) -> float:
-        return gpu_ms(work, runs)
 
     def _gemm(self) -> None:
         a, b, out = self.mats

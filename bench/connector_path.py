@@ -308,6 +308,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"], forward=cfg["forward"])
     configure_logging(cfg["log_format"], cfg["log_level"])
     p, caches = _worker(endpoint, "p", engine, cfg)
+    log = structlog.get_logger().bind(role="bench")
     raw_tcp = _RawTcp()
     try:
         conn.send((_peer_of(p), engine.prefill_ms))
@@ -327,20 +328,28 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 assert conn.recv() == "bound"
                 alone = engine.forward_pass()  # the baseline, just before the request's own
                 engine.sync()
+                log.info("bench.step_start", transfer_id=tids[-1])
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
                     tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
                     for tid, src in zip(tids, srcs)}))
+                saves = []  # P's host time in each save_kv_layer
                 for name in NAMES:
                     engine.layer()
+                    s0 = time.perf_counter()
                     p.save_kv_layer(name, caches[name])
+                    saves.append(time.perf_counter() - s0)
+                s0 = time.perf_counter()
                 p.wait_for_save()
                 p.clear()
+                launched = time.perf_counter()
                 # P's host waits for its forward pass to end, as vLLM's sampler does: then the
                 # request's time splits into the pass (stretched by the step's gathers) and after.
                 engine.sync()
                 ended = time.perf_counter()
-                structlog.get_logger().info("bench.forward_end", transfer_id=tids[-1])
+                log.info("bench.forward_end", transfer_id=tids[-1], first_save_us=round(saves[0] * 1e6),
+                         saves_us=round(sum(saves) * 1e6), wait_for_save_us=round((launched - s0) * 1e6),
+                         host_us=round((launched - t0) * 1e6), gpu_after_us=round((ended - launched) * 1e6))
                 conn.send((t0, alone, ended))
                 assert conn.recv() == "done"
                 # raw: the same bytes once, D's receive ready first

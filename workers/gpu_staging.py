@@ -516,10 +516,6 @@ def _record_event(stream: Any) -> torch.cuda.Event:
     return event
 
 
-def _event_done(event: torch.cuda.Event) -> bool:
-    return bool(event.query())
-
-
 class StepLayers:
     """A step's layers as its gathers are enqueued on the compute stream (`gathered`),
     counted in order: the `LayerFeed` that block sends posted during the forward pass
@@ -535,20 +531,12 @@ class StepLayers:
     first: the event comes after every gather before it in stream order, and a send
     skips layers it has launched already.
 
-    A send that starts following once the GPU has run some groups' gathers already (a Go
-    that comes late: after a short forward pass, or through a router that tells D only
-    once P is done) is launched once up to the last of those, behind its event: their
-    launches one by one would each cost host time and copy nothing sooner.
+    `record(stream)` makes the event (injected by the CPU tests, which have no CUDA)."""
 
-    `record(stream)` makes the event and `done(event)` says whether the GPU has passed
-    it (both injected by the CPU tests, which have no CUDA)."""
-
-    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event,
-                 done: Callable[[Any], bool] = _event_done) -> None:
+    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event) -> None:
         self.num_layers = num_layers
         self._ends = layer_groups(num_layers)
         self._record = record
-        self._done_on_gpu = done
         self._lock = threading.Lock()  # the forward pass's thread counts; the broker client's loop follows
         self._done: set[int] = set()
         self._prefix = 0  # layers [0, prefix) are gathered
@@ -587,11 +575,6 @@ class StepLayers:
             reached = list(self._reached)
             if not reached or reached[-1][0] < self.num_layers:
                 self._followers.append(send)
-        # The groups whose gathers the GPU has run already go as one launch: an event
-        # passed means every gather before it in stream order ran too.
-        ran = next((k for k in range(len(reached) - 1, -1, -1) if self._done_on_gpu(reached[k][1])), None)
-        if ran is not None:
-            reached = reached[ran:]
         for end, event in reached:
             send.launch(end, event)
 

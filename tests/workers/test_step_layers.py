@@ -16,26 +16,15 @@ from workers.gpu_staging import StepLayers, layer_groups
 
 
 class Stream:
-    """The compute stream: which layers' gathers are enqueued on it so far, and which of
-    those the GPU has run (`ran`)."""
+    """The compute stream: which layers' gathers are enqueued on it so far."""
 
     def __init__(self) -> None:
         self.gathered: set[int] = set()
-        self.ran: set[int] = set()
-
-    def done(self, event: frozenset[int]) -> bool:
-        """Whether the GPU has passed `event`: run every gather enqueued before it."""
-        return event <= self.ran
 
 
 def record(stream: Stream) -> frozenset[int]:
     """An event on `stream`: it completes after every gather enqueued before it."""
     return frozenset(stream.gathered)
-
-
-def step_layers(num_layers: int) -> tuple[StepLayers, Stream]:
-    stream = Stream()
-    return StepLayers(num_layers, record=record, done=stream.done), stream
 
 
 class Send:
@@ -75,11 +64,9 @@ def test_every_launch_waits_for_the_gathers_of_the_layers_it_copies(num_layers: 
     launch per group."""
     order = data.draw(st.permutations(range(num_layers)))
     joins = data.draw(st.lists(st.integers(0, num_layers), min_size=1, max_size=4))  # after that many gathers
-    step, stream = step_layers(num_layers)
+    step, stream = StepLayers(num_layers, record=record), Stream()
     sends: list[Send] = []
     for k in range(num_layers + 1):
-        # The GPU runs behind the host: some prefix of what is enqueued has run.
-        stream.ran = set(order[: data.draw(st.integers(0, k), label=f"run after {k} gathers")])
         for _ in range(joins.count(k)):
             sends.append(Send())
             step.follow(sends[-1])
@@ -98,7 +85,7 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
     """The host runs ahead of the GPU: when the Go comes, every layer's gathers may be
     enqueued while few have run. Each group is then launched behind its own event, so
     the copy still moves as the forward pass computes, not all of it after."""
-    step, stream = step_layers(32)
+    step, stream = StepLayers(32, record=record), Stream()
     for layer in range(20):
         gather(step, stream, layer)
     send = Send()
@@ -113,33 +100,10 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
             (16, 16), (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
 
 
-def test_a_send_that_follows_once_the_gpu_ran_the_gathers_is_launched_once() -> None:
-    """A Go after the forward pass (or late in it): the groups whose gathers the GPU has
-    run go as one launch, behind the last of their events; the rest one by one."""
-    step, stream = step_layers(32)
-    for layer in range(32):
-        gather(step, stream, layer)
-    stream.ran = set(range(32))
-    send = Send()
-    step.follow(send)
-    assert [(layers, len(after or ())) for layers, after in send.launches] == [(32, 32)]
-
-    step, stream = step_layers(32)
-    for layer in range(30):
-        gather(step, stream, layer)
-    stream.ran = set(range(25))  # past the groups ending at 16 and 24, not 28
-    send = Send()
-    step.follow(send)
-    assert [(layers, len(after or ())) for layers, after in send.launches] == [(24, 24), (28, 28), (30, 30)]
-    for layer in (30, 31):
-        gather(step, stream, layer)
-    assert send.launches[-2:] == [(31, frozenset(range(31))), (32, frozenset(range(32)))]
-
-
 def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
     """Its transfers are aborted (their sends end with the communicator); no launch may
     copy the missing layer's staging, which nothing wrote."""
-    step, stream = step_layers(4)
+    step, stream = StepLayers(4, record=record), Stream()
     send = Send()
     step.follow(send)
     for layer in (0, 1, 3):
@@ -151,7 +115,7 @@ def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
 
 
 def test_a_launch_that_fails_in_the_forward_pass_is_not_raised_into_it() -> None:
-    step, stream = step_layers(2)
+    step, stream = StepLayers(2, record=record), Stream()
     broken, fine = Send(fail=True), Send()
     step.follow(broken)
     step.follow(fine)

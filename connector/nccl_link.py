@@ -82,6 +82,7 @@ from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
 from workers.transports.communicator import Communicator, LayerFeed
+from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
 from workers.waker import make_waker
 
@@ -858,13 +859,14 @@ class NcclLink:
                 paged, ids, ready_after = blocks
                 if not comm.takes_blocks(paged, count):
                     return None
-                work = comm.post_blocks(paged, ids, after=[ready_after])
+                work = comm.post_blocks(paged, ids, after=[ready_after], tag=transfer_tag(transfer_id))
             else:
                 if not comm.next_receive_takes_blocks():
                     return None
                 # Streaming: each group of layers is launched once its gathers are enqueued.
                 work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
-                                        keep=[lease.base], feed=None if streaming is None else streaming.feed)
+                                        keep=[lease.base], feed=None if streaming is None else streaming.feed,
+                                        tag=transfer_tag(transfer_id))
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

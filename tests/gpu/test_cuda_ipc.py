@@ -94,27 +94,31 @@ def test_sizes_that_differ_fail_the_send_naming_both() -> None:
 def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cfg: dict[str, Any]) -> None:
     """P sends a staged transfer of 8 blocks as one block op; D's receive gives up after
     `cfg["wait_s"]` and reports whether its cache stayed as it was. `cfg["case"]`:
-    "count" (D's receive takes 7 blocks: P's send must refuse it), "gave_up" (P's send
+    "count" (D's receive takes 7 blocks: P's send must refuse it), "tag" (D's receive of
+    8 blocks names another transfer than P's send: P's send must refuse it), "gave_up" (P's send
     follows a step whose layers are counted gathered only after D gave up: it must end
     without writing), or "int32_ids" (D's block ids are int32 on its GPU and a step of GPU work
     follows them: the blocks must land where the ids say)."""
     from workers.gpu_staging import PagedKv, StepLayers
     from workers.pool import BufferPool
+    from workers.transports.ipc_mailbox import UNTAGGED, transfer_tag
 
     try:
         device, rdv, cache, ops = _setup(role, dev, outbox, inbox, {"backend": "ipc"})
         paged = PagedKv(_cache(device, seed=dev))
         pool = BufferPool(paged.staged_block_nbytes * 8, device=device)
+        # "tag": each side names its own transfer; otherwise neither names one
+        tag = transfer_tag(f"req-{role}") if cfg["case"] == "tag" else UNTAGGED
         res: dict[str, Any] = {}
         if role == "P":
             staged = pool.acquire_nowait(paged.staged_block_nbytes * 8).tensor
             paged.gather(paged.block_ids(list(range(8))), paged.staging_view(staged, 8))
-            if cfg["case"] in ("int32_ids", "count"):
+            if cfg["case"] in ("int32_ids", "count", "tag"):
                 comm = cache.get("D", initiator=True)
                 try:
                     with comm.lock:
                         work = comm.send_blocks(comm.next_send, paged, staged.data_ptr(), 8, after=[ops._now()],
-                                                keep=[staged])
+                                                keep=[staged], tag=tag)
                     comm.completion([work], ops.stream, "send").wait(time.monotonic() + 30.0)
                     res["sent"] = [r[:, :8].cpu().numpy() for r in paged.rows]
                 except ValueError as exc:
@@ -146,7 +150,7 @@ def _block_worker(role: str, dev: int, outbox: Any, inbox: Any, results: Any, cf
                 res["landed"] = [r[:, REQ_D[:n]].cpu().numpy() for r in paged.rows]
             else:
                 comm = cache.get("P", initiator=False)
-                work = comm.post_blocks(paged, paged.block_ids(REQ_D[:n]), after=[ops._now()])
+                work = comm.post_blocks(paged, paged.block_ids(REQ_D[:n]), after=[ops._now()], tag=tag)
                 res["timed_out"] = _times_out(comm.completion([work], ops.stream, "recv"), cfg["wait_s"])
             if cfg["case"] == "gave_up":
                 rdv.publish("P", "test/gave-up", b"1")
@@ -176,6 +180,18 @@ def test_block_counts_that_differ_fail_the_send_naming_both() -> None:
     out = _run_pair(_block_worker, {"one_gpu": True, "case": "count", "wait_s": 3.0}, timeout_s=120.0)
     _report("ipc_block_count_mismatch", out)
     assert "takes 7 blocks, but this send is a staged transfer of 8 blocks" in out["P"]["message"]
+    assert out["P"]["stats"]["aborted"] == 1
+    assert out["D"]["timed_out"] and out["D"]["untouched"]
+
+
+@pytest.mark.gpu
+@one_gpu
+def test_a_block_send_for_another_transfer_than_its_receive_fails_naming_it() -> None:
+    """Both of 8 blocks, so the size cannot tell: the receive names its transfer, and the
+    send refuses a receive for another one instead of writing that request's blocks."""
+    out = _run_pair(_block_worker, {"one_gpu": True, "case": "tag", "wait_s": 3.0}, timeout_s=120.0)
+    _report("ipc_block_tag_mismatch", out)
+    assert "is for another transfer than this send of 8 blocks" in out["P"]["message"]
     assert out["P"]["stats"]["aborted"] == 1
     assert out["D"]["timed_out"] and out["D"]["untouched"]
 

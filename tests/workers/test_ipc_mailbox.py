@@ -21,6 +21,7 @@ from workers.transports.ipc_mailbox import (
     BLOCKS,
     MAX_LAYERS,
     SLOTS,
+    UNTAGGED,
     Counters,
     Descriptor,
     LayerTable,
@@ -28,6 +29,8 @@ from workers.transports.ipc_mailbox import (
     MailboxError,
     Step,
     group_steps,
+    pairing_error,
+    transfer_tag,
 )
 from workers.transports.nccl_setup import (
     IPC_PAGE_PREFIX,
@@ -310,3 +313,30 @@ def test_an_exchange_in_one_group_needs_the_receives_announced_first() -> None:
     groups = {0: [["send", "recv"]], 1: [["send", "recv"]]}
     assert run_pair(groups, group_steps, lambda n: 0) == {0: [1], 1: [1]}
     assert run_pair(groups, in_posting_order, lambda n: 0) is None
+
+
+def test_a_block_receive_names_its_transfer_and_a_send_for_another_is_refused() -> None:
+    """Sends and receives pair by number. A fault in the order of posts would pair a send
+    with another transfer's receive; of the same size, that request's blocks would hold
+    the other's KV with no error. The receive names its transfer, and such a send is
+    refused, naming the peer and the receive."""
+    box = page()
+    mine, other = transfer_tag("req-1"), transfer_tag("req-2")
+    assert len(mine) == 64 and mine != other and mine == transfer_tag("req-1") and UNTAGGED not in (mine, other)
+    box.post(1, Descriptor(5, mine, 2, 8 * 4096, kind=BLOCKS, count=8))
+    desc = box.take(1, 5)
+    assert desc is not None and desc.handle == mine
+    assert pairing_error("d0:0", desc, 8, mine) is None
+    crossed = pairing_error("d0:0", desc, 8, other)
+    assert crossed is not None and "d0:0's receive 5 is for another transfer" in crossed
+    assert pairing_error("d0:0", desc, 8, UNTAGGED) == crossed
+    sized = pairing_error("d0:0", desc, 7, mine)
+    assert sized is not None and "takes 8 blocks, but this send is a staged transfer of 7 blocks" in sized
+    into_buffer = Descriptor(6, handle(6), 0, 4096)
+    wrong_kind = pairing_error("d0:0", into_buffer, 1, mine)
+    assert wrong_kind is not None and "takes 4096 bytes into a buffer" in wrong_kind
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_two_transfer_ids_share_a_tag_only_when_equal(a: str, b: str) -> None:
+    assert (transfer_tag(a) == transfer_tag(b)) == (a == b)

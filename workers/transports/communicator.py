@@ -32,6 +32,8 @@ import torch
 
 from protocols.errors import KvBrokerError, RecvTimeout, SendTimeout
 
+from .ipc_mailbox import UNTAGGED
+
 if TYPE_CHECKING:  # pragma: no cover
     from workers.gpu_staging import PagedKv
 
@@ -269,7 +271,7 @@ class Communicator:
         return False
 
     def post_blocks(self, paged: PagedKv, block_ids: torch.Tensor | Sequence[int],
-                    after: Sequence[torch.cuda.Event | None] = ()) -> Any:
+                    after: Sequence[torch.cuda.Event | None] = (), *, tag: bytes = UNTAGGED) -> Any:
         raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
 
     @property
@@ -282,7 +284,7 @@ class Communicator:
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
                     after: Sequence[torch.cuda.Event | None] = (), keep: Sequence[torch.Tensor] = (),
-                    programs: int | None = None, feed: LayerFeed | None = None) -> Any:
+                    programs: int | None = None, feed: LayerFeed | None = None, tag: bytes = UNTAGGED) -> Any:
         raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
 
     # -- shared --------------------------------------------------------------------------

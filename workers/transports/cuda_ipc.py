@@ -38,7 +38,10 @@ How one op pairs:
 * A staged transfer whole (`send_blocks` with `post_blocks`, what the connector's link
   posts when D's cache allows it): one op, one kernel, straight from P's staging into
   D's blocks, so D needs no pool bytes and no scatter. D's host publishes its layer
-  table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer;
+  table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer,
+  which names the transfer (a digest of its id: P checks it, and the size, against its
+  own send before it copies, so a fault in the order of posts fails the send instead of
+  landing one request's KV in the blocks of another of the same size);
   D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
   P's `ready`, without waiting for its earlier block receives to land (only for the
   one whose arena slot it reuses), and waits for `arrived` on a stream of its own.
@@ -89,14 +92,15 @@ from protocols.errors import RecvTimeout, RendezvousError, SendTimeout
 
 from .ipc_mailbox import (
     BLOCKS,
-    HANDLE_BYTES,
     MAX_LAYERS,
+    UNTAGGED,
     Counters,
     Descriptor,
     LayerTable,
     Mailbox,
     MailboxError,
     group_steps,
+    pairing_error,
 )
 from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
 from .cuda_driver import CudaDriver, boot_id, driver, driver_error
@@ -669,11 +673,12 @@ class IpcCommunicator(Communicator):
                 and bool(paged.use_triton))
 
     def post_blocks(self, paged: PagedKv, block_ids: torch.Tensor | Sequence[int],
-                    after: Sequence[torch.cuda.Event | None] = ()) -> Any:
+                    after: Sequence[torch.cuda.Event | None] = (), *, tag: bytes = UNTAGGED) -> Any:
         """Receive a staged transfer straight into `block_ids` of `paged` (this side's
         cache), as one op: no pool, no scatter. The op waits for `after` (whatever may
         still use those blocks; with ids on this GPU, what made them too) before the
-        sender may write them.
+        sender may write them. `tag` names the transfer (`ipc_mailbox.transfer_tag`): the
+        sender's send must carry the same one.
 
         Its block ids go into the sender's arena (from this GPU, or from host memory
         when given as a list), then the sender's `ready` says they are there; the
@@ -709,8 +714,7 @@ class IpcCommunicator(Communicator):
                 self.drv.wait_value(self._sp, self.my_arrived(seq - _ID_SLOTS), seq - _ID_SLOTS)
             slot = _Counters.arena(self.peer_arena, seq)
             self.drv.copy(self._sp, slot, held.data_ptr(), n * 8)
-            box.post(self.into, Descriptor(seq, bytes(HANDLE_BYTES), version, n * paged.staged_block_nbytes,
-                                           kind=BLOCKS, count=n))
+            box.post(self.into, Descriptor(seq, tag, version, n * paged.staged_block_nbytes, kind=BLOCKS, count=n))
             self.received = seq
             self.drv.write_value(self._sp, self.peer_ready, seq)
             self.drv.wait_value(self.arrivals.cuda_stream, self.my_arrived(seq), seq)  # the receive's end
@@ -761,17 +765,18 @@ class IpcCommunicator(Communicator):
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
                     after: Sequence[torch.cuda.Event | None] = (), keep: Sequence[torch.Tensor] = (),
-                    programs: int | None = None, feed: LayerFeed | None = None) -> Any:
+                    programs: int | None = None, feed: LayerFeed | None = None, tag: bytes = UNTAGGED) -> Any:
         """Send `num_blocks` staged blocks of `paged`'s shape at address `src` (block-major
         staging, on this GPU or pinned) whole, as send number `seq` (`next_send`, under
         `lock`), straight into the blocks the receiver's BLOCKS receive names: at once,
         after the events `after`, or, with `feed` (the producer's layers, maybe still
         being gathered), a group of layers at a time as the feed counts them gathered
-        (`_BlockSend`). `keep`: tensors to hold until the send's end.
+        (`_BlockSend`). `keep`: tensors to hold until the send's end. `tag`: the
+        transfer's, which the receive must name too.
 
         Raises:
-            ValueError: the receiver posted another size or kind of receive, or its cache
-                has another shape: the message says which.
+            ValueError: the receiver posted another size or kind of receive, one for
+                another transfer, or its cache has another shape: the message says which.
         """
         if seq != self.sent + 1:
             raise RuntimeError(f"send {seq} is not the next one ({self.sent + 1}); hold the lock from next_send on.")
@@ -779,11 +784,9 @@ class IpcCommunicator(Communicator):
 
         def steps() -> list[torch.Tensor]:
             desc = self._descriptor(seq)
-            if desc.kind != BLOCKS or desc.count != num_blocks:
-                what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
-                raise ValueError(f"{self.peer}'s receive {seq} takes {what}, but this send is a staged transfer "
-                                 f"of {num_blocks} blocks: both sides must post the same transfers in "
-                                 "the same order.")
+            refused = pairing_error(self.peer, desc, num_blocks, tag)
+            if refused:
+                raise ValueError(refused)
             layers, table = self._layers_of(desc.offset)
             if (table.rows_per_block, table.row_nbytes, len(table.entries)) != (paged.pre, paged.row_nbytes,
                                                                                 paged.num_layers):

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "BLOCKS", "BYTES", "HANDLE_BYTES", "MAGIC", "MAX_LAYERS", "SLOTS", "Counters", "Descriptor", "LayerTable",
-    "Mailbox", "MailboxError", "Step", "group_steps",
+    "BLOCKS", "BYTES", "HANDLE_BYTES", "MAGIC", "MAX_LAYERS", "SLOTS", "UNTAGGED", "Counters", "Descriptor",
+    "LayerTable", "Mailbox", "MailboxError", "Step", "group_steps", "pairing_error", "transfer_tag",
 ]
 
 MAGIC = 0x6B76_6270_6970_6333  # "kvbpipc3"
@@ -77,7 +77,9 @@ class Descriptor:
 
     A BLOCKS receive takes `count` whole blocks (`nbytes` in all) straight into the
     receiver's paged cache, as its layer table of version `offset` describes; its block
-    ids are in the sender's GPU memory by the time the sender's GPU sees `ready`."""
+    ids are in the sender's GPU memory by the time the sender's GPU sees `ready`. Its
+    `handle` (no allocation to name) is the transfer's tag (`transfer_tag`), which the
+    sender checks against its own send's (`pairing_error`)."""
 
     seq: int
     handle: bytes
@@ -114,6 +116,33 @@ class Counters:
     process: int
     ordinal: int
     base: int
+
+
+UNTAGGED = bytes(HANDLE_BYTES)  # a BLOCKS receive or send that names no transfer
+
+
+def transfer_tag(transfer_id: str) -> bytes:
+    """What a BLOCKS descriptor names its transfer by: a digest of its id, as long as the
+    handle field it takes (which such a receive leaves unused)."""
+    return hashlib.blake2b(transfer_id.encode(), digest_size=HANDLE_BYTES, person=b"kvb-transfer").digest()
+
+
+def pairing_error(peer: str, desc: Descriptor, num_blocks: int, tag: bytes) -> str | None:
+    """Why send number `desc.seq`, a staged transfer of `num_blocks` blocks tagged `tag`,
+    must not go into `peer`'s receive `desc`; None when they pair.
+
+    Sends and receives pair by their numbers. A fault in the order both sides post them
+    in would pair a send with another transfer's receive: of another size, or of the same
+    size, whose blocks would then hold the wrong request's KV with no error. The tag
+    turns that case into a refused send."""
+    if desc.kind != BLOCKS or desc.count != num_blocks:
+        what = f"{desc.count} blocks" if desc.kind == BLOCKS else f"{desc.nbytes} bytes into a buffer"
+        return (f"{peer}'s receive {desc.seq} takes {what}, but this send is a staged transfer of {num_blocks} "
+                "blocks: both sides must post the same transfers in the same order.")
+    if desc.handle != tag:
+        return (f"{peer}'s receive {desc.seq} is for another transfer than this send of {num_blocks} blocks: both "
+                "sides must post the same transfers in the same order.")
+    return None
 
 
 def _digest(fields: bytes, handle: bytes) -> bytes:

@@ -210,9 +210,10 @@ def legs(out: Path, skip: int) -> None:
     (repeated events keyed by their count in the request), and when D reported each
     request against its last landing."""
     p, d = _load(out)
+    requests = _requests(p, d)[skip:]
     at: dict[str, list[float]] = defaultdict(list)
     landing_to_report = []
-    for request in _requests(p, d)[skip:]:
+    for request in requests:
         seen: Counter[str] = Counter()
         landed, reported = None, None
         for ms, side, (_, thread, name, tid, _cpu) in request:
@@ -226,7 +227,7 @@ def legs(out: Path, skip: int) -> None:
                 reported = ms
         if landed is not None and reported is not None:
             landing_to_report.append(reported - landed)
-    n = len(_requests(p, d)[skip:])
+    n = len(requests)
     last: dict[str, int] = {}  # a repeated event (a save per layer, an engine step) shows its first two and last
     for key in at:
         base, count = key.rsplit(" #", 1)

@@ -854,19 +854,20 @@ class NcclLink:
                      blocks: Any, streaming: Streaming | None = None) -> Posted | None:
         """The transfer as one op straight into D's blocks, if both sides can: D when its
         cache takes `count` blocks so; P when D's receive is of that kind. None: chunks."""
+        tag = transfer_tag(transfer_id)  # D's receive names it, and P's send checks it
         with comm.lock:
             if op == "recv":
                 paged, ids, ready_after = blocks
                 if not comm.takes_blocks(paged, count):
                     return None
-                work = comm.post_blocks(paged, ids, after=[ready_after], tag=transfer_tag(transfer_id))
+                work = comm.post_blocks(paged, ids, after=[ready_after], tag=tag)
             else:
                 if not comm.next_receive_takes_blocks():
                     return None
                 # Streaming: each group of layers is launched once its gathers are enqueued.
                 work = comm.send_blocks(comm.next_send, blocks, lease.base.data_ptr() + start, count, after=[after],
                                         keep=[lease.base], feed=None if streaming is None else streaming.feed,
-                                        tag=transfer_tag(transfer_id))
+                                        tag=tag)
             done = [comm.completion([work], self.stream, op, transfer_id)]
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done, parts=[(0, count)],
                       flag=cancelled, into_blocks=True)

@@ -13,6 +13,8 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    receive (a ticket), and the producer's turn is held from the ticket until the
    receive is posted, so a producer's next transfer is under way while this one is on
    the wire, and both sides post in ticket order (NCCL pairs ops by posting order).
+   A receive straight into D's blocks on a communicator already built is posted before
+   the Ready: the producer sees it and starts sending without waiting for its Go.
 3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
    its prefix hit (the cache tensors from `register_kv_caches`; attn_metadata may be
    None in this step), send Done (the bytes are now in D's cache), free the lease and
@@ -731,8 +733,8 @@ class ConsumerSide:
     async def post_receive(self, msg: Prepare, load: _Load, holder: _Load | Lane, offset: int, nbytes: int,
                            block_nbytes: int, into: Any = None, **fields: Any) -> Any:
         """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes),
-        then take a ticket, send the Ready and post the receive, in the producer's turn;
-        the posted receive. `fields` (a lane's source and heads) go into the Ready and its
+        then take a ticket, send the Ready and post the receive (the other way round
+        where `NcclLink.posts_first` says), in the producer's turn; the posted receive. `fields` (a lane's source and heads) go into the Ready and its
         log line. A ticket whose receive was not posted is given up: its Ready may be out,
         and the producer's send must not pair with another receive."""
         w, tid, source = self.w, msg.transfer_id, msg.source
@@ -748,21 +750,37 @@ class ConsumerSide:
         async with w.nccl.receiving(source):
             turn = time.monotonic()
             ticket = w.nccl.ticket(source)
+            # Into blocks on a communicator built already, the receive goes first: the
+            # producer sees it in their mailbox and starts sending without waiting for
+            # the Go (`NcclLink.watch_receive`). Else the Ready goes first.
+            first = into is not None and w.nccl.posts_first(source, ticket)
             posted = None
             try:
-                await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1],
-                                            source=fields.get("source", ""))
+                if first:
+                    posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
+                                                    block_nbytes=block_nbytes, into=into)
+                    posted_at = time.monotonic()
+                try:
+                    await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1],
+                                                source=fields.get("source", ""))
+                except BaseException:
+                    if posted is not None:  # posted, but the broker may never hear of it: end it
+                        with anyio.CancelScope(shield=True):
+                            await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
+                    raise
                 # Where D's time before the Ready went: room in the pool, the producer's
-                # turn (the transfers ahead of it posting), the send.
+                # turn (the transfers ahead of it posting), the post (when first), the send.
                 ready = time.monotonic()
                 w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
                            skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
                            seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
-                           turn_us=_us(turn - leased), send_us=_us(ready - turn), **fields)
-                posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
-                                                block_nbytes=block_nbytes, into=into)
+                           turn_us=_us(turn - leased), send_us=_us(ready - (posted_at if first else turn)),
+                           posted_first=first, **fields)
+                if not first:
+                    posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
+                                                    block_nbytes=block_nbytes, into=into)
                 if holder is load:
-                    load.post_us = _us(time.monotonic() - ready)
+                    load.post_us = _us(posted_at - turn) if first else _us(time.monotonic() - ready)
             finally:
                 if posted is None:
                     with anyio.CancelScope(shield=True):

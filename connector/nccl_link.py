@@ -60,6 +60,14 @@ that kind of receive (`next_receive_takes_blocks`) and sends its staged blocks w
 into them (`send_blocks`). One op each way, nothing to land: the
 receive's end is the load's. The lease is still taken (it is the broker's credit) but
 not written.
+
+Such a receive names its transfer (a digest of its id), so P need not wait for the Go
+to know which send pairs with it: on a communicator already built, D posts it before
+its Ready (`posts_first`), P's poller looks for it between its polls
+(`watch_receive`, from the Offer for `RECEIVE_WATCH_S`), and P starts the send as the
+Go would when it is next in P's order there (`ticket_at`), a broker round trip (the
+Ready's hop and the Go's) earlier. The Go, when it comes, finds the send started and
+sends nothing; a transfer P did not see so goes on its Go as before.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.to_thread
+import structlog
 import torch
 
 from protocols.errors import KvBrokerError, TransferFailed
@@ -85,6 +94,8 @@ from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
 from workers.waker import make_waker
+
+log = structlog.get_logger()
 
 __all__ = ["Into", "NcclLink", "Poller", "RecvOrder", "SendOrder", "Streaming", "Waited", "chunks", "plan"]
 
@@ -107,6 +118,12 @@ WAIT_PAUSE_S = 1e-4
 # report (the poller hands an expired transfer back at once; this only bounds a poller
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
+
+# How long P looks for D's receive of a staged transfer straight into its blocks
+# (`NcclLink.watch_receive`), from its Offer. D posts it about a millisecond after the
+# Offer when its request is there; past this the broker's Go starts the send as before,
+# and looking every `WAIT_PAUSE_S` would only take the GIL from P's forward pass.
+RECEIVE_WATCH_S = 0.02
 
 # Transfers cancelled before their op was posted, remembered so the post is refused: an
 # Abort can come while the Go's send waits for its turn. The oldest are forgotten first.
@@ -193,6 +210,14 @@ class SendOrder:
             return "stale"
         return "post" if pair.nonce == nonce and place == pair.next else "wait"
 
+    def next_on(self, peer: str, nonce: str) -> Ticket | None:
+        """The ticket of the next send on communicator `nonce`, if this side posted there
+        last and no post is under way: its verdict is "post". None: not known here."""
+        pair = self.pairs.get(peer)
+        if pair is None or pair.posting or not nonce or pair.nonce != nonce:
+            return None
+        return (nonce, pair.next)
+
     def begin(self, peer: str) -> None:
         self.pairs.setdefault(peer, _Pair()).posting = True
 
@@ -219,6 +244,43 @@ class SendOrder:
         pair = self.pairs.setdefault(peer, _Pair())
         pair.gone.update(n for n in (pair.nonce, also) if n is not None)
         pair.nonce, pair.next, pair.posting = None, 0, False
+
+
+# A staged transfer's seen receive: (transfer id, decode peer, communicator nonce, the
+# receive's number on it, its bytes); called in the poller's thread (`NcclLink.watch_receive`).
+Seen = Callable[[str, str, str, int, int], None]
+
+
+class ReceiveWatch:
+    """P's staged transfers whose receive D may post before their Go reaches P (no IO):
+    each by the tag such a receive names it with (`transfer_tag`), until a deadline."""
+
+    def __init__(self) -> None:
+        self._by_tag: dict[bytes, tuple[str, float, Seen]] = {}
+        self._tags: dict[str, bytes] = {}
+
+    def add(self, transfer_id: str, until: float, seen: Seen) -> None:
+        tag = self._tags[transfer_id] = transfer_tag(transfer_id)
+        self._by_tag[tag] = (transfer_id, until, seen)
+
+    def drop(self, transfer_id: str) -> None:
+        tag = self._tags.pop(transfer_id, None)
+        if tag is not None:
+            self._by_tag.pop(tag, None)
+
+    def expire(self, now: float) -> bool:
+        """Forget the transfers watched past their deadline; whether any are left."""
+        for tid, until, _ in [w for w in self._by_tag.values() if w[1] < now]:
+            self.drop(tid)
+        return bool(self._by_tag)
+
+    def take(self, tag: bytes) -> tuple[str, Seen] | None:
+        """The transfer watched with `tag` and what to call, no longer watched; None: none is."""
+        watched = self._by_tag.pop(tag, None)
+        if watched is None:
+            return None
+        del self._tags[watched[0]]
+        return watched[0], watched[2]
 
 
 class Streaming(Protocol):
@@ -370,6 +432,7 @@ class Poller:
         self._cond = threading.Condition()
         self._waits: list[tuple[Any, _Ended]] = []
         self._carried: list[tuple[_Watch, _Ended]] = []  # watches this thread advances itself
+        self._probes: list[Callable[[], bool]] = []  # looked at each turn until they return True (`probe`)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -415,6 +478,18 @@ class Poller:
             self._cond.notify()
         return ended
 
+    def probe(self, look: Callable[[], bool]) -> bool:
+        """Call `look()` in this thread at each turn, between the polls of the ops (at
+        most `WAIT_PAUSE_S` apart), until it returns True; it must not block. False: the
+        poller is closed, and nothing will call it."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._probes.append(look)
+            self._start()
+            self._cond.notify()
+        return True
+
     def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -434,12 +509,16 @@ class Poller:
         pause, progress, known = 0.0, time.monotonic(), 0
         while True:
             with self._cond:
-                while not self._waits and not self._carried:
+                if self._closed:  # a probe is a shortcut: nobody needs it once the link closes
+                    self._probes.clear()
+                while not self._waits and not self._carried and not self._probes:
                     if self._closed:
                         return
                     self._cond.wait()
                     pause, progress = 0.0, time.monotonic()
-                waits, carried = list(self._waits), list(self._carried)
+                waits, carried, probes = list(self._waits), list(self._carried), list(self._probes)
+            if probes:
+                self._look(probes)
             ended = [w for w in waits if _ended_or_broken(w[0])]
             now = time.monotonic()
             if ended:
@@ -458,6 +537,22 @@ class Poller:
                 with self._cond:
                     self._cond.wait(pause)  # a new wait ends the pause
             known = len(waits) - len(ended) + len(carried) - finished
+
+    def _look(self, probes: list[Callable[[], bool]]) -> None:
+        """Call each probe once; forget those that are done, or that raised (a probe is
+        a shortcut: what it watches for also comes another way)."""
+        done = []
+        for look in probes:
+            try:
+                finished = look()
+            except Exception as exc:
+                log.warning("nccl.probe_failed", error=repr(exc))
+                finished = True
+            if finished:
+                done.append(look)
+        if done:
+            with self._cond:
+                self._probes = [p for p in self._probes if p not in done]
 
     def _advance(self, carried: list[tuple[_Watch, _Ended]]) -> tuple[bool, int]:
         """Advance the carried watches whose next op ended (or whose deadline passed):
@@ -557,6 +652,8 @@ class NcclLink:
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         self.poller = Poller()
+        self._watch = ReceiveWatch()  # under `_lock`
+        self._probing = False  # `_look` is the poller's probe (under `_lock`)
 
     # -- D ---------------------------------------------------------------------------------
 
@@ -591,6 +688,14 @@ class NcclLink:
             raise
         self._recv_order.posted(producer, ticket, posted.comm.nonce)
         return posted
+
+    def posts_first(self, producer: str, ticket: Ticket) -> bool:
+        """D: whether to post the receive of `ticket` before sending its Ready: on a
+        built communicator that writes into blocks, whose sender watches for such a
+        receive and may start on it (`watch_receive`). Elsewhere the Ready goes first:
+        the post would only delay it (and a new communicator is built on the Go)."""
+        comm = self.cache.current(producer) if ticket[0] else None
+        return comm is not None and comm.nonce == ticket[0] and comm.writes_into_blocks
 
     async def give_up(self, producer: str) -> None:
         """D: a ticket whose Ready may have gone out is given up before its receive was
@@ -638,6 +743,62 @@ class NcclLink:
         receive for this one: they are not posted either (D, aborted, drops it)."""
         if self._send_order.abandon(decode, ticket):
             self._changed(decode)
+
+    # -- P: a send started by D's receive ---------------------------------------------------
+
+    def watch_receive(self, transfer_id: str, seen: Seen) -> None:
+        """P: for `RECEIVE_WATCH_S`, look (the poller, between its polls) for D's receive
+        of `transfer_id` straight into its blocks, on any communicator built with a D
+        that writes into blocks; once it is the next receive there, call `seen` (in the
+        poller's thread: it must not block). D posts such a receive before its Ready
+        (`posts_first`), so P may start the send then (`ticket_at`), without the
+        Ready's trip to the broker and the Go's back. Nothing to look for while no
+        communicator built writes into blocks (a peer's first transfer builds one on its Go)."""
+        if not any(comm.writes_into_blocks for comm in self.cache.built()):
+            return
+        with self._lock:
+            self._watch.add(transfer_id, time.monotonic() + RECEIVE_WATCH_S, seen)
+            start, self._probing = not self._probing, True
+        if start and not self.poller.probe(self._look):
+            with self._lock:
+                self._probing = False
+
+    def unwatch_receive(self, transfer_id: str) -> None:
+        """P: stop looking for `transfer_id`'s receive (its Go came, or it ended)."""
+        with self._lock:
+            self._watch.drop(transfer_id)
+
+    def _look(self) -> bool:
+        """The poller's probe: each built communicator's next receive, if it names a
+        watched transfer. True once nothing is watched (the probe ends)."""
+        with self._lock:
+            if not self._watch.expire(time.monotonic()):
+                self._probing = False
+                return True
+        for comm in self.cache.built():
+            try:
+                found = comm.next_block_receive() if comm.writes_into_blocks else None
+            except Exception:  # closed meanwhile: its transfers go by their Go
+                continue
+            if found is None:
+                continue
+            seq, tag, nbytes = found
+            with self._lock:
+                watched = self._watch.take(tag)
+            if watched is not None:
+                tid, seen = watched
+                seen(tid, comm.peer, comm.nonce, seq, nbytes)
+        return False
+
+    def ticket_at(self, decode: str, nonce: str, seq: int) -> Ticket | None:
+        """P, on the client's loop: the ticket of the send that pairs with `decode`'s
+        receive number `seq` on communicator `nonce`, when that send is next in this
+        side's order and may be posted now; None: leave it to the Go."""
+        ticket = self._send_order.next_on(decode, nonce)
+        comm = self.cache.current(decode) if ticket is not None else None
+        if comm is None or comm.nonce != nonce or not comm.writes_into_blocks or comm.next_send != seq:
+            return None
+        return ticket
 
     async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
         with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):

@@ -33,7 +33,9 @@
    waits for the copy (at most load_timeout_s). Then send the requested byte range straight to D's TCP endpoint
    (returns once D acknowledged all of it), or over NCCL on the communicator the Go
    names, when it is next there in D's order (returns once the send has ended on the
-   GPU). On Release (D has it) or Abort: free the lease, after any send still reading
+   GPU). Over ipc into D's blocks the send may start before its Go: D posts that receive
+   before its Ready, naming the transfer, and P starts on it as soon as its link sees it
+   (`_go_on_receive`); the Go then sends nothing. On Release (D has it) or Abort: free the lease, after any send still reading
    it; an Abort also ends an NCCL send still under way. A staged copy the broker never settles is
    freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
    names no endpoint for the transport, or a malformed one) aborts the transfer at the
@@ -90,6 +92,9 @@ class _Staged:
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
+    # nccl: the decode peer and communicator of a send started on D's receive, seen before
+    # the Go came (`_go_on_receive`): that Go, when it comes, sends nothing again
+    started: tuple[str, str] | None = None
     # nccl with the copy kernel: its step's layers, which a send posted during the forward pass follows
     feed: StepLayers | None = None
     # tcp, one staging row per block: its step's layers copied so far, for a send that
@@ -428,6 +433,8 @@ class ProducerSide:
         if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
+        if w.nccl is not None and staged.feed is not None and w.groups is None:  # it may go into D's blocks
+            w.nccl.watch_receive(tid, self._receive_seen)
         w.log.info(
             "transfer.offered",
             transfer_id=tid,
@@ -471,6 +478,8 @@ class ProducerSide:
         """Forget a staged copy; free its lease now, or when its last send ends. `on_loop`:
         called on the client's loop thread (else the main thread)."""
         w = self.w
+        if w.nccl is not None:
+            w.nccl.unwatch_receive(tid)
         with w.lock:
             staged = self._staged.pop(tid, None)
             if staged is None:
@@ -500,11 +509,46 @@ class ProducerSide:
     async def _wake(waiter: anyio.Event) -> None:
         waiter.set()
 
-    async def on_go(self, msg: Go) -> None:
-        w, tid = self.w, msg.transfer_id
-        waiter = None
+    def _receive_seen(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:
+        """D's receive of `tid` straight into its blocks is posted (the link's poller
+        thread saw it): on to the loop, which may start the send (`_go_on_receive`)."""
+        self.w.spawn(self._go_on_receive, tid, decode, nonce, seq, nbytes)
+
+    async def _go_on_receive(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:
+        """Send `tid` into the receive D posted for it (receive `seq` on communicator
+        `nonce`, `nbytes` of the staged tail) as its Go would, a broker round trip
+        earlier: when that send is next in this side's order with `decode`, the
+        communicator's number for it is `seq`, and the bytes are a whole-block tail of
+        the staging. Else nothing: the Go comes, and decides."""
+        w = self.w
+        assert w.nccl is not None
         with w.lock:
             staged = self._staged.get(tid)
+            if staged is None or staged.dead or staged.started is not None or staged.sends:
+                return
+            total = staged.shape[0] * staged.shape[1] * staged.shape[2]
+        row = len(w.layers) * w.block_nbytes
+        ticket = w.nccl.ticket_at(decode, nonce, seq)
+        if ticket is None or not 0 < nbytes <= total or (total - nbytes) % row:
+            return
+        await self.on_go(Go(transfer_id=tid, decode=decode, endpoints={}, offset=total - nbytes, nbytes=nbytes,
+                            comm=nonce, seq=ticket[1]), on_receive=True)
+
+    async def on_go(self, msg: Go, *, on_receive: bool = False) -> None:
+        """Send what `msg` names. `on_receive`: not the broker's Go, but one made from D's
+        receive, seen before the Go came (`_go_on_receive`)."""
+        w, tid = self.w, msg.transfer_id
+        waiter = None
+        if w.nccl is not None and not on_receive:
+            w.nccl.unwatch_receive(tid)
+        with w.lock:
+            staged = self._staged.get(tid)
+            if staged is not None and not on_receive and staged.started == (msg.decode, msg.comm):
+                # Its send started on D's receive already: this is its Go, come the long way.
+                w.log.debug("transfer.go_after_receive", transfer_id=tid, phase="send", decode=msg.decode)
+                return
+            if staged is not None and on_receive:
+                staged.started = (msg.decode, msg.comm)
             # Over nccl with the copy kernel the send is posted at once, during the forward
             # pass too, and a send into D's blocks is launched a group of layers at a time
             # as they are gathered (`_Streaming`); else a Go during the forward pass waits.
@@ -603,6 +647,8 @@ class ProducerSide:
         else:
             w.count("sent")
             w.count("bytes", msg.nbytes)
+            if on_receive:
+                w.count("sent_on_receive")
             now = time.monotonic()
             w.log.info(
                 "transfer.sent",
@@ -612,6 +658,7 @@ class ProducerSide:
                 offset=msg.offset,
                 nbytes=msg.nbytes,
                 ms=round((now - t0) * 1e3, 3),
+                on_receive=on_receive,
                 **(waited.log_fields(now) if waited is not None else {}),
             )
         finally:

@@ -133,6 +133,16 @@ class WireLink:
     async def give_up(self, producer: str) -> None:
         return None
 
+    def posts_first(self, producer: str, ticket: tuple[str, int]) -> bool:
+        return False  # no receive into blocks: the Ready goes first
+
+    # P finds no receive of D's on this wire before the Go: nothing to watch.
+    def watch_receive(self, transfer_id: str, seen: Any) -> None:
+        return None
+
+    def unwatch_receive(self, transfer_id: str) -> None:
+        return None
+
     # -- P --------------------------------------------------------------------------------
 
     async def send(self, decode: str, transfer_id: str, lease: Any, offset: int, nbytes: int, after: Any,

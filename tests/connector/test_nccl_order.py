@@ -35,6 +35,7 @@ class Pair:
     posted_on: dict[str, str] = field(default_factory=dict)  # transfer -> the communicator D posted it on
     dropped: set[str] = field(default_factory=set)  # communicators D dropped
     dropped_at_ready: dict[str, set[str]] = field(default_factory=dict)
+    started: int = 0  # sends started on D's receive, before their Go
 
     def decode(self, transfers: list[str], give_up: set[str]) -> list[tuple[str, Ticket]]:
         order, goes = RecvOrder(), []
@@ -56,11 +57,28 @@ class Pair:
             order.posted(PEER, ticket, self.d_current)
         return goes
 
-    def prefill(self, goes: list[tuple[str, Ticket]]) -> None:
+    def prefill(self, goes: list[tuple[str, Ticket]], on_receive: bool = False) -> None:
+        """P's side. `on_receive`: P may also start a send on D's receive, seen before its
+        Go (`ProducerSide._go_on_receive`): the receive next on P's communicator, with
+        `SendOrder.next_on`'s ticket; that transfer's Go is then ignored."""
         order = SendOrder()
         waiting = list(goes)
         posting: tuple[str, Ticket] | None = None
         while waiting or posting:
+            if on_receive and posting is None and self.p_current is not None and self.rng.random() < 0.3:
+                comm = self.p_current
+                sent = len(self.p_posts.get(comm, []))
+                receives = self.d_posts.get(comm, [])
+                seen = receives[sent] if sent < len(receives) else None
+                ticket = order.next_on(PEER, comm)
+                go = next((g for g in waiting if g[0] == seen), None)
+                if go is not None and ticket is not None:
+                    assert ticket == go[1], f"{seen}: started as {ticket}, but its Go names {go[1]}"
+                    waiting.remove(go)
+                    self.started += 1
+                    order.begin(PEER)
+                    posting = go
+                    continue
             if posting is not None and (not waiting or self.rng.random() < 0.5):
                 tid, ticket = posting  # the post's worker thread returns
                 posting = None
@@ -124,6 +142,31 @@ def test_every_send_pairs_with_its_own_receive(n: int, give_up: set[int], seed: 
     check_pairs(pair)
 
 
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    give_up=st.sets(st.integers(0, 11), max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_send_started_on_its_receive_takes_the_ticket_its_go_names(n: int, give_up: set[int],
+                                                                    seed: int) -> None:
+    pair = Pair(random.Random(seed))
+    transfers = [f"t{k}" for k in range(n)]
+    pair.prefill(pair.decode(transfers, {f"t{k}" for k in give_up}), on_receive=True)
+    check_pairs(pair)
+
+
+def test_sends_started_on_their_receives_go_in_order() -> None:
+    started = 0
+    for seed in range(50):
+        pair = Pair(random.Random(seed))
+        transfers = [f"t{k}" for k in range(8)]
+        pair.prefill(pair.decode(transfers, set()), on_receive=True)
+        assert pair.d_posts == {"c1": transfers} and pair.p_posts == {"c1": transfers}
+        started += pair.started
+    assert started > 50  # the first transfer builds c1 on its Go; most later ones start on their receive
+
+
 def test_without_give_ups_every_transfer_is_sent_once_in_order() -> None:
     for seed in range(50):
         pair = Pair(random.Random(seed))
@@ -167,6 +210,21 @@ def test_send_order_verdicts() -> None:
     order.begin(PEER)
     order.posted(PEER, ("", 0), "c2")
     assert order.verdict(PEER, ("c1", 2)) == "stale" and order.verdict(PEER, ("c2", 1)) == "post"
+
+
+def test_the_next_send_on_a_communicator_is_known_only_once_p_posted_there() -> None:
+    order = SendOrder()
+    assert order.next_on(PEER, "c1") is None  # nothing posted yet: c1's first send comes by its Go
+    order.begin(PEER)
+    order.posted(PEER, ("", 0), "c1")
+    assert order.next_on(PEER, "c1") == ("c1", 1) and order.verdict(PEER, ("c1", 1)) == "post"
+    assert order.next_on(PEER, "c2") is None and order.next_on(PEER, "") is None
+    order.begin(PEER)
+    assert order.next_on(PEER, "c1") is None  # a post under way: its place is not settled
+    order.posted(PEER, ("c1", 1), "c1")
+    assert order.next_on(PEER, "c1") == ("c1", 2)
+    order.given_up(PEER)
+    assert order.next_on(PEER, "c1") is None
 
 
 def test_recv_order_tickets() -> None:

@@ -471,7 +471,8 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Over the ipc backend D posts each transfer as one receive into its blocks: nothing
     is scattered (`_land` never runs), every load lands in place once, with and without a
-    prefix hit, and D's blocks hold what P saved; then, with D refusing block receives,
+    prefix hit, and D's blocks hold what P saved, most sent as soon as P saw the receive
+    (before the Go); then, with D refusing block receives,
     the same pair moves the next transfers in chunks landed by scatters (P follows D's
     kind)."""
     scattered, in_place = [], []
@@ -508,6 +509,10 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
                 assert torch.equal(t[:, dst[cached:]].cpu(), saved[n][:, cached:].cpu()), (i, n)
         assert in_place == [(f"b{i}", 5 - i % 2) for i in range(10)]
         assert sorted(set(scattered)) == sorted(f"b{i}" for i in range(10, 20))
+        # After the first built the communicator, D posted each receive into blocks before
+        # its Ready, and P started the send on it rather than on the Go (a prefix hit
+        # every other time: the receive's size says which tail of the staging to send).
+        assert p.statistics().get("sent_on_receive", 0) >= 5, p.statistics()
         leases_come_back(p, d)
     finally:
         p.close()

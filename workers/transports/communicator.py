@@ -282,6 +282,11 @@ class Communicator:
         """P: whether the peer's receive for the next send goes straight into its blocks."""
         return False
 
+    def next_block_receive(self) -> tuple[int, bytes, int] | None:
+        """P: the peer's receive for the next send, if it is posted and goes straight into
+        its blocks: its number, the tag of its transfer, its bytes. Never waits."""
+        return None
+
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,
                     after: Sequence[torch.cuda.Event | None] = (), keep: Sequence[torch.Tensor] = (),
                     programs: int | None = None, feed: LayerFeed | None = None, tag: bytes = UNTAGGED) -> Any:

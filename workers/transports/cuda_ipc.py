@@ -757,6 +757,13 @@ class IpcCommunicator(Communicator):
     def next_receive_takes_blocks(self) -> bool:
         return self.receive_kind(self.next_send) == BLOCKS
 
+    def next_block_receive(self) -> tuple[int, bytes, int] | None:
+        if self.closed:
+            return None
+        seq = self.next_send
+        desc = self.page.box.take(self.out, seq)
+        return None if desc is None or desc.kind != BLOCKS else (seq, desc.handle, desc.nbytes)
+
     def receive_kind(self, seq: int) -> int:
         """What the peer's receive `seq` takes (`BYTES` or `BLOCKS`), once it is posted
         (waiting for it under the op deadline): a sender that can do either follows it."""

@@ -478,6 +478,12 @@ class CommunicatorCache:
             comm = self._comms.get(peer)
         return None if comm is None or comm.closed or comm.broken else comm
 
+    def built(self) -> list[Communicator]:
+        """The communicators cached now that are whole; builds nothing, asks nothing."""
+        with self._lock:
+            comms = list(self._comms.values())
+        return [c for c in comms if not (c.closed or c.broken)]
+
     def discard(self, peer: str) -> None:
         """Abort and forget the communicator with `peer`, if any (e.g. the peer restarted,
         or an op on it had to be cut short). An acceptor also tells the initiator, whose

@@ -1,0 +1,104 @@
+"""P's watch for D's receives straight into its blocks (`NcclLink.watch_receive`), with no
+GPU: the link's real poller thread looks at each communicator's next receive, here
+communicators that stand in for the ipc backend's (their `next_block_receive` is what
+D's mailbox holds; the GPU tests run the real one), and calls back for a watched
+transfer only, once, in the poller's thread, until the watch lapses."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import pytest
+
+from connector import nccl_link
+from connector.nccl_link import NcclLink, Poller, ReceiveWatch
+from tests.support import wait_until
+from workers.transports.ipc_mailbox import transfer_tag
+
+
+class _Comm:
+    """A communicator with D; `receive`: D's next receive, as its mailbox shows it."""
+
+    def __init__(self, peer: str, nonce: str, *, into_blocks: bool = True) -> None:
+        self.peer, self.nonce, self.writes_into_blocks = peer, nonce, into_blocks
+        self.closed = self.broken = False
+        self.receive: tuple[int, bytes, int] | None = None
+        self.looked = 0
+
+    def next_block_receive(self) -> tuple[int, bytes, int] | None:
+        self.looked += 1
+        return self.receive
+
+
+class _Cache:
+    def __init__(self, *comms: _Comm) -> None:
+        self.comms = list(comms)
+
+    def built(self) -> list[_Comm]:
+        return [c for c in self.comms if not (c.closed or c.broken)]
+
+
+def _link(*comms: _Comm) -> NcclLink:
+    link = NcclLink.__new__(NcclLink)
+    link._lock, link._watch, link._probing = threading.Lock(), ReceiveWatch(), False
+    link.cache, link.poller = _Cache(*comms), Poller()  # type: ignore[assignment]
+    return link
+
+
+@pytest.fixture
+def seen() -> queue.Queue[tuple[str, tuple[Any, ...]]]:
+    return queue.Queue()
+
+
+def _recorder(seen: queue.Queue[tuple[str, tuple[Any, ...]]]) -> nccl_link.Seen:
+    return lambda *args: seen.put((threading.current_thread().name, args))
+
+
+def test_a_watched_transfer_is_reported_once_when_its_receive_is_next(seen: queue.Queue) -> None:
+    a, b = _Comm("d0", "c1"), _Comm("d1", "c7")
+    link = _link(a, b)
+    try:
+        link.watch_receive("t1", _recorder(seen))
+        link.watch_receive("t2", _recorder(seen))
+        link.watch_receive("t3", _recorder(seen))
+        link.unwatch_receive("t3")
+        a.receive = (4, transfer_tag("t3"), 8192)  # no longer watched: its Go sends it
+        b.receive = (9, transfer_tag("t2"), 4096)
+        thread, args = seen.get(timeout=10)
+        assert (thread, args) == (link.poller.name, ("t2", "d1", "c7", 9, 4096))
+        a.receive = (4, transfer_tag("t1"), 8192)
+        assert seen.get(timeout=10)[1] == ("t1", "d0", "c1", 4, 8192)
+        # Nothing is watched any more: the probe ends, and nobody reports t2 again.
+        wait_until(lambda: not link._probing, 10, "the probe to end")
+        assert seen.empty() and not link._watch.expire(0.0)
+    finally:
+        link.poller.close()
+
+
+def test_a_watch_lapses_and_the_probe_ends(seen: queue.Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nccl_link, "RECEIVE_WATCH_S", 0.05)
+    comm = _Comm("d0", "c1")
+    link = _link(comm)
+    try:
+        link.watch_receive("t1", _recorder(seen))
+        wait_until(lambda: comm.looked > 0, 10, "the poller to look at D's next receive")
+        wait_until(lambda: not link._probing, 10, "the watch to lapse")
+        looked = comm.looked
+        comm.receive = (1, transfer_tag("t1"), 4096)  # too late: t1 waits for its Go
+        link.watch_receive("t2", _recorder(seen))  # a new watch starts the probe again
+        comm.receive = (1, transfer_tag("t2"), 4096)
+        assert seen.get(timeout=10)[1] == ("t2", "d0", "c1", 1, 4096)
+        assert comm.looked > looked and seen.empty()
+    finally:
+        link.poller.close()
+
+
+def test_nothing_is_watched_without_a_communicator_that_writes_into_blocks(seen: queue.Queue) -> None:
+    link = _link(_Comm("d0", "c1", into_blocks=False))
+    try:
+        link.watch_receive("t1", _recorder(seen))
+        assert not link._probing and not link._watch.expire(0.0)
+    finally:
+        link.poller.close()

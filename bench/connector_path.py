@@ -21,7 +21,8 @@ compares with two GPUs).
                the clock runs from P's bind to D's get_finished reporting the request,
                with D's scatter done. With `--inflight N`, N requests at once: P saves
                all N in one step, D loads all N, and the clock runs until D has reported
-               the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along: each step is
+               the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along,
+               from a random point of its cycle (`_Engine.out_of_step`): each step is
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
@@ -70,6 +71,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import re
 import shutil
 import socket
@@ -90,6 +92,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from connector.config import EngineInfo, parse_config  # noqa: E402
+from connector.consumer import IDLE_WAIT_S  # noqa: E402
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 from protocols.logs import configure_logging  # noqa: E402
@@ -178,6 +181,16 @@ class _Engine:
             torch.cuda._sleep(self.layer_cycles)
         elif self.layer_s:
             time.sleep(self.layer_s)
+
+    def out_of_step(self, rng: random.Random) -> None:
+        """Wait a random part of one engine cycle (a step, and an idle step's wait for a
+        landing, `IDLE_WAIT_S`): a D engine is at any point of its step when a P's
+        request starts, since the two engines do not step together. Started at once,
+        D's engine stepped in time with P's forward pass, so the last landing fell at
+        the same point of D's cycle in every iteration (in its 1 ms sleep, or in its
+        wait) and the median measured that one point."""
+        cycle = self.step_s + (0.0 if self.step_on_gpu else IDLE_WAIT_S)
+        time.sleep(rng.uniform(0.0, cycle))
 
     def sync(self) -> None:
         if self.gpu:
@@ -392,6 +405,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         # the forward pass's stretch over its time alone, and the time after P's host saw it end
         split: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
+        phase = random.Random(7)  # where in its step D's engine is when P's request starts (`out_of_step`)
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
             tok, k = n * BLOCK, len(tids)
@@ -403,6 +417,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             d.start_load_kv()
             d.clear()
             conn.send("bound")
+            engine.out_of_step(phase)
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
             started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)

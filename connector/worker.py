@@ -181,9 +181,9 @@ class ConnectorWorker:
         self.client: SyncBrokerClient | None = None
         self.nccl: NcclLink | None = None  # transport "nccl": made once registered (it is named by the peer id)
         self.meta = KvBrokerMetadata()
-        self.counters = {
-            k: 0 for k in ("staged", "offered", "sent", "released", "aborted", "loaded", "failed", "bytes")
-        }
+        # sent_on_receive: of "sent", those started on D's receive, seen before their Go
+        self.counters = dict.fromkeys(
+            ("staged", "offered", "sent", "sent_on_receive", "released", "aborted", "loaded", "failed", "bytes"), 0)
         self.producer = ProducerSide(self) if self.is_producer else None
         self.consumer = None if self.is_producer else ConsumerSide(self)
 

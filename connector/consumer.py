@@ -238,11 +238,13 @@ class ConsumerSide:
         dones: list[tuple[str, int, str]] = []
         aborts: list[tuple[str, str]] = []
         lines: list[dict[str, Any]] = []
+        loaded = loaded_bytes = 0
         for load in done:
             scattered = False
             if load.state == "received":
                 error = self._scatter(load)
                 if error is None:
+                    loaded, loaded_bytes = loaded + 1, loaded_bytes + load.nbytes
                     dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
                         (load.transfer_id, load.nbytes, "")]
                     lines.append(self._loaded_line(load))
@@ -283,6 +285,10 @@ class ConsumerSide:
                 blocks=len(blocks),
                 reason=load.reason,
             )
+        if loaded:
+            with w.lock:  # once a step, not twice a load
+                w.counters["loaded"] += loaded
+                w.counters["bytes"] += loaded_bytes
         if dones or aborts:
             self.w.spawn(self._finish, dones, aborts, lines)
         return finished
@@ -455,7 +461,7 @@ class ConsumerSide:
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
         w, spec = self.w, load.spec
-        assert load.lease is not None or load.lanes
+        assert load.lease is not None or load.lanes or load.scattered is not None
         count = len(spec.block_ids) - spec.num_cached_blocks
         try:
             if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
@@ -485,8 +491,6 @@ class ConsumerSide:
         except Exception as exc:
             w.log.exception("transfer.scatter_failed", transfer_id=load.transfer_id, phase="scatter")
             return f"scatter failed: {exc}"
-        w.count("loaded")
-        w.count("bytes", load.nbytes)
         return None
 
     @staticmethod
@@ -864,13 +868,17 @@ class ConsumerSide:
 
     def _landed_in_place(self, load: _Load, posted: Any, count: int) -> None:
         """The load's one receive straight into its blocks has ended (the ipc backend):
-        the blocks hold the bytes, and the compute stream only has to be after it."""
+        the blocks hold the bytes, and the compute stream only has to be after it. Its
+        lease, never written, goes back now rather than in the engine's get_finished."""
         with load.landing:  # against `_fail` and `get_finished` deciding the load's fate meanwhile
             if load.state != "receiving":
                 return
             with self.w.lock:  # what get_finished reads
                 load.scattered, load.landed_blocks = posted.completions[-1].event, count
+                lease, load.lease = load.lease, None
                 self._received(load)
+        if lease is not None:
+            lease.release()
         self.w.log.debug("transfer.landed", transfer_id=load.transfer_id, phase="landed", blocks=[0, count], left=0,
                          in_place=True)
 

@@ -475,9 +475,14 @@ class ConsumerSide:
                 scatter_rows(load.lease.tensor, rows, w.staged_layers, spec.groups, w.groups.layer_group)
             elif load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
                 scatter_lanes(w, load, list(targets), count)
-            elif load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
+            elif load.scattered is not None:  # in its blocks, or scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
-                torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
+                # The compute stream waits only for what has not run yet. A load received
+                # straight into its blocks was seen to end by this very event; waiting for
+                # it on the compute stream cost the next step a turn of this process's
+                # context on the GPU (0.25 ms where P and D share one GPU).
+                if not load.scattered.query():
+                    torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)
                 assert load.lease is not None
                 w.paged.scatter(w.paged.block_ids(list(targets)), w.paged.staging_view(load.lease.tensor, count))

@@ -45,7 +45,7 @@ ENV = "KVBROKER_CALL_TRACE"
 TARGETS: dict[str, dict[str, list[str]]] = {
     "connector.worker": {"ConnectorWorker": [
         "bind", "save_kv_layer", "wait_for_save", "start_load_kv", "get_finished", "on_prepare", "on_go", "spawn"]},
-    "connector.producer": {"ProducerSide": ["_offer_all", "on_go"]},
+    "connector.producer": {"ProducerSide": ["_offer_all", "_receive_seen", "_go_on_receive", "on_go"]},
     "connector.consumer": {"ConsumerSide": [
         "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received"]},
     "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait"]},
@@ -76,7 +76,7 @@ class _Recorder:
 
 
 def _transfer_of(at: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """The transfer a call concerns: its `transfer_id` argument (at position `at`), or a
+    """The transfer a call concerns: its `transfer_id` (or `tid`) argument (at `at`), or a
     message's or a load's `transfer_id`, with its kind."""
     tid = kwargs.get("transfer_id", args[at] if at is not None and at < len(args) else None)
     if isinstance(tid, str):
@@ -90,7 +90,7 @@ def _transfer_of(at: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 def _wrap(rec: _Recorder, name: str, fn: Any) -> Any:
     params = list(inspect.signature(fn).parameters)
-    at = params.index("transfer_id") if "transfer_id" in params else None
+    at = next((params.index(n) for n in ("transfer_id", "tid") if n in params), None)
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def traced_async(*args: Any, **kwargs: Any) -> Any:

@@ -478,9 +478,9 @@ class ConsumerSide:
             elif load.scattered is not None:  # in its blocks, or scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
                 # The compute stream waits only for what has not run yet. A load received
-                # straight into its blocks was seen to end by this very event; waiting for
-                # it on the compute stream cost the next step a turn of this process's
-                # context on the GPU (0.25 ms where P and D share one GPU).
+                # straight into its blocks was seen to end by this very event; a wait for
+                # it on the compute stream still had the GPU schedule this process's
+                # context before the next step's work (measured: docs/PERFORMANCE.md).
                 if not load.scattered.query():
                     torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)

@@ -340,3 +340,44 @@ def test_a_block_receive_names_its_transfer_and_a_send_for_another_is_refused() 
 @given(st.text(max_size=40), st.text(max_size=40))
 def test_two_transfer_ids_share_a_tag_only_when_equal(a: str, b: str) -> None:
     assert (transfer_tag(a) == transfer_tag(b)) == (a == b)
+
+
+def test_the_sender_sees_its_next_block_receive_without_waiting_and_nothing_once_closed() -> None:
+    """`IpcCommunicator.next_block_receive`, the producer's look for a receive posted before
+    the Go (`NcclLink.watch_receive`), over a real page: only a BLOCKS receive for the
+    next send counts; it never waits, not even for a post holding the communicator."""
+    import threading
+    from types import SimpleNamespace
+
+    from workers.transports.cuda_ipc import IpcCommunicator
+
+    box = page()
+    comm = IpcCommunicator.__new__(IpcCommunicator)  # the host half only: no GPU, no peer
+    comm.lock, comm.closed, comm.sent, comm.out, comm.page = threading.RLock(), False, 3, 0, SimpleNamespace(box=box)
+    assert comm.next_block_receive() is None  # nothing posted
+    box.post(0, Descriptor(4, UNTAGGED, 0, 4096, 0x7F00_0000_0000))
+    assert comm.next_block_receive() is None  # a receive of bytes: its Go sends it
+    box.consume(0, 4)
+    comm.sent = 4
+    box.post(0, Descriptor(6, transfer_tag("t6"), 1, 8192, kind=BLOCKS, count=2))
+    assert comm.next_block_receive() is None  # receive 6 is not the next send's (5)
+    box.post(0, Descriptor(5, transfer_tag("t5"), 1, 8192, kind=BLOCKS, count=2))
+    assert comm.next_block_receive() == (5, transfer_tag("t5"), 8192)
+    held, release = threading.Event(), threading.Event()
+
+    def post_under_way() -> None:
+        with comm.lock:
+            held.set()
+            release.wait(10)
+
+    poster = threading.Thread(target=post_under_way)
+    poster.start()
+    try:
+        assert held.wait(10)
+        assert comm.next_block_receive() is None  # busy: looked at again later, not waited for
+    finally:
+        release.set()
+        poster.join(10)
+    assert comm.next_block_receive() == (5, transfer_tag("t5"), 8192)
+    comm.closed = True
+    assert comm.next_block_receive() is None

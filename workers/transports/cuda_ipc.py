@@ -758,10 +758,17 @@ class IpcCommunicator(Communicator):
         return self.receive_kind(self.next_send) == BLOCKS
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
-        if self.closed:
+        # Under `lock`, which an abort holds to close the page; not waited for: a post
+        # holding it may wait on the host, and a caller that looks often looks again.
+        if not self.lock.acquire(blocking=False):
             return None
-        seq = self.next_send
-        desc = self.page.box.take(self.out, seq)
+        try:
+            if self.closed:
+                return None
+            seq = self.next_send
+            desc = self.page.box.take(self.out, seq)
+        finally:
+            self.lock.release()
         return None if desc is None or desc.kind != BLOCKS else (seq, desc.handle, desc.nbytes)
 
     def receive_kind(self, seq: int) -> int:

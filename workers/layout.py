@@ -294,6 +294,33 @@ def scatter_layers_from_staging(
         rows.index_copy_(0, idx, data)
 
 
+def block_places(layers: Sequence[tuple[torch.Tensor, LayerLayout]], block_ids: Sequence[int]) -> list[memoryview] | None:
+    """Where a transfer's bytes go in a CPU cache, in the order the tcp wire carries them
+    (layer by layer, each layer's blocks in `block_ids` order, a block's row as staged: K
+    then V where they are planes of their own): writable byte views a receiver fills one
+    after another, so the bytes land in the blocks with no scatter after them. None
+    where that cannot be done in place (a GPU or non-contiguous cache, an id outside
+    it): receive into staging and scatter, which names what is wrong."""
+    places: list[memoryview] = []
+    for cache, layout in layers:
+        if cache.device.type != "cpu" or not cache.is_contiguous() or not all(
+                0 <= b < layout.num_blocks for b in block_ids):
+            return None
+        dst = _blocks(cache, layout)  # uint8, the block axis first: a view of `cache`
+        if dst.stride(-1) != 1:
+            return None
+        whole = memoryview(cache.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        base = dst.data_ptr() - cache.data_ptr()
+        planes = [base + k * dst.stride(1) for k in range(dst.shape[1])] if dst.dim() == 3 else [base]
+        row = dst.shape[-1]
+        if row * len(planes) != layout.block_nbytes:
+            return None
+        for b in block_ids:
+            at = b * dst.stride(0)
+            places += [whole[p + at : p + at + row] for p in planes]
+    return places
+
+
 def tail(block_ids: Sequence[int], num_cached_blocks: int) -> Sequence[int]:
     """The blocks after the first `num_cached_blocks`: the only ones D may write."""
     _check_cached(len(block_ids), num_cached_blocks)

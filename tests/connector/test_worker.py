@@ -203,13 +203,9 @@ def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: Bro
             pc[LAYERS[0]][src] = -7.0  # the next layer's compute reuses the blocks at once
             wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
                        "the broker's Go, before the forward pass ends")
-            assert d.consumer is not None
-            lease = d.consumer._loads[tid].lease
-            assert lease is not None
-            layer0 = torch.cat([saved[LAYERS[0]][i].contiguous().view(torch.uint8).flatten() for i in range(len(src))])
-            if twin == "shipped":  # streamed: layer 0 is in D's buffer while layer 1 is still to come
-                wait_until(lambda: torch.equal(lease.tensor[: layer0.numel()], layer0), 10,
-                           "layer 0's bytes in D's buffer before layer 1 is saved")
+            if twin == "shipped":  # streamed, straight into D's blocks: layer 0 is there before layer 1 is saved
+                wait_until(lambda: torch.equal(dc[LAYERS[0]][dst], saved[LAYERS[0]]), 10,
+                           "layer 0's bytes in D's blocks before layer 1 is saved")
                 assert p.statistics()["sent"] == sent
             else:  # every layer counted copied: the send has nothing to wait for
                 wait_until(lambda: p.statistics()["sent"] == sent + 1, 10, "the unsafe twin's whole send")
@@ -225,6 +221,42 @@ def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: Bro
             assert mismatched == 0
         else:
             assert mismatched == 3, "the send read staging before its layers were copied: the test can fail"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_over_tcp_the_kv_lands_straight_in_the_blocks_and_nothing_is_scattered(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D's receiving thread writes each block of each layer where it belongs as the bytes
+    come (`block_places`), with and without a prefix hit: the engine's get_finished
+    scatters nothing, the blocks hold what P saved, the blocks around them and the
+    prefix-hit head are untouched, and the receive pool's leases all come back."""
+    from connector import consumer
+
+    scattered: list[int] = []
+    real = consumer.scatter_layers_from_staging
+    monkeypatch.setattr(consumer, "scatter_layers_from_staging",
+                        lambda *args: (scattered.append(1), real(*args))[1])
+    pc, dc = make_caches(seed=51), make_caches(seed=52)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        for i, cached in enumerate([0, 1, 2, 0]):
+            src, dst = [5 + i, 17, 40 - i, 9], [50 - i, 2, 33, 21 + i]
+            for t in pc.values():
+                t[src] = torch.randn_like(t[src])
+            before = {n: t.clone() for n, t in dc.items()}
+            load(d, f"in{i}", dst, cached=cached)
+            stage(p, pc, f"in{i}", src, decode="d0")
+            finished, errors, _ = run_steps(d, {f"req-in{i}"}, 10)
+            assert errors == set()
+            for n, t in dc.items():
+                assert torch.equal(t[dst[cached:]], pc[n][src[cached:]]), (i, n)
+                rest = [b for b in range(t.shape[0]) if b not in dst[cached:]]
+                assert torch.equal(t[rest], before[n][rest]), f"{n}: blocks outside the load's tail changed"
+        assert scattered == []
+        assert d.pool is not None and d.pool.statistics().leases == 0  # given back by the step that reported each
     finally:
         p.close()
         d.close()

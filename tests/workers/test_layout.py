@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from workers.layout import (
     CacheSpec,
+    block_places,
     LayerLayout,
     LayoutError,
     detect_layout,
     gather,
     gather_layer_into_staging,
+    layer_major_view,
     scatter,
     scatter_layer_from_staging,
     scatter_layers_from_staging,
@@ -386,3 +388,50 @@ def test_real_vllm_specs_and_strided_views() -> None:
             assert [after[2][b] for b in (1, 4, 2)] == [block_bytes(src, layout, b) for b in (5, 0, 3)]
             assert [after[2][b] for b in (0, 3, 5)] == [before[2][b] for b in (0, 3, 5)], vlayout
             assert after[:2] == before[:2], f"{vlayout}: another layer's pages changed"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    dtype=st.sampled_from(DTYPES),
+    num_layers=st.integers(1, 3),
+    ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+    views=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_payload_written_into_its_block_places_lands_as_its_scatter_does(
+    kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int
+) -> None:
+    """The tcp wire's bytes (layer by layer, each layer's blocks in order) written one
+    place after another into `block_places` land where the scatter from staging puts
+    them, and nowhere else."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = spec_for(kind)
+    shape = shape_for(kind, 12, spec)
+    if views:
+        whole = random_cache((num_layers, *shape), dtype, gen)
+        caches = [whole[i] for i in range(num_layers)]
+    else:
+        caches = [random_cache(shape, dtype, gen) for _ in range(num_layers)]
+    layout = detect_layout(caches[0], spec, hint=None if kind != "mla3d" else "mla")
+    want = [c.clone() for c in caches]
+    wire = torch.randint(0, 256, (len(ids) * num_layers * layout.block_nbytes,), dtype=torch.uint8, generator=gen)
+    scatter_layers_from_staging(layer_major_view(wire, len(ids), num_layers, layout.block_nbytes),
+                                [(c, layout) for c in want], ids)
+    places = block_places([(c, layout) for c in caches], ids)
+    assert places is not None and sum(len(p) for p in places) == wire.numel()
+    at, data = 0, wire.numpy().tobytes()
+    for place in places:
+        place[:] = data[at : at + len(place)]
+        at += len(place)
+    for got, expected in zip(caches, want, strict=True):
+        assert got.view(torch.uint8).numpy().tobytes() == expected.view(torch.uint8).numpy().tobytes()
+
+
+def test_block_places_decline_what_they_cannot_write_in_place() -> None:
+    spec = spec_for("cpu")
+    cache = torch.zeros(shape_for("cpu", 4, spec), dtype=torch.float16)
+    layout = detect_layout(cache, spec)
+    assert block_places([(cache, layout)], [4]) is None  # outside the cache: the scatter names it
+    assert block_places([(cache, layout)], [-1]) is None
+    assert block_places([(cache, layout)], [3]) is not None

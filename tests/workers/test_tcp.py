@@ -110,6 +110,37 @@ async def test_receive_writes_only_the_lease_region_of_the_pool_tensor(receiver:
     lease.release()
 
 
+@pytest.mark.parametrize("pieces", [1, 7, 2500])  # past IOV_MAX (1024) places a call: refilled as they fill
+async def test_a_payload_fills_the_places_it_is_expected_into_in_order(receiver: TcpReceiver, sender: TcpSender,
+                                                                        pieces: int) -> None:
+    """`expect(into=...)`: the payload lands in the places one after another (a request's KV
+    straight into its cache blocks), here pieces of a buffer in shuffled order, of uneven
+    sizes; the bytes between them stay untouched."""
+    gen = torch.Generator().manual_seed(pieces)
+    sizes = torch.randint(1, 3000, (pieces,), generator=gen).tolist()
+    at, slots = 0, []
+    for size in sizes:  # a gap of 5 bytes after each place
+        slots.append((at, size))
+        at += size + 5
+    dest = torch.full((at,), 0xCD, dtype=torch.uint8)
+    order = torch.randperm(pieces, generator=gen).tolist()
+    view = memoryview(dest.numpy())
+    places = [view[slots[k][0] : slots[k][0] + slots[k][1]] for k in order]
+    n = sum(sizes)
+    src = payload(n, seed=pieces)
+    done = receiver.expect(f"into-{pieces}", 0, into=places)
+    with anyio.fail_after(20):
+        await sender.send(receiver.endpoint, f"into-{pieces}", 0, src)
+        assert await done.wait() == n
+    got, wire = dest.numpy(), src.numpy()
+    cursor = 0
+    for k in order:
+        start, size = slots[k]
+        assert (got[start : start + size] == wire[cursor : cursor + size]).all(), f"place {k} holds other bytes"
+        assert (got[start + size : start + size + 5] == 0xCD).all(), f"the gap after place {k} was written"
+        cursor += size
+
+
 async def test_a_connection_carries_many_transfers(receiver: TcpReceiver, sender: TcpSender) -> None:
     buf = bytearray(1000)
     for i in range(20):

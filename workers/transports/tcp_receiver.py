@@ -41,6 +41,7 @@ from .tcp_wire import (
     drain_and_finish,
     encode_id,
     recv_exact,
+    recv_exact_into,
     shutdown,
     timeval,
 )
@@ -53,7 +54,7 @@ ACCEPT_BACKOFF_S = 0.1  # pause after a failed accept (EMFILE...) before trying 
 @dataclass
 class _Expected:
     completion: Completion
-    view: memoryview
+    views: list[memoryview]  # filled in order: a buffer, or the places its bytes go (`expect`'s `into`)
     conn: _Conn | None = None  # the connection receiving into `view` right now
     cancel_reason: str | None = None
 
@@ -191,20 +192,30 @@ class TcpReceiver:
 
     # -- expectations ---------------------------------------------------------------
 
-    def expect(self, transfer_id: str, attempt: int, buffer: Any, nbytes: int | None = None) -> Completion:
+    def expect(self, transfer_id: str, attempt: int, buffer: Any = None, nbytes: int | None = None, *,
+               into: list[memoryview] | None = None) -> Completion:
         """Register a transfer before telling the broker Ready; its bytes go straight into `buffer`.
 
         Args:
             buffer: writable CPU memory (a pool lease's tensor, a bytearray...).
             nbytes: the payload size; the whole buffer when None.
+            into: instead of `buffer`, writable 'B' memoryviews the payload fills one after
+                another (a request's KV straight into its cache blocks); `nbytes` their sum.
 
         Raises:
             TcpTransportError: closed receiver, duplicate id, too many pending, or a bad buffer.
         """
-        view = byte_view(buffer, writable=True)
-        nbytes = len(view) if nbytes is None else nbytes
-        if not 0 <= nbytes <= len(view):
-            raise TcpTransportError(f"transfer {transfer_id}: {nbytes} bytes do not fit a {len(view)}-byte buffer")
+        if into is not None:
+            views = list(into)
+            if any(v.readonly or v.format != "B" or v.ndim != 1 for v in views):
+                raise TcpTransportError(f"transfer {transfer_id}: `into` takes writable flat byte views only")
+            nbytes = sum(len(v) for v in views)
+        else:
+            view = byte_view(buffer, writable=True)
+            nbytes = len(view) if nbytes is None else nbytes
+            if not 0 <= nbytes <= len(view):
+                raise TcpTransportError(f"transfer {transfer_id}: {nbytes} bytes do not fit a {len(view)}-byte buffer")
+            views = [view[:nbytes]]
         encode_id(transfer_id)
         completion = Completion(transfer_id, attempt, nbytes)
         with self._lock:
@@ -216,7 +227,7 @@ class TcpReceiver:
                 raise TcpTransportError(
                     f"{self.config.max_expected} transfers are already expected; raise TcpConfig.max_expected"
                 )
-            self._expected[transfer_id] = _Expected(completion, view[:nbytes])
+            self._expected[transfer_id] = _Expected(completion, views)
         return completion
 
     async def cancel(self, transfer_id: str, reason: str = "cancelled by the receiver") -> None:
@@ -386,7 +397,7 @@ class TcpReceiver:
         assert e is not None
         error: TransferFailed | None = None
         try:
-            got = recv_exact(conn.sock, e.view)
+            got = recv_exact(conn.sock, e.views[0]) if len(e.views) == 1 else recv_exact_into(conn.sock, e.views)
             if got < nbytes:
                 error = RecvFailed(transfer_id, f"the sender {conn.peer} closed the stream after {got} of {nbytes} bytes")
         except BlockingIOError:

@@ -187,8 +187,29 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-# Buffers one sendmsg call takes (Linux's IOV_MAX).
+# Buffers one sendmsg or recvmsg_into call takes (Linux's IOV_MAX).
 IOV_MAX = 1024
+
+
+def recv_exact_into(sock: socket.socket, views: list[memoryview]) -> int:
+    """Fill `views` ('B' memoryviews) in order from `sock`, `IOV_MAX` to a call; return the
+    bytes received (short only at EOF). `recv_exact` for a payload that lands in many
+    places (a request's KV straight into its cache blocks). Raises as `recv_exact`."""
+    got = 0
+    i, pending = 0, list(views[:IOV_MAX])
+    while pending:
+        k = sock.recvmsg_into(pending, 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            break
+        got += k
+        while pending and k >= len(pending[0]):  # the views filled whole
+            k -= len(pending.pop(0))
+            i += 1
+        if pending:
+            pending[0] = pending[0][k:]  # one filled in part
+        if len(pending) < IOV_MAX and i + len(pending) < len(views):
+            pending += views[i + len(pending) : i + IOV_MAX]
+    return got
 
 
 def send_buffers(sock: socket.socket, buffers: list[Any]) -> int:

@@ -7,8 +7,9 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    producer was quicker than this engine's scheduler), it is waiting, parked, and is
    used instead.
 2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
-   register the lease with the `TcpReceiver`, and only then send Ready with the byte
-   range after D's prefix-cache hit, so P's bytes land straight in the lease. Over
+   register the lease with the `TcpReceiver` (or, for a CPU cache, the load's blocks
+   themselves: `block_places`), and only then send Ready with the byte range after D's
+   prefix-cache hit, so P's bytes land straight in the lease (or the blocks). Over
    nccl (`connector.nccl_link`): the Ready names the communicator and place of the
    receive (a ticket), and the producer's turn is held from the ticket until the
    receive is posted, so a producer's next transfer is under way while this one is on
@@ -16,7 +17,7 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    A receive straight into D's blocks on a communicator already built is posted before
    the Ready: the producer sees it and starts sending without waiting for its Go.
 3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
-   its prefix hit (the cache tensors from `register_kv_caches`; attn_metadata may be
+   its prefix hit (nothing for what landed in them: ipc, or tcp into a CPU cache; the cache tensors from `register_kv_caches`; attn_metadata may be
    None in this step), send Done (the bytes are now in D's cache), free the lease and
    report the request as received. On a GPU the scatter is enqueued on the compute
    stream, so the lease goes back to the pool only once an event after it has completed
@@ -951,8 +952,8 @@ class ConsumerSide:
     def _places(self, load: _Load, nbytes: int) -> list[memoryview] | None:
         """Where the tcp wire's `nbytes` go in this instance's cache for `load`, written by
         the receiving thread as they arrive, so the engine's get_finished has no scatter
-        to run (on a CPU it took the engine's thread 17-33 ms a request of 512-2,048
-        tokens). None: receive into the lease and scatter (a hybrid model's rows, a GPU
+        to run (on a 2-core VM the scatter held the engine's thread 5-18 ms for a request
+        of 512-2,048 tokens, 24-26 ms for eight of 512: docs/PERFORMANCE.md). None: receive into the lease and scatter (a hybrid model's rows, a GPU
         cache, an injected fault, anything `block_places` declines)."""
         w = self.w
         if w.groups is not None or self._faulty(load):

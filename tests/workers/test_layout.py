@@ -57,6 +57,31 @@ def random_cache(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generato
     return cache
 
 
+# What the tests of a transfer's layers at once draw: `layer_caches`' arguments, and block ids.
+LAYER_CASES = {
+    "kind": st.sampled_from(KINDS),
+    "dtype": st.sampled_from(DTYPES),
+    "num_layers": st.integers(1, 4),
+    "ids": st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+    "views": st.booleans(),
+    "seed": st.integers(0, 2**16),
+}
+
+
+def layer_caches(kind: str, dtype: torch.dtype, num_layers: int, views: bool,
+                 gen: torch.Generator) -> tuple[list[torch.Tensor], LayerLayout]:
+    """`num_layers` caches of 12 blocks of `kind`, random bytes: tensors of their own, or
+    (`views`) views of one allocation, as vLLM's CPU backend makes them; their layout."""
+    spec = spec_for(kind)
+    shape = shape_for(kind, 12, spec)
+    if views:
+        whole = random_cache((num_layers, *shape), dtype, gen)
+        caches = [whole[i] for i in range(num_layers)]
+    else:
+        caches = [random_cache(shape, dtype, gen) for _ in range(num_layers)]
+    return caches, detect_layout(caches[0], spec, hint=None if kind != "mla3d" else "mla")
+
+
 def block_bytes(cache: torch.Tensor, layout: LayerLayout, block: int) -> bytes:
     """One block's bytes, read independently of the module under test."""
     t = cache[:, block] if layout.kind == "kv_first" else cache[block]
@@ -263,28 +288,14 @@ def test_staging_round_trip_skips_prefix_cached_blocks(kind: str, num_cached: in
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    kind=st.sampled_from(KINDS),
-    dtype=st.sampled_from(DTYPES),
-    num_layers=st.integers(1, 4),
-    ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
-    views=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**LAYER_CASES)
 def test_every_layer_at_once_writes_what_one_layer_at_a_time_does(
     kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int
 ) -> None:
     """`scatter_layers_from_staging` is the per-layer scatter, run for every layer: the same
     bytes land, whether the layers are tensors of their own or views of one allocation."""
     gen = torch.Generator().manual_seed(seed)
-    spec = spec_for(kind)
-    shape = shape_for(kind, 12, spec)
-    if views:  # like vLLM's CPU backend: layers are views of one allocation
-        whole = random_cache((num_layers, *shape), dtype, gen)
-        caches = [whole[i] for i in range(num_layers)]
-    else:
-        caches = [random_cache(shape, dtype, gen) for _ in range(num_layers)]
-    layout = detect_layout(caches[0], spec, hint=None if kind != "mla3d" else "mla")
+    caches, layout = layer_caches(kind, dtype, num_layers, views, gen)
     want = [c.clone() for c in caches]
     buf = torch.randint(0, 256, (len(ids) * num_layers * layout.block_nbytes,), dtype=torch.uint8, generator=gen)
     staging = staging_view(buf, len(ids), num_layers, layout.block_nbytes)
@@ -391,14 +402,7 @@ def test_real_vllm_specs_and_strided_views() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    kind=st.sampled_from(KINDS),
-    dtype=st.sampled_from(DTYPES),
-    num_layers=st.integers(1, 3),
-    ids=st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
-    views=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
+@given(**LAYER_CASES)
 def test_a_payload_written_into_its_block_places_lands_as_its_scatter_does(
     kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int
 ) -> None:
@@ -406,14 +410,7 @@ def test_a_payload_written_into_its_block_places_lands_as_its_scatter_does(
     place after another into `block_places` land where the scatter from staging puts
     them, and nowhere else."""
     gen = torch.Generator().manual_seed(seed)
-    spec = spec_for(kind)
-    shape = shape_for(kind, 12, spec)
-    if views:
-        whole = random_cache((num_layers, *shape), dtype, gen)
-        caches = [whole[i] for i in range(num_layers)]
-    else:
-        caches = [random_cache(shape, dtype, gen) for _ in range(num_layers)]
-    layout = detect_layout(caches[0], spec, hint=None if kind != "mla3d" else "mla")
+    caches, layout = layer_caches(kind, dtype, num_layers, views, gen)
     want = [c.clone() for c in caches]
     wire = torch.randint(0, 256, (len(ids) * num_layers * layout.block_nbytes,), dtype=torch.uint8, generator=gen)
     scatter_layers_from_staging(layer_major_view(wire, len(ids), num_layers, layout.block_nbytes),

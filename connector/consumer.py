@@ -930,7 +930,8 @@ class ConsumerSide:
                 w.log.info(
                     "transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
                     skip_blocks=load.spec.num_cached_blocks, prepare_us=_us(ready - load.prepared_at),
-                    lease_us=_us(leased - asked), send_us=_us(ready - leased), **fields,
+                    lease_us=_us(leased - asked), send_us=_us(ready - leased), into_blocks=into is not None,
+                    **fields,
                 )
                 await completion.wait()
                 expecting = False

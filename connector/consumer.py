@@ -17,9 +17,10 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    A receive straight into D's blocks on a communicator already built is posted before
    the Ready: the producer sees it and starts sending without waiting for its Go.
 3. `get_finished` (main thread, every step): scatter what arrived into D's blocks after
-   its prefix hit (nothing for what landed in them: ipc, or tcp into a CPU cache; the cache tensors from `register_kv_caches`; attn_metadata may be
-   None in this step), send Done (the bytes are now in D's cache), free the lease and
-   report the request as received. On a GPU the scatter is enqueued on the compute
+   its prefix hit (nothing for what landed in them: ipc, or tcp into a CPU cache; the
+   cache tensors from `register_kv_caches`; attn_metadata may be None in this step),
+   send Done (the bytes are now in D's cache), free the lease and report the request
+   as received. On a GPU the scatter is enqueued on the compute
    stream, so the lease goes back to the pool only once an event after it has completed
    (a later receive into the same bytes is not ordered after the scatter).
    Over nccl with the transport's copy kernel the scatter starts earlier: chunk by
@@ -756,9 +757,10 @@ class ConsumerSide:
                            block_nbytes: int, into: Any = None, **fields: Any) -> Any:
         """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes),
         then take a ticket, send the Ready and post the receive (the other way round
-        where `NcclLink.posts_first` says), in the producer's turn; the posted receive. `fields` (a lane's source and heads) go into the Ready and its
-        log line. A ticket whose receive was not posted is given up: its Ready may be out,
-        and the producer's send must not pair with another receive."""
+        where `NcclLink.posts_first` says), in the producer's turn; the posted receive.
+        `fields` (a lane's source and heads) go into the Ready and its log line. A ticket
+        whose receive was not posted is given up: its Ready may be out, and the
+        producer's send must not pair with another receive."""
         w, tid, source = self.w, msg.transfer_id, msg.source
         assert w.pool is not None and w.client is not None and w.nccl is not None
         # Room first: a transfer waiting for room does not hold up the producer's
@@ -954,8 +956,9 @@ class ConsumerSide:
         """Where the tcp wire's `nbytes` go in this instance's cache for `load`, written by
         the receiving thread as they arrive, so the engine's get_finished has no scatter
         to run (on a 2-core VM the scatter held the engine's thread 5-18 ms for a request
-        of 512-2,048 tokens, 24-26 ms for eight of 512: docs/PERFORMANCE.md). None: receive into the lease and scatter (a hybrid model's rows, a GPU
-        cache, an injected fault, anything `block_places` declines)."""
+        of 512-2,048 tokens, 24-26 ms for eight of 512: docs/PERFORMANCE.md). None:
+        receive into the lease and scatter (a hybrid model's rows, a GPU cache, an
+        injected fault, anything `block_places` declines)."""
         w = self.w
         if w.groups is not None or self._faulty(load):
             return None

@@ -294,7 +294,8 @@ def scatter_layers_from_staging(
         rows.index_copy_(0, idx, data)
 
 
-def block_places(layers: Sequence[tuple[torch.Tensor, LayerLayout]], block_ids: Sequence[int]) -> list[memoryview] | None:
+def block_places(layers: Sequence[tuple[torch.Tensor, LayerLayout]],
+                 block_ids: Sequence[int]) -> list[memoryview] | None:
     """Where a transfer's bytes go in a CPU cache, in the order the tcp wire carries them
     (layer by layer, each layer's blocks in `block_ids` order, a block's row as staged: K
     then V where they are planes of their own): writable byte views a receiver fills one

@@ -397,7 +397,7 @@ class TcpReceiver:
         assert e is not None
         error: TransferFailed | None = None
         try:
-            got = recv_exact(conn.sock, e.views[0]) if len(e.views) == 1 else recv_exact_into(conn.sock, e.views)
+            got = recv_exact_into(conn.sock, e.views)
             if got < nbytes:
                 error = RecvFailed(transfer_id, f"the sender {conn.peer} closed the stream after {got} of {nbytes} bytes")
         except BlockingIOError:

@@ -195,6 +195,7 @@ def recv_exact_into(sock: socket.socket, views: list[memoryview]) -> int:
     """Fill `views` ('B' memoryviews) in order from `sock`, `IOV_MAX` to a call; return the
     bytes received (short only at EOF). `recv_exact` for a payload that lands in many
     places (a request's KV straight into its cache blocks). Raises as `recv_exact`."""
+    views = [v for v in views if len(v)]  # a call given no room at all waits for bytes it cannot take
     got = 0
     i, pending = 0, list(views[:IOV_MAX])
     while pending:

@@ -8,7 +8,7 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
    used instead.
 2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
    register the lease with the `TcpReceiver` (or, for a CPU cache, the load's blocks
-   themselves: `block_places`), and only then send Ready with the byte range after D's
+   themselves: `CachePlaces`), and only then send Ready with the byte range after D's
    prefix-cache hit, so P's bytes land straight in the lease (or the blocks). Over
    nccl (`connector.nccl_link`): the Ready names the communicator and place of the
    receive (a ticket), and the producer's turn is held from the ticket until the
@@ -60,7 +60,6 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Prepare
 from workers.groups import NULL_BLOCK, scatter_rows
 from workers.layout import (
-    block_places,
     layer_major_view,
     scatter_layers_from_staging,
     staging_view,
@@ -153,7 +152,7 @@ class _Load:
     landing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # Heterogeneous TP: the lanes (by source) that bring this rank's heads (`connector.lanes`).
     lanes: dict[str, Lane] = field(default_factory=dict)
-    # tcp: received straight into its blocks (`block_places`): nothing to scatter
+    # tcp: received straight into its blocks (`CachePlaces`): nothing to scatter
     in_place: bool = False
 
 
@@ -958,11 +957,11 @@ class ConsumerSide:
         to run (on a 2-core VM the scatter held the engine's thread 5-18 ms for a request
         of 512-2,048 tokens, 24-26 ms for eight of 512: docs/PERFORMANCE.md). None:
         receive into the lease and scatter (a hybrid model's rows, a GPU cache, an
-        injected fault, anything `block_places` declines)."""
+        injected fault, anything `CachePlaces` declines)."""
         w = self.w
         if w.groups is not None or self._faulty(load):
             return None
-        places = block_places(w.staged_layers, list(tail(load.spec.block_ids, load.spec.num_cached_blocks)))
+        places = w.places.of(tail(load.spec.block_ids, load.spec.num_cached_blocks))
         return places if places is not None and sum(len(p) for p in places) == nbytes else None
 
     async def on_abort(self, msg: Abort) -> None:

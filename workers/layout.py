@@ -61,6 +61,7 @@ from protocols.errors import KvBrokerError
 from protocols.messages import Layout
 
 __all__ = [
+    "CachePlaces",
     "CacheSpec",
     "LayerLayout",
     "LayoutError",
@@ -294,32 +295,61 @@ def scatter_layers_from_staging(
         rows.index_copy_(0, idx, data)
 
 
-def block_places(layers: Sequence[tuple[torch.Tensor, LayerLayout]],
-                 block_ids: Sequence[int]) -> list[memoryview] | None:
+class CachePlaces:
     """Where a transfer's bytes go in a CPU cache, in the order the tcp wire carries them
     (layer by layer, each layer's blocks in `block_ids` order, a block's row as staged: K
     then V where they are planes of their own): writable byte views a receiver fills one
-    after another, so the bytes land in the blocks with no scatter after them. None
-    where that cannot be done in place (a GPU or non-contiguous cache, an id outside
-    it): receive into staging and scatter, which names what is wrong."""
-    places: list[memoryview] = []
-    for cache, layout in layers:
-        if cache.device.type != "cpu" or not cache.is_contiguous() or not all(
-                0 <= b < layout.num_blocks for b in block_ids):
+    after another, so the bytes land in the blocks with no scatter after them.
+
+    Built once per cache (`register_kv_caches`): each layer's bytes are viewed here, not
+    again for every transfer. A transfer's places (`of`) are then only slices, one per
+    run of consecutive blocks where a block's row is whole in the cache (vLLM hands out
+    fresh blocks mostly in runs), else one per block and plane: for 32 layers of 32
+    blocks that took D's loop 1.2-4.3 ms before each Ready, worked out per transfer on
+    this VM (docs/PERFORMANCE.md)."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, LayerLayout]]) -> None:
+        # Per layer: its bytes, where its planes start in them, a block's step, a row, blocks.
+        self._layers: list[tuple[memoryview, list[int], int, int, int]] | None = []
+        for cache, layout in layers:
+            if cache.device.type != "cpu" or not cache.is_contiguous():
+                self._layers = None  # a GPU or non-contiguous cache: receive into staging, scatter
+                return
+            dst = _blocks(cache, layout)  # uint8, the block axis first: a view of `cache`
+            base = dst.data_ptr() - cache.data_ptr()
+            planes = [base + k * dst.stride(1) for k in range(dst.shape[1])] if dst.dim() == 3 else [base]
+            row = dst.shape[-1]
+            if dst.stride(-1) != 1 or row * len(planes) != layout.block_nbytes:
+                self._layers = None
+                return
+            whole = memoryview(cache.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            self._layers.append((whole, planes, dst.stride(0), row, layout.num_blocks))
+
+    def of(self, block_ids: Sequence[int]) -> list[memoryview] | None:
+        """The places of a transfer into `block_ids`. None where it cannot be received in
+        place (a GPU or non-contiguous cache, an id outside it): receive into staging and
+        scatter, which names what is wrong."""
+        if self._layers is None:
             return None
-        dst = _blocks(cache, layout)  # uint8, the block axis first: a view of `cache`
-        if dst.stride(-1) != 1:
-            return None
-        whole = memoryview(cache.detach().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        base = dst.data_ptr() - cache.data_ptr()
-        planes = [base + k * dst.stride(1) for k in range(dst.shape[1])] if dst.dim() == 3 else [base]
-        row = dst.shape[-1]
-        if row * len(planes) != layout.block_nbytes:
-            return None
+        places: list[memoryview] = []
+        if not block_ids:
+            return places
+        lo, hi = min(block_ids), max(block_ids)
+        runs: list[tuple[int, int]] = []  # (first block, blocks) of each run of consecutive ids
         for b in block_ids:
-            at = b * dst.stride(0)
-            places += [whole[p + at : p + at + row] for p in planes]
-    return places
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((b, 1))
+        for whole, planes, step, row, num_blocks in self._layers:
+            if lo < 0 or hi >= num_blocks:
+                return None
+            if len(planes) == 1 and step == row:  # blocks back to back: a run is one place
+                p = planes[0]
+                places += [whole[p + b * step : p + (b + n) * step] for b, n in runs]
+            else:
+                places += [whole[p + b * step : p + b * step + row] for b in block_ids for p in planes]
+        return places
 
 
 def tail(block_ids: Sequence[int], num_cached_blocks: int) -> Sequence[int]:

@@ -229,7 +229,7 @@ def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: Bro
 def test_over_tcp_the_kv_lands_straight_in_the_blocks_and_nothing_is_scattered(
         broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """D's receiving thread writes each block of each layer where it belongs as the bytes
-    come (`block_places`), with and without a prefix hit: the engine's get_finished
+    come (`CachePlaces`), with and without a prefix hit: the engine's get_finished
     scatters nothing, the blocks hold what P saved, the blocks around them and the
     prefix-hit head are untouched, and the receive pool's leases all come back."""
     from connector import consumer

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.layout import (
+    CachePlaces,
     CacheSpec,
-    block_places,
     LayerLayout,
     LayoutError,
     detect_layout,
@@ -401,21 +401,23 @@ def test_real_vllm_specs_and_strided_views() -> None:
             assert after[:2] == before[:2], f"{vlayout}: another layer's pages changed"
 
 
-@settings(max_examples=60, deadline=None)
-@given(**LAYER_CASES)
-def test_a_payload_written_into_its_block_places_lands_as_its_scatter_does(
-    kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int
+@settings(max_examples=80, deadline=None)
+@given(**LAYER_CASES, run=st.booleans())
+def test_a_payload_written_into_its_cache_places_lands_as_its_scatter_does(
+    kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int, run: bool
 ) -> None:
     """The tcp wire's bytes (layer by layer, each layer's blocks in order) written one
-    place after another into `block_places` land where the scatter from staging puts
-    them, and nowhere else."""
+    place after another into `CachePlaces` land where the scatter from staging puts
+    them, and nowhere else; `run`: the ids are consecutive, as vLLM mostly hands them out."""
     gen = torch.Generator().manual_seed(seed)
     caches, layout = layer_caches(kind, dtype, num_layers, views, gen)
+    if run:
+        ids = list(range(min(ids[0], 12 - len(ids)), min(ids[0], 12 - len(ids)) + len(ids)))
     want = [c.clone() for c in caches]
     wire = torch.randint(0, 256, (len(ids) * num_layers * layout.block_nbytes,), dtype=torch.uint8, generator=gen)
     scatter_layers_from_staging(layer_major_view(wire, len(ids), num_layers, layout.block_nbytes),
                                 [(c, layout) for c in want], ids)
-    places = block_places([(c, layout) for c in caches], ids)
+    places = CachePlaces([(c, layout) for c in caches]).of(ids)
     assert places is not None and sum(len(p) for p in places) == wire.numel()
     at, data = 0, wire.numpy().tobytes()
     for place in places:
@@ -425,10 +427,23 @@ def test_a_payload_written_into_its_block_places_lands_as_its_scatter_does(
         assert got.view(torch.uint8).numpy().tobytes() == expected.view(torch.uint8).numpy().tobytes()
 
 
-def test_block_places_decline_what_they_cannot_write_in_place() -> None:
+@pytest.mark.parametrize(("kind", "per_layer"), [("cpu", 2), ("blocks_first", 2), ("kv_first", 2 * 5)])
+def test_cache_places_take_a_run_of_blocks_as_one_place_where_a_block_is_whole(kind: str, per_layer: int) -> None:
+    """Blocks 3-5 and 8-9: a layout whose block is one row in the cache gets a place per run
+    and layer; one with K and V planes apart, a place per block and plane (the wire
+    carries a block's K then its V)."""
+    caches, layout = layer_caches(kind, torch.float16, 3, False, torch.Generator().manual_seed(0))
+    places = CachePlaces([(c, layout) for c in caches]).of([3, 4, 5, 8, 9])
+    assert places is not None and len(places) == 3 * per_layer
+    assert sum(len(p) for p in places) == 3 * 5 * layout.block_nbytes
+
+
+def test_cache_places_decline_what_they_cannot_write_in_place() -> None:
     spec = spec_for("cpu")
     cache = torch.zeros(shape_for("cpu", 4, spec), dtype=torch.float16)
-    layout = detect_layout(cache, spec)
-    assert block_places([(cache, layout)], [4]) is None  # outside the cache: the scatter names it
-    assert block_places([(cache, layout)], [-1]) is None
-    assert block_places([(cache, layout)], [3]) is not None
+    places = CachePlaces([(cache, detect_layout(cache, spec))])
+    assert places.of([4]) is None  # outside the cache: the scatter names it
+    assert places.of([-1]) is None
+    assert places.of([3]) is not None
+    odd = torch.zeros(shape_for("cpu", 8, spec), dtype=torch.float16)[::2]  # every other block
+    assert CachePlaces([(odd, detect_layout(odd, spec))]).of([0]) is None  # not contiguous

@@ -45,13 +45,21 @@ ENV = "KVBROKER_CALL_TRACE"
 TARGETS: dict[str, dict[str, list[str]]] = {
     "connector.worker": {"ConnectorWorker": [
         "bind", "save_kv_layer", "wait_for_save", "start_load_kv", "get_finished", "on_prepare", "on_go", "spawn"]},
-    "connector.producer": {"ProducerSide": ["_offer_all", "_receive_seen", "_go_on_receive", "on_go"]},
+    "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_receive_seen", "_go_on_receive", "on_go"]},
     "connector.consumer": {"ConsumerSide": [
-        "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received"]},
-    "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait"]},
+        "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received",
+        "_receive", "_finish"]},
+    "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait", "_carried", "_turn", "_post", "_postable_now",
+                                         "_post_blocks", "ticket_at", "posts_first"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
-    "workers.transports.cuda_ipc": {"IpcCommunicator": ["post_blocks", "send_blocks"], "_BlockSend": ["launch"]},
+    "workers.transports.cuda_ipc": {
+        "IpcCommunicator": ["post_blocks", "send_blocks", "_posted", "_publish_layers", "_wait_room", "_descriptor",
+                            "_layers_of", "_send_stream", "send_ready", "next_receive_takes_blocks",
+                            "next_block_receive"],
+        "_BlockSend": ["launch"], "_BlockCopier": ["__call__"]},
+    "workers.transports.cuda_driver": {"CudaDriver": ["make_current", "wait_value", "write_value", "copy"]},
+    "workers.transports.ipc_mailbox": {"Mailbox": ["post", "take", "consume"]},
 }
 
 Event = tuple[float, str, str, "str | None", float]  # when, thread, "E:"/"X:"/"R:" + name, transfer, CPU

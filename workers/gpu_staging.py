@@ -516,10 +516,6 @@ def _record_event(stream: Any) -> torch.cuda.Event:
     return event
 
 
-def _event_ran(event: torch.cuda.Event) -> bool:
-    return bool(event.query())
-
-
 class StepLayers:
     """A step's layers as its gathers are enqueued on the compute stream (`gathered`),
     counted in order: the `LayerFeed` that block sends posted during the forward pass
@@ -535,21 +531,12 @@ class StepLayers:
     first: the event comes after every gather before it in stream order, and a send
     skips layers it has launched already.
 
-    A send that starts following once some groups' gathers have run on the GPU (posted
-    after a short forward pass, or none) takes those groups in one launch, behind the
-    last of their events: each launch is 20-30 us of the poster's host time, and the six
-    launches of a send posted after the step were 0.15 ms of P's loop per transfer
-    (docs/PERFORMANCE.md).
+    `record(stream)` makes the event (injected by the CPU tests, which have no CUDA)."""
 
-    `record(stream)` makes the event and `ran(event)` says whether the GPU has passed it
-    (both injected by the CPU tests, which have no CUDA)."""
-
-    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event,
-                 ran: Callable[[Any], bool] = _event_ran) -> None:
+    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event) -> None:
         self.num_layers = num_layers
         self._ends = layer_groups(num_layers)
         self._record = record
-        self._ran = ran
         self._lock = threading.Lock()  # the forward pass's thread counts; the broker client's loop follows
         self._done: set[int] = set()
         self._prefix = 0  # layers [0, prefix) are gathered
@@ -583,25 +570,13 @@ class StepLayers:
                 log.error("transfer.launch_failed", layers=end, error=repr(exc))
 
     def follow(self, send: LayerSend) -> None:
-        """`send` is launched for each group reached now (those whose gathers have run,
-        at once), and then as each is."""
+        """`send` is launched for each group reached now, and then as each is."""
         with self._lock:
             reached = list(self._reached)
             if not reached or reached[-1][0] < self.num_layers:
                 self._followers.append(send)
-        for end, event in reached[self._last_ran(reached):]:
+        for end, event in reached:
             send.launch(end, event)
-
-    def _last_ran(self, reached: list[tuple[int, Any]]) -> int:
-        """The last group of `reached` whose event the GPU has passed (0 if none: the first
-        group is launched on its own anyway). The events are recorded in stream order, so
-        a later one passed means every earlier one did; the last and the first are looked
-        at first, which settles the usual cases (after the step, or during it) in two."""
-        if not reached or self._ran(reached[-1][1]):
-            return max(len(reached) - 1, 0)
-        if len(reached) < 3 or not self._ran(reached[0][1]):
-            return 0
-        return next(k for k in range(len(reached) - 2, -1, -1) if k == 0 or self._ran(reached[k][1]))
 
     def end(self) -> None:
         """The step is over: a send still following it (its step missed a layer) is never

@@ -4,8 +4,7 @@ every layer it copies (the seed's invariant, on the GPU), a send must end up lau
 whole once the step gathered every layer, and the forward pass's thread must never
 see a launch's error. On a GPU, tests/gpu/test_connector_nccl.py runs the same with real
 events, copies and an unsafe twin; here the events are tokens of what the compute
-stream had gathered when each was recorded, and the GPU has passed one once it has computed
-every layer it covers."""
+stream had gathered when each was recorded."""
 
 from __future__ import annotations
 
@@ -17,21 +16,15 @@ from workers.gpu_staging import StepLayers, layer_groups
 
 
 class Stream:
-    """The compute stream: which layers' gathers are enqueued on it so far, and which of
-    them the GPU has run."""
+    """The compute stream: which layers' gathers are enqueued on it so far."""
 
     def __init__(self) -> None:
         self.gathered: set[int] = set()
-        self.computed: set[int] = set()
 
 
 def record(stream: Stream) -> frozenset[int]:
     """An event on `stream`: it completes after every gather enqueued before it."""
     return frozenset(stream.gathered)
-
-
-def step_on(stream: Stream, num_layers: int) -> StepLayers:
-    return StepLayers(num_layers, record=record, ran=lambda event: event <= stream.computed)
 
 
 class Send:
@@ -71,17 +64,12 @@ def test_every_launch_waits_for_the_gathers_of_the_layers_it_copies(num_layers: 
     launch per group."""
     order = data.draw(st.permutations(range(num_layers)))
     joins = data.draw(st.lists(st.integers(0, num_layers), min_size=1, max_size=4))  # after that many gathers
-    stream = Stream()
-    step = step_on(stream, num_layers)
+    step, stream = StepLayers(num_layers, record=record), Stream()
     sends: list[Send] = []
     for k in range(num_layers + 1):
         for _ in range(joins.count(k)):
-            # the GPU has run some of the gathers enqueued so far, in stream order
-            stream.computed = set(order[: data.draw(st.integers(0, k))])
             sends.append(Send())
             step.follow(sends[-1])
-            ran = [layers for layers, after in sends[-1].launches if after is not None and after <= stream.computed]
-            assert len(ran) <= 1, "groups the GPU had already run went in more than one launch"
         if k < num_layers:
             gather(step, stream, order[k])
     groups = len(layer_groups(num_layers))
@@ -97,8 +85,7 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
     """The host runs ahead of the GPU: when the Go comes, every layer's gathers may be
     enqueued while few have run. Each group is then launched behind its own event, so
     the copy still moves as the forward pass computes, not all of it after."""
-    stream = Stream()
-    step = step_on(stream, 32)
+    step, stream = StepLayers(32, record=record), Stream()
     for layer in range(20):
         gather(step, stream, layer)
     send = Send()
@@ -113,30 +100,10 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
             (16, 16), (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
 
 
-@pytest.mark.parametrize(("computed", "launches"), [
-    (32, [(32, 32)]),  # after the step (no prefill, or a late Go): one launch
-    (29, [(28, 28), (30, 30), (31, 31), (32, 32)]),  # the groups already run, in one launch
-    (15, [(16, 16), (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]),  # none run yet: each behind its own
-])
-def test_a_send_that_follows_groups_the_gpu_ran_already_takes_them_in_one_launch(
-        computed: int, launches: list[tuple[int, int]]) -> None:
-    """Each launch is host time on the thread that posts the send: groups whose gathers
-    the GPU has passed go together, behind the last of their events."""
-    stream = Stream()
-    step = step_on(stream, 32)
-    for layer in range(32):
-        gather(step, stream, layer)
-    stream.computed = set(range(computed))
-    send = Send()
-    step.follow(send)
-    assert [(layers, len(after or ())) for layers, after in send.launches] == launches
-
-
 def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
     """Its transfers are aborted (their sends end with the communicator); no launch may
     copy the missing layer's staging, which nothing wrote."""
-    stream = Stream()
-    step = step_on(stream, 4)
+    step, stream = StepLayers(4, record=record), Stream()
     send = Send()
     step.follow(send)
     for layer in (0, 1, 3):
@@ -148,8 +115,7 @@ def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
 
 
 def test_a_launch_that_fails_in_the_forward_pass_is_not_raised_into_it() -> None:
-    stream = Stream()
-    step = step_on(stream, 2)
+    step, stream = StepLayers(2, record=record), Stream()
     broken, fine = Send(fail=True), Send()
     step.follow(broken)
     step.follow(fine)

@@ -463,14 +463,27 @@ class Broker(Handshake):
             if self._hint_absent(t) and t.absent_until is None:
                 t.absent_until = now + self.config.peer_lease_s  # one lease for it to register in
             return
-        t.absent_until = None
+        t.absent_until, t.oversize_for = None, ""
         assert d.pool is not None
         # The room its claim reserved (or queued for) at the Expect, on this very peer.
         claimed = t.state is S.EXPECTED and t.decode == d.peer_id
         if t.decode is not None and (not claimed or t.reserved and t.reserved != d.pool.credit_for(t.nbytes)):
             self._release_room(t, out)  # the Offer is of another size: its room is reserved anew
             claimed = False
+        if t.in_place_at(d.peer_id):  # straight into D's blocks: no room to hold or wait for, whatever its size
+            t.decode = d.peer_id
+            t.tried.add(d.peer_id)
+            d.transfers.add(t.key)
+            self._prepare(d, t, 0, out)
+            return
         if d.pool.credit_for(t.nbytes) > d.pool.capacity:
+            if t.expected_by != d.peer_id and d.reg.claims_only:
+                # Its claim may say it goes straight into the blocks, taking no room: wait
+                # for it (an Offer routed on its own word comes first under a router that
+                # sends P the request before D). A claim that needs the room is refused.
+                t.decode, t.state = None, S.UNROUTED
+                t.oversize_for = d.peer_id
+                return
             self._abort(
                 now,
                 t,
@@ -485,17 +498,22 @@ class Broker(Handshake):
         if claimed and t.reserved:  # held since the claim: D prepares at once
             self._prepare(d, t, t.reserved, out)
             return
-        if not claimed:  # else it keeps the place its claim took in the queue
+        if t.key not in d.pool.waiting:  # else it keeps the place its claim took in the queue
             d.pool.waiting[t.key] = None
         self._grant(d, out)
 
     def _claim_room(self, t: Transfer, d: Peer, nbytes: int, out: list[Effect]) -> None:
         """At an Expect of `nbytes` (0: not known): reserve that room in claimant `d`'s
-        pool for the transfer's Offer, or queue for it in claim order. A claim larger than
-        the pool, or from a peer of another TP size than the lanes were planned for,
-        reserves nothing; its Offer is refused, saying why."""
-        if (nbytes <= 0 or d.pool is None or d.pool.credit_for(nbytes) > d.pool.capacity
-                or d.reg.world_size != t.decode_tp):  # planned for another TP size: refused at the Offer
+        pool for the transfer's Offer, or queue for it in claim order. A claim received
+        straight into `d`'s blocks (`Transfer.in_place_at`) reserves nothing, whatever its
+        size. A claim larger than the pool, or from a peer of another TP size than the
+        lanes were planned for, reserves nothing; its Offer is refused, saying why."""
+        if (nbytes <= 0 or d.pool is None or d.reg.world_size != t.decode_tp):  # another TP: refused at the Offer
+            return
+        if t.in_place_at(d.peer_id):  # received into its blocks: nothing to reserve, whatever its size
+            t.decode, t.nbytes = d.peer_id, nbytes
+            return
+        if d.pool.credit_for(nbytes) > d.pool.capacity:
             return
         t.decode, t.nbytes = d.peer_id, nbytes
         d.pool.waiting[t.key] = None
@@ -646,6 +664,9 @@ class Broker(Handshake):
             name = f"{t.expected_from}:{t.source_rank}"
             return f"an Offer from {name}" + ("" if self._is_prefill(name) else " (not registered)")
         if t.state is S.UNROUTED:
+            if t.oversize_for:
+                return (f"the Expect of {t.oversize_for}: the transfer is larger than its pool, which it needs only "
+                        "if it cannot receive into its cache blocks")
             if self._hint_absent(t):
                 return f"decode peer {t.decode_hint}:{t.rank}, named by the Offer, to register"
             if self._candidates(t):

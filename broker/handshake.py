@@ -166,7 +166,8 @@ class Handshake:
         tid = msg.transfer_id
         if self._ended_before_planning(now, peer, tid, out, offer=False):
             return
-        mine = self._plan(peer, self._prefill_side(tid, peer, msg.prefill), peer.reg, tid, out)
+        p_reg = self._prefill_side(tid, peer, msg.prefill)
+        mine = self._plan(peer, p_reg, peer.reg, tid, out)
         if not mine:
             return
         keys = [(tid, lane_id(lane.source, lane.rank)) for lane in mine]
@@ -180,7 +181,10 @@ class Handshake:
                 return
         self._room_for(sum(key not in self.transfers for key in keys))
         for lane, key in zip(mine, keys):
-            self._expect_lane(now, peer, msg, lane, key, out)
+            # Into its blocks only as a lane of every head of its source rank: a lane of
+            # some heads is received into the pool and joined there.
+            in_place = msg.into_blocks and wire_heads(lane, p_reg, peer.reg) == (0, 0)
+            self._expect_lane(now, peer, msg, lane, key, in_place, out)
 
     def _check_claim(self, t: Transfer, peer: Peer) -> None:
         """Raise what `_expect_lane` would refuse for `peer`'s claim on `t`."""
@@ -194,13 +198,15 @@ class Handshake:
             raise ProtocolViolation(Expect, t.state, t.transfer_id,
                                     f"it is held by {t.decode}, and {t.waiting_claim} waits for it")
 
-    def _expect_lane(self, now: float, peer: Peer, msg: Expect, lane: Lane, key: TransferKey, out: list[Effect]) -> None:
+    def _expect_lane(self, now: float, peer: Peer, msg: Expect, lane: Lane, key: TransferKey, in_place: bool,
+                     out: list[Effect]) -> None:
         t = self.transfers.get(key)
         if t is None:
             if self._ended(now, key):
                 return  # this lane ended already; the others go on
             t = self._new(now, msg.transfer_id, lane, peer.reg.world_size, S.EXPECTED)
             t.expected_by, t.expected_from = peer.peer_id, msg.prefill
+            t.in_place_by = peer.peer_id if in_place else None
             self._await_named_prefill(now, t)
             peer.transfers.add(key)
             self._claim_room(t, peer, claim_share(msg.nbytes, lane, peer.reg), out)
@@ -237,6 +243,7 @@ class Handshake:
             if t.expected_by == previous.peer_id:
                 previous.transfers.discard(key)
         t.expected_by = peer.peer_id
+        t.in_place_by = peer.peer_id if in_place else None
         peer.transfers.add(key)
         if t.state is S.EXPECTED:
             t.expected_from = msg.prefill or t.expected_from

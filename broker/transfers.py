@@ -19,6 +19,7 @@ front end's Cancel, while the transfer is `cancellable`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocols.errors import RemoteProtocolError
@@ -126,12 +127,35 @@ class Transfer:
     compat_hash: str = ""
     credit_deadline: float | None = None
     reserved: int = 0
+    # The claimant whose Expect said it receives straight into its cache blocks, for a lane
+    # of every head of its source rank: while the transfer goes to that peer, it takes no
+    # room in its pool (`credit`).
+    in_place_by: str | None = None
+    # The decode peer this transfer was routed to on its Offer's word but is larger than
+    # the pool of: it waits, unrouted, for that peer's claim, which may take it in place.
+    oversize_for: str = ""
     attempt: int = 0
     tried: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.source_rank < 0:
             self.source_rank = self.rank
+
+    @property
+    def in_place(self) -> bool:
+        """Received straight into its decode peer's blocks (`in_place_at`)."""
+        return self.decode is not None and self.in_place_at(self.decode)
+
+    def in_place_at(self, peer_id: str) -> bool:
+        """Whether decode peer `peer_id` would receive it straight into its blocks: that peer
+        claimed it so, and the lane moves every head of its source rank (a lane of some
+        heads is joined in D's pool)."""
+        return self.in_place_by == peer_id and self.heads == (0, 0)
+
+    def credit(self, credit_for: Callable[[int], int]) -> int:
+        """The room this transfer takes in its decode peer's pool (`Pool.credit_for`): none
+        when it is received in place."""
+        return 0 if self.in_place else credit_for(self.nbytes)
 
     @property
     def key(self) -> TransferKey:

@@ -5,10 +5,12 @@ A load goes ``waiting -> receiving -> received`` and ends ``done`` or ``failed``
 1. `start_load_kv` (main thread): for each new load in the step's metadata, send Expect,
    so the broker routes the producer's Offer here. If the Prepare came first (the
    producer was quicker than this engine's scheduler), it is waiting, parked, and is
-   used instead.
-2. On Prepare (loop thread): lease room in the receive pool under the load's deadline,
-   register the lease with the `TcpReceiver` (or, for a CPU cache, the load's blocks
-   themselves: `CachePlaces`), and only then send Ready with the byte range after D's
+   used instead. Over tcp into a CPU cache the Expect says the KV goes straight into
+   the load's blocks (`CachePlaces`, worked out then): the broker reserves no room in
+   the receive pool for it, whatever its size.
+2. On Prepare (loop thread): lease room in the receive pool under the load's deadline
+   (not for a load received into its blocks), register the lease with the
+   `TcpReceiver` (or the load's blocks), and only then send Ready with the byte range after D's
    prefix-cache hit, so P's bytes land straight in the lease (or the blocks). Over
    nccl (`connector.nccl_link`): the Ready names the communicator and place of the
    receive (a ticket), and the producer's turn is held from the ticket until the
@@ -154,6 +156,9 @@ class _Load:
     lanes: dict[str, Lane] = field(default_factory=dict)
     # tcp: received straight into its blocks (`CachePlaces`): nothing to scatter
     in_place: bool = False
+    # tcp: where its bytes go in the blocks, worked out at the Expect (which then tells the
+    # broker that it takes no room in the pool); None: into a lease
+    places: list[memoryview] | None = None
 
 
 class ConsumerSide:
@@ -472,10 +477,10 @@ class ConsumerSide:
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
         w, spec = self.w, load.spec
-        assert load.lease is not None or load.lanes or load.scattered is not None
-        count = len(spec.block_ids) - spec.num_cached_blocks
         if load.in_place:  # the receiving thread wrote the blocks as the bytes came
             return None
+        assert load.lease is not None or load.lanes or load.scattered is not None
+        count = len(spec.block_ids) - spec.num_cached_blocks
         try:
             if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
                 for lease in [load.lease] if load.lease is not None else [lane.lease for lane in load.lanes.values()]:
@@ -562,9 +567,12 @@ class ConsumerSide:
                 continue
             parked = self._parked.get(tid)
             nbytes = self._staged_nbytes(load.spec)
+            if self.receiver is not None:  # tcp: straight into a CPU cache's blocks, taking no pool room
+                load.places = self._places(load, self._tail_nbytes(load.spec))
+            into_blocks = load.places is not None
             if parked is not None:
                 # Its Prepare came first: no Expect now, but one on registering again.
-                await client.expect(tid, load.spec.prefill, nbytes=nbytes, announce=False)
+                await client.expect(tid, load.spec.prefill, nbytes=nbytes, into_blocks=into_blocks, announce=False)
                 parked.set()
                 continue
             # Tracked by the client, so a broker restart gets it again (with the route it
@@ -572,8 +580,15 @@ class ConsumerSide:
             # accepted by the broker; one for a transfer granted to another decode peer
             # is refused, and that refusal fails this load at once instead of at its
             # deadline.
-            await self.w.send_bounded("expect", tid, partial(client.expect, nbytes=nbytes), tid, load.spec.prefill)
-            w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id, nbytes=nbytes)
+            await self.w.send_bounded("expect", tid, partial(client.expect, nbytes=nbytes, into_blocks=into_blocks), tid,
+                                      load.spec.prefill)
+            w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id, nbytes=nbytes,
+                       into_blocks=into_blocks)
+
+    def _tail_nbytes(self, spec: LoadSpec) -> int:
+        """The bytes this rank receives for `spec` after its prefix hit (equal TP, no hybrid)."""
+        n, k = len(spec.block_ids), spec.num_cached_blocks
+        return 0 if not self.w.layers or k >= n else tail_range(n, k, len(self.w.layers), self.w.block_nbytes)[1]
 
     def _staged_nbytes(self, spec: LoadSpec) -> int:
         """What the producer stages and offers for `spec` into this rank, every lane
@@ -917,13 +932,15 @@ class ConsumerSide:
         try:
             with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
                 asked = time.monotonic()
-                holder.lease = await w.pool.acquire(nbytes)  # the broker's credit, even when not written
-                leased = time.monotonic()
                 into = self._places(load, nbytes) if holder is load else None
-                if into is not None:  # straight into the blocks: get_finished scatters nothing
+                if into is None:  # into a lease, and scattered from it
+                    holder.lease = await w.pool.acquire(nbytes)
+                leased = time.monotonic()
+                if into is not None:  # straight into the blocks: no pool room, and get_finished scatters nothing
                     completion = self.receiver.expect(key, msg.attempt, into=into)
                     load.in_place = True
                 else:
+                    assert holder.lease is not None
                     completion = self.receiver.expect(key, msg.attempt, holder.lease.tensor, nbytes)
                 expecting = True
                 await w.client.client.ready(tid, nbytes, offset, source=source)
@@ -961,7 +978,9 @@ class ConsumerSide:
         w = self.w
         if w.groups is not None or self._faulty(load):
             return None
-        places = w.places.of(tail(load.spec.block_ids, load.spec.num_cached_blocks))
+        places = load.places  # worked out at the Expect
+        if places is None:
+            places = w.places.of(tail(load.spec.block_ids, load.spec.num_cached_blocks))
         return places if places is not None and sum(len(p) for p in places) == nbytes else None
 
     async def on_abort(self, msg: Abort) -> None:

@@ -116,6 +116,9 @@ class Expect(_Msg, kw_only=True, tag="expect"):
     # (0: not known): the broker reserves that room in this peer's pool at the claim, so
     # the Offer finds it held, or waits in the pool's queue in claim order.
     nbytes: Bytes = 0
+    # The KV goes straight into this rank's cache blocks (a CPU cache over tcp): it takes no
+    # room in the receive pool, and the broker reserves none, whatever its size.
+    into_blocks: bool = False
 
 
 class Offer(_Msg, kw_only=True, tag="offer"):

@@ -305,12 +305,14 @@ class BrokerClient:
         self._offers[transfer_id] = msg
         await self.send(msg, tracked=True)
 
-    async def expect(self, transfer_id: str, prefill: str = "", *, nbytes: int = 0, announce: bool = True) -> None:
+    async def expect(self, transfer_id: str, prefill: str = "", *, nbytes: int = 0, into_blocks: bool = False,
+                     announce: bool = True) -> None:
         """Await a transfer; `nbytes`: the room its Offer will take here (0: not known),
-        reserved by the broker at once. `announce=False`: its Prepare already came, so
+        reserved by the broker at once, unless `into_blocks` (it is received straight into
+        the cache blocks, and takes none). `announce=False`: its Prepare already came, so
         only on registering again is the Expect sent (the broker may have lost track
         meanwhile)."""
-        msg = Expect(transfer_id=transfer_id, prefill=prefill, nbytes=nbytes)
+        msg = Expect(transfer_id=transfer_id, prefill=prefill, nbytes=nbytes, into_blocks=into_blocks)
         self._expects[transfer_id] = msg
         if announce:
             await self.send(msg, tracked=True)

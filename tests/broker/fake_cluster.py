@@ -81,13 +81,16 @@ def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
             assert ref is None or ref in b.peers, f"{key} refers to {ref}, which was evicted"
             if ref is not None:
                 assert key in b.peers[ref].transfers
-        if t.state in HOLDS_CREDIT:
+        if t.state in HOLDS_CREDIT:  # its room, or none when received into D's blocks
             assert t.decode is not None and t.credit_deadline is None
-            assert t.reserved == b.peers[t.decode].pool.credit_for(t.nbytes)  # type: ignore[union-attr]
+            assert t.reserved == t.credit(b.peers[t.decode].pool.credit_for)  # type: ignore[union-attr]
         elif t.state is S.EXPECTED and t.decode is not None:  # its claim's room: held, or queued for
             cpool = b.peers[t.decode].pool
             assert cpool is not None and t.decode == t.expected_by and t.credit_deadline is None
-            assert (t.reserved == cpool.credit_for(t.nbytes) > 0) != (key in cpool.waiting)
+            if t.in_place:  # nothing to hold or wait for
+                assert t.reserved == 0 and key not in cpool.waiting
+            else:
+                assert (t.reserved == cpool.credit_for(t.nbytes) > 0) != (key in cpool.waiting)
         else:
             assert t.reserved == 0
         # A deadline for the instance the transfer names to register: an Expect's prefill
@@ -151,8 +154,8 @@ class FakePeer:
     def offer(self, tid: str, nbytes: int, *, decode: str = "", layout: Layout | None = None) -> list[Send | Note]:
         return self.send(Offer(transfer_id=tid, nbytes=nbytes, decode=decode, layout=layout or Layout()))
 
-    def expect(self, tid: str, nbytes: int = 0) -> list[Send | Note]:
-        return self.send(Expect(transfer_id=tid, nbytes=nbytes))
+    def expect(self, tid: str, nbytes: int = 0, *, into_blocks: bool = False) -> list[Send | Note]:
+        return self.send(Expect(transfer_id=tid, nbytes=nbytes, into_blocks=into_blocks))
 
     def expect_from(self, tid: str, prefill: str) -> list[Send | Note]:
         return self.send(Expect(transfer_id=tid, prefill=prefill))

@@ -718,6 +718,65 @@ def test_credit_returns_on_abort_and_serves_the_next(c: FakeCluster) -> None:
     assert c.state("b") is S.PREPARING and c.pool(d) == (100, 100, 0)
 
 
+def test_a_claim_into_its_blocks_takes_no_room_and_is_prepared_at_its_offer_whatever_its_size(c: FakeCluster) -> None:
+    """D receives straight into its cache blocks (its Expect says so): the pool is neither
+    reserved nor waited for, by a transfer larger than the pool as by one that would
+    queue behind another; the broker's credit stays with the transfers that use the pool."""
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("big", 80, decode="d")  # holds 80 of the pool
+    assert prepared(d) == ["big"] and c.pool(d) == (100, 80, 0)
+    d.expect("a", nbytes=150, into_blocks=True)
+    d.expect("b", nbytes=60, into_blocks=True)
+    d.expect("c", nbytes=60)  # into the pool: waits for room
+    assert c.pool(d) == (100, 80, 1) and d.take() == []
+    p.offer("a", 150)
+    p.offer("b", 60)
+    assert prepared(d) == ["a", "b"] and c.pool(d) == (100, 80, 1)
+    assert (c.state("a"), c.state("b"), c.state("c")) == (S.PREPARING, S.PREPARING, S.EXPECTED)
+    for tid in ("a", "b"):
+        d.ready(tid)
+        d.done(tid)
+    assert c.pool(d) == (100, 80, 1)
+    d.ready("big")
+    d.done("big")
+    assert c.pool(d) == (100, 60, 0)  # c's claim has its room now
+
+
+@pytest.mark.parametrize("into_blocks", [True, False])
+def test_an_offer_larger_than_the_pool_of_a_peer_that_takes_only_its_own_waits_for_its_claim(
+        c: FakeCluster, into_blocks: bool) -> None:
+    """A router that sends P the request before D: the Offer comes first, naming D, and is
+    larger than D's pool. It waits for D's claim, which says whether the room is needed at
+    all: into the blocks it is prepared at once; through the pool it is refused, naming
+    the sizes (at the Offer, for a peer that takes anything, as before)."""
+    p, d = c.prefill(), c.decode(pool=100, claims_only=True)
+    p.offer("big", 150, decode="d")
+    assert c.state("big") is S.UNROUTED and p.take() == [] and d.take() == []
+    assert "larger than its pool" in c.status().transfers[0].waiting_for
+    d.expect("big", nbytes=150, into_blocks=into_blocks)
+    if into_blocks:
+        assert prepared(d) == ["big"] and c.pool(d) == (100, 0, 0)
+        d.ready("big")
+        d.done("big")
+        assert [type(m) for m in p.take()] == [Go, Release]
+    else:
+        assert "150" in p.take_one(Abort).reason and "holds only 100" in d.take_one(Abort).reason
+    assert c.broker.transfers == {}
+
+
+def test_an_offer_planned_as_a_lane_of_some_heads_takes_room_even_if_claimed_into_blocks(c: FakeCluster) -> None:
+    """A lane of some of the source rank's heads is joined in D's pool, so a claim into
+    the blocks does not spare its room: the Offer waits for credit as any other."""
+    p = c.prefill(world_size=1, kv_heads=8)
+    d0 = c.decode("d", pool=100, world_size=2, kv_heads=8)
+    c.decode("d", pool=100, rank=1, world_size=2, kv_heads=8)
+    d0.expect("a", nbytes=150, into_blocks=True)
+    p.offer("a", 300)  # about half of it for each decode rank: more than each pool holds
+    aborts = p.take()
+    assert aborts and all(isinstance(m, Abort) and "pool of d:" in m.reason and "holds only 100" in m.reason
+                          for m in aborts), aborts
+
+
 def test_transfer_larger_than_the_pool_is_aborted_at_once(c: FakeCluster) -> None:
     p, d = c.prefill(), c.decode(pool=100)
     p.offer("big", 150)
@@ -1402,8 +1461,9 @@ class BrokerMachine(RuleBasedStateMachine):
         prefill = data.draw(st.sampled_from(["", *named]))
         # Mostly the claim says the room it needs (the Offer's size, or another), reserved at once.
         nbytes = data.draw(st.sampled_from([0, t.nbytes if t else 0]) | st.integers(0, 100) | sizes)
+        # Now and then it receives straight into its blocks: no room held, whatever its size.
         self.send(self.who(data, "decode"), Expect(transfer_id=t.transfer_id if t else data.draw(tids), prefill=prefill,
-                                                  nbytes=nbytes))
+                                                  nbytes=nbytes, into_blocks=data.draw(st.booleans())))
 
     @rule(data=st.data(), offer=st.booleans())
     def late_message(self, data: st.DataObject, offer: bool) -> None:

@@ -262,6 +262,38 @@ def test_over_tcp_the_kv_lands_straight_in_the_blocks_and_nothing_is_scattered(
         d.close()
 
 
+def test_over_tcp_a_load_into_its_blocks_takes_no_pool_room_whatever_its_size(broker: BrokerProcess) -> None:
+    """D's receive pool holds less than one transfer: the loads that go straight into
+    their blocks need none of it (their Expect says so, and the broker reserves nothing),
+    so they all land. A load whose bytes must go through the pool (here one with a fault
+    injected, which is applied to the lease) is refused by the broker, naming the sizes."""
+    pc, dc = make_caches(seed=61), make_caches(seed=62)
+    src, dst = [3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25]
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    probe = make_worker(broker.endpoint, "d", "d-probe", make_caches(seed=0))
+    nbytes = len(dst) * len(LAYERS) * probe.block_nbytes
+    probe.close()
+    d = make_worker(broker.endpoint, "d", "d0", dc, pool_bytes=nbytes // 2, fault_injection="flip_sign_bits",
+                    fault_injection_prefix="pooled")
+    try:
+        assert d.pool is not None and d.pool.capacity < nbytes
+        for i in range(3):
+            load(d, f"small-pool{i}", dst, cached=0)
+            stage(p, pc, f"small-pool{i}", src, decode="d0")
+            _, errors, _ = run_steps(d, {f"req-small-pool{i}"}, 10)
+            assert errors == set()
+            for n, t in dc.items():
+                assert torch.equal(t[dst], pc[n][src]), (i, n)
+            assert d.pool.statistics().reserved == 0
+        load(d, "pooled", dst, cached=0)
+        stage(p, pc, "pooled", src, decode="d0")
+        _, errors, _ = run_steps(d, {"req-pooled"}, 10)
+        assert errors == set(dst)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_step_that_misses_a_layer_ends_its_transfer_at_once(broker: BrokerProcess) -> None:
     """Offered at its first layer, a copy that then misses a layer is not sent half-written: P aborts
     it at the broker, and D's load fails at once rather than at its 30 s deadline."""

@@ -569,7 +569,9 @@ class ConsumerSide:
             nbytes = self._staged_nbytes(load.spec)
             if self.receiver is not None:  # tcp: straight into a CPU cache's blocks, taking no pool room
                 load.places = self._places(load, self._tail_nbytes(load.spec))
-            into_blocks = load.places is not None
+                into_blocks = load.places is not None
+            else:  # nccl: into the blocks over a communicator built with the producer already
+                into_blocks = self._receives_into_blocks(load)
             if parked is not None:
                 # Its Prepare came first: no Expect now, but one on registering again.
                 await client.expect(tid, load.spec.prefill, nbytes=nbytes, into_blocks=into_blocks, announce=False)
@@ -584,6 +586,16 @@ class ConsumerSide:
                                       load.spec.prefill)
             w.log.info("transfer.expect", transfer_id=tid, phase="expect", req_id=load.spec.req_id, nbytes=nbytes,
                        into_blocks=into_blocks)
+
+    def _receives_into_blocks(self, load: _Load) -> bool:
+        """Over nccl: whether `load`'s receive would go straight into its blocks, posted now:
+        the request names its prefill instance, and a communicator built with the rank
+        that feeds this one writes into blocks (ipc, one host). Its Prepare decides again."""
+        w, spec = self.w, load.spec
+        if w.nccl is None or w.paged is None or w.groups is not None or not spec.prefill or self._faulty(load):
+            return False
+        count = len(spec.block_ids) - spec.num_cached_blocks
+        return count > 0 and w.nccl.receives_into_blocks(f"{spec.prefill}:{w.info.rank}", w.paged, count)
 
     def _tail_nbytes(self, spec: LoadSpec) -> int:
         """The bytes this rank receives for `spec` after its prefix hit (equal TP, no hybrid)."""
@@ -769,8 +781,9 @@ class ConsumerSide:
 
     async def post_receive(self, msg: Prepare, load: _Load, holder: _Load | Lane, offset: int, nbytes: int,
                            block_nbytes: int, into: Any = None, **fields: Any) -> Any:
-        """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes),
-        then take a ticket, send the Ready and post the receive (the other way round
+        """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes; no
+        lease for a receive straight into the load's blocks on a communicator built
+        already), then take a ticket, send the Ready and post the receive (the other way round
         where `NcclLink.posts_first` says), in the producer's turn; the posted receive.
         `fields` (a lane's source and heads) go into the Ready and its log line. A ticket
         whose receive was not posted is given up: its Ready may be out, and the
@@ -778,9 +791,12 @@ class ConsumerSide:
         w, tid, source = self.w, msg.transfer_id, msg.source
         assert w.pool is not None and w.client is not None and w.nccl is not None
         # Room first: a transfer waiting for room does not hold up the producer's
-        # transfers that have theirs.
+        # transfers that have theirs. None for a receive straight into the blocks on a
+        # communicator built already (its Expect told the broker it takes no room).
         asked = time.monotonic()
-        holder.lease = await w.pool.acquire(nbytes)
+        in_place = into is not None and holder is load and w.nccl.receives_into_blocks(source, into[0], len(into[1]))
+        if not in_place:
+            holder.lease = await w.pool.acquire(nbytes)
         leased = time.monotonic()
         # The producer's turn is held from the ticket until the receive is posted, not
         # until it ends: the next transfer's Ready goes while this one is on the wire, and
@@ -794,6 +810,9 @@ class ConsumerSide:
             first = into is not None and w.nccl.posts_first(source, ticket)
             posted = None
             try:
+                if holder.lease is None and not (first and w.nccl.receives_into_blocks(source, into[0], len(into[1]))):
+                    # the communicator changed since: the bytes go through the pool after all
+                    holder.lease = await w.pool.acquire(nbytes)
                 if first:
                     posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
                                                     block_nbytes=block_nbytes, into=into)

@@ -668,26 +668,34 @@ class NcclLink:
         comm = self.cache.current(producer)
         return self._recv_order.ticket(producer, None if comm is None else comm.nonce)
 
-    async def post_recv(self, producer: str, transfer_id: str, lease: Lease, nbytes: int, deadline: float,
+    async def post_recv(self, producer: str, transfer_id: str, lease: Lease | None, nbytes: int, deadline: float,
                         ticket: Ticket, *, block_nbytes: int = 0, into: Into | None = None) -> Posted:
         """D: post the receive of `nbytes` from `producer` into the start of `lease`, in the
         sender's chunks, on the communicator `ticket` names (Ready sent first: the
         producer builds a new communicator only once it has the Go). Over the ipc
         backend, with `into`, one receive straight into those blocks instead
-        (`Posted.into_blocks`).
+        (`Posted.into_blocks`); `lease` may then be None (`receives_into_blocks`), and the
+        post fails if it cannot go into the blocks after all.
 
         Raises:
             TransferFailed: not posted (no communicator, cancelled, or not the ticket's);
                 the ticket is given up and the communicator dropped.
         """
         try:
-            posted = await self._post(producer, "recv", transfer_id, lease, lease.offset, nbytes, None, deadline,
-                                      block_nbytes, ticket, into)
+            posted = await self._post(producer, "recv", transfer_id, lease, 0 if lease is None else lease.offset, nbytes,
+                                      None, deadline, block_nbytes, ticket, into)
         except BaseException:
             self._recv_order.given_up(producer)
             raise
         self._recv_order.posted(producer, ticket, posted.comm.nonce)
         return posted
+
+    def receives_into_blocks(self, producer: str, paged: Any, count: int) -> bool:
+        """D: whether a receive of `count` blocks from `producer` posted now would go straight
+        into the cache blocks (`paged`): a communicator built with it writes into blocks
+        and takes that many. Such a receive needs no room in the receive pool."""
+        comm = self.cache.current(producer)
+        return comm is not None and comm.writes_into_blocks and comm.takes_blocks(paged, count)
 
     def posts_first(self, producer: str, ticket: Ticket) -> bool:
         """D: whether to post the receive of `ticket` before sending its Ready: on a
@@ -908,7 +916,7 @@ class NcclLink:
                                  f"to end within {CARRY_GRACE_S:g} s of its deadline; its communicator was dropped")
         return _reported(carried)
 
-    async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+    async def _post(self, peer: str, op: Any, transfer_id: str, lease: Lease | None, start: int, nbytes: int,
                     after: torch.cuda.Event | None, deadline: float, block_nbytes: int, ticket: Ticket,
                     blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         # In a worker thread: building a communicator blocks (its rendezvous goes through
@@ -941,7 +949,7 @@ class NcclLink:
             if ours.get(transfer_id) is flag:
                 del ours[transfer_id]
 
-    def _post_ops(self, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
+    def _post_ops(self, peer: str, op: Any, transfer_id: str, lease: Lease | None, start: int, nbytes: int,
                   after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
                   ticket: Ticket, blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         if ticket[0]:
@@ -985,8 +993,8 @@ class NcclLink:
             return None  # it would wait on the host for the staging: not on the loop
         return comm
 
-    def _post_on(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int, nbytes: int,
-                 after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
+    def _post_on(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease | None, start: int,
+                 nbytes: int, after: torch.cuda.Event | None, cancelled: threading.Event, block_nbytes: int,
                  blocks: Any = None, streaming: Streaming | None = None) -> Posted:
         """Post the transfer's chunks on `comm`; never blocks (the communicator is built;
         over the ipc backend a send first waits for its receive's descriptor, which D
@@ -998,6 +1006,9 @@ class NcclLink:
                                        cancelled, blocks, streaming)
             if posted is not None:
                 return posted
+        if lease is None:  # D leased no room: only a receive into its blocks was possible
+            raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} cannot go straight into the blocks, "
+                                 "and no room was leased for it")
         if streaming is not None:  # these ops read the staging whole: after its gathers (a worker thread)
             after = streaming.wait()
         parts = chunks(nbytes, block_nbytes) if whole else [(0, 1)]
@@ -1010,7 +1021,7 @@ class NcclLink:
         return Posted(peer=peer, op=op, transfer_id=transfer_id, comm=comm, completions=done,
                       parts=parts if whole else [], flag=cancelled)
 
-    def _post_blocks(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease, start: int,
+    def _post_blocks(self, comm: Communicator, peer: str, op: Any, transfer_id: str, lease: Lease | None, start: int,
                      count: int, after: torch.cuda.Event | None, cancelled: threading.Event,
                      blocks: Any, streaming: Streaming | None = None) -> Posted | None:
         """The transfer as one op straight into D's blocks, if both sides can: D when its
@@ -1023,6 +1034,7 @@ class NcclLink:
                     return None
                 work = comm.post_blocks(paged, ids, after=[ready_after], tag=tag)
             else:
+                assert lease is not None  # P's staging
                 if not comm.next_receive_takes_blocks():
                     return None
                 # Streaming: each group of layers is launched once its gathers are enqueued.

@@ -393,10 +393,12 @@ def test_offer_before_request_is_parked(broker: BrokerProcess) -> None:
 def test_a_claim_reserves_its_room_at_the_broker_before_the_prefill_offers(broker: BrokerProcess) -> None:
     """D's Expect says the bytes P will offer (the staged size of every block of the
     prompt, a prefix hit included): the broker holds that room in D's pool from the claim,
-    the Offer finds it held, and the room comes back once the KV is in."""
+    the Offer finds it held, and the room comes back once the KV is in. (A load through
+    the pool: here one with a fault injected, which is applied to the lease; one straight
+    into a CPU cache's blocks takes no room.)"""
     pc, dc = make_caches(seed=5), make_caches(seed=6)
     p = make_worker(broker.endpoint, "p", "p0", pc)
-    d = make_worker(broker.endpoint, "d", "d0", dc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, fault_injection="flip_sign_bits", fault_injection_prefix="t-room")
     try:
         load(d, "t-room", [20, 21, 22, 23], cached=1)
 
@@ -413,7 +415,7 @@ def test_a_claim_reserves_its_room_at_the_broker_before_the_prefill_offers(broke
         _, errors, _ = run_steps(d, {"req-t-room"}, 10)
         assert errors == set()
         for n in LAYERS:
-            assert torch.equal(dc[n][[21, 22, 23]], pc[n][[2, 3, 4]])
+            assert torch.equal(dc[n][[21, 22, 23]], -pc[n][[2, 3, 4]])  # the fault flips every sign
         wait_until(lambda: next(x for x in broker.status()["pools"] if x["peer_id"] == "d0:0")["reserved"] == 0,
                    10, "the room back once the KV is in")
     finally:
@@ -1329,7 +1331,9 @@ def test_a_stopped_client_never_raises_into_the_step(broker: BrokerProcess) -> N
 
 def test_client_torn_down_mid_receive_fails_the_load_and_frees_its_lease(broker: BrokerProcess) -> None:
     dc = make_caches(seed=22)
-    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60)
+    # through the pool (a fault injected rides on the lease): a load into its blocks leases nothing
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60, fault_injection="flip_sign_bits",
+                    fault_injection_prefix="t-cut")
     fake_p = _Peer(broker.endpoint, "prefill", d.compat, {})
     try:
         assert d.pool is not None and d.client is not None

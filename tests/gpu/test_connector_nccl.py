@@ -520,6 +520,35 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
 
 
 @pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
+def test_over_ipc_a_load_into_the_blocks_takes_no_pool_room_whatever_its_size(broker: BrokerProcess) -> None:
+    """D's receive pool holds two blocks' worth. A one-block transfer builds the pair's
+    communicator through it; then each five-block transfer, whose request names its
+    prefill instance, goes straight into D's blocks: its Expect says so, the broker
+    reserves no room, D leases none, and every one lands whole."""
+    pc, dc = gpu_caches(P_GPU, 15), gpu_caches(D_GPU, 16)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", pool_bytes=2 * p.chunk_nbytes)
+    try:
+        assert d.pool is not None and d.pool.capacity < 5 * p.chunk_nbytes
+        load(d, "warm", [60], cached=0, prefill="p0")
+        stage(p, pc, "warm", [1], decode="d0")
+        assert not run_steps(d, {"req-warm"}, timeout=30)[1]
+        for i in range(4):
+            src, dst = [3 + i, 17, 40, 9, 12], [50, 2 + i, 33, 21, 7]
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            load(d, f"big{i}", dst, cached=0, prefill="p0")
+            stage(p, pc, f"big{i}", src, decode="d0")
+            assert not run_steps(d, {f"req-big{i}"}, timeout=30)[1], f"transfer big{i} failed to load"
+            torch.cuda.synchronize(D_GPU)
+            for n, t in dc.items():
+                assert torch.equal(t[:, dst].cpu(), saved[n].cpu()), (i, n)
+        leases_come_back(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
 @pytest.mark.parametrize("twin", ["shipped", "unsafe"])
 def test_a_send_posted_during_the_forward_pass_copies_each_layer_once_gathered(
     broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, twin: str

@@ -101,7 +101,7 @@ from .ledger import (
     peer_id_of,
     remember,
 )
-from .transfers import Transfer, TransferKey, TransferState
+from .transfers import HOLDS_CREDIT, Transfer, TransferKey, TransferState
 
 __all__ = ["Broker", "BrokerConfig", "Effect", "Note", "Send"]
 
@@ -517,6 +517,25 @@ class Broker(Handshake):
             return
         t.decode, t.nbytes = d.peer_id, nbytes
         d.pool.waiting[t.key] = None
+        self._grant(d, out)
+
+    def _in_place_now(self, t: Transfer, d: Peer, out: list[Effect]) -> None:
+        """`t`, routed to `d` on its Offer's word, is claimed by `d` as received straight into
+        its blocks: one waiting for credit is prepared at once, and one holding room gives
+        it back (under a router that sends P the request first, the Offer comes before
+        every claim, and would otherwise wait for room it never uses)."""
+        pool = d.pool
+        assert pool is not None
+        if not t.in_place:
+            return
+        if t.state is S.WAITING_CREDIT:
+            pool.waiting.pop(t.key, None)
+            self._prepare(d, t, 0, out)
+        elif t.state in HOLDS_CREDIT and t.reserved:
+            pool.reserved -= t.reserved
+            t.reserved = 0
+        else:
+            return
         self._grant(d, out)
 
     def _release_room(self, t: Transfer, out: list[Effect]) -> None:

@@ -742,6 +742,26 @@ def test_a_claim_into_its_blocks_takes_no_room_and_is_prepared_at_its_offer_what
     assert c.pool(d) == (100, 60, 0)  # c's claim has its room now
 
 
+def test_an_offer_routed_before_its_claim_into_the_blocks_stops_waiting_for_room_or_gives_it_back(
+        c: FakeCluster) -> None:
+    """A router that sends P the request first: each Offer comes before D's claim, routed
+    on its own word. When the claim says the KV goes straight into D's blocks, an Offer
+    queued for room is prepared at once, and one holding room gives it back to the next."""
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("big", 80, decode="d")
+    p.offer("a", 60, decode="d")  # queued: no room beside big
+    p.offer("b", 60, decode="d")  # queued behind a
+    assert prepared(d) == ["big"] and c.state("a") is S.WAITING_CREDIT and c.pool(d) == (100, 80, 2)
+    d.expect("a", nbytes=60, into_blocks=True)
+    assert prepared(d) == ["a"] and c.state("a") is S.PREPARING and c.pool(d) == (100, 80, 1)
+    d.expect("big", nbytes=80, into_blocks=True)  # holds 80 it will never use: b gets it
+    assert prepared(d) == ["b"] and c.pool(d) == (100, 60, 0)
+    for tid in ("a", "big", "b"):
+        d.ready(tid)
+        d.done(tid)
+    assert c.pool(d) == (100, 0, 0)
+
+
 @pytest.mark.parametrize("into_blocks", [True, False])
 def test_an_offer_larger_than_the_pool_of_a_peer_that_takes_only_its_own_waits_for_its_claim(
         c: FakeCluster, into_blocks: bool) -> None:

@@ -667,6 +667,7 @@ class Broker(Handshake):
                 attempt=t.attempt,
                 lease_left_s=round(t.lease_until - now, 3),
                 waiting_for=self._waiting_for(t),
+                in_place=t.in_place,
             )
             for t in list(self.transfers.values())[:1000]
         ]

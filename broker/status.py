@@ -41,8 +41,9 @@ def render_status(s: Status) -> str:
         "",
         f"transfers in flight ({len(s.transfers)})",
         _table(
-            ["transfer_id", "rank", "state", "prefill", "decode", "MiB", "attempt", "lease_left_s", "waiting_for"],
-            [[t.transfer_id, t.rank, t.state, t.prefill, t.decode, _mib(t.nbytes), t.attempt, t.lease_left_s, t.waiting_for]
+            ["transfer_id", "rank", "state", "prefill", "decode", "MiB", "room", "attempt", "lease_left_s", "waiting_for"],
+            [[t.transfer_id, t.rank, t.state, t.prefill, t.decode, _mib(t.nbytes), "none: into blocks" if t.in_place else "pool",
+              t.attempt, t.lease_left_s, t.waiting_for]
              for t in s.transfers],
         ),
         "",

@@ -252,6 +252,8 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     lease_left_s: float
     # What the transfer waits for now, in words ("Ready from d0:0", "a claim: ...").
     waiting_for: str = ""
+    # Received straight into its decode peer's blocks: it takes no room in that pool.
+    in_place: bool = False
 
 
 class LatencyInfo(msgspec.Struct, frozen=True, kw_only=True):

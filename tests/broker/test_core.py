@@ -754,6 +754,7 @@ def test_an_offer_routed_before_its_claim_into_the_blocks_stops_waiting_for_room
     assert prepared(d) == ["big"] and c.state("a") is S.WAITING_CREDIT and c.pool(d) == (100, 80, 2)
     d.expect("a", nbytes=60, into_blocks=True)
     assert prepared(d) == ["a"] and c.state("a") is S.PREPARING and c.pool(d) == (100, 80, 1)
+    assert {t.transfer_id: t.in_place for t in c.status().transfers} == {"big": False, "a": True, "b": False}
     d.expect("big", nbytes=80, into_blocks=True)  # holds 80 it will never use: b gets it
     assert prepared(d) == ["b"] and c.pool(d) == (100, 60, 0)
     for tid in ("a", "big", "b"):

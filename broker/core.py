@@ -161,7 +161,11 @@ class Broker(Handshake):
         for t in list(self.transfers.values()):
             if t.key not in self.transfers:
                 continue
-            if t.lease_until <= now:
+            if t.lease_until <= now and t.state is S.UNROUTED and t.oversize_for:
+                self._abort(now, t, f"it needs {t.nbytes} bytes, more than the receive pool of {t.oversize_for} holds, "
+                            f"and {t.oversize_for} did not claim it within {self.config.transfer_lease_s:g} s to take it "
+                            "straight into its blocks; raise the decode pool size", out)
+            elif t.lease_until <= now:
                 self._abort(now, t, f"its lease of {self.config.transfer_lease_s:g} s ended in state {t.state.value}", out)
             elif t.absent_until is not None and t.absent_until <= now:
                 self._absent(now, t, out)

@@ -785,6 +785,16 @@ def test_an_offer_larger_than_the_pool_of_a_peer_that_takes_only_its_own_waits_f
     assert c.broker.transfers == {}
 
 
+def test_an_oversize_offer_whose_decode_peer_never_claims_it_ends_with_its_lease_naming_the_pool(
+        c: FakeCluster) -> None:
+    p, d = c.prefill(), c.decode(pool=100, claims_only=True)
+    p.offer("big", 150, decode="d")
+    c.advance(CONFIG.transfer_lease_s + 0.1, keep_alive=[p, d])
+    reason = p.take_one(Abort).reason
+    assert "150 bytes" in reason and "d:0" in reason and "raise the decode pool size" in reason
+    assert c.broker.transfers == {}
+
+
 def test_an_offer_planned_as_a_lane_of_some_heads_takes_room_even_if_claimed_into_blocks(c: FakeCluster) -> None:
     """A lane of some of the source rank's heads is joined in D's pool, so a claim into
     the blocks does not spare its room: the Offer waits for credit as any other."""

@@ -89,6 +89,12 @@ timeout "${BENCH_TIMEOUT:-150}" python3 bench/gather_stretch.py --json "$OUT/gat
   | tee "$OUT/gather_stretch.log"
 echo "gather_stretch rc=$?"
 
+# The ipc copy into D's blocks by itself: its rate on its programs, and its cost to matrix
+# multiplies beside it, against the kernel's previous step.
+timeout "${BENCH_TIMEOUT:-150}" python3 bench/copy_kernels.py --json "$OUT/copy_kernels.json" 2>&1 \
+  | tee "$OUT/copy_kernels.log"
+echo "copy_kernels rc=$?"
+
 # The peer, on the same GPU(s), beside the connector's rows of this run.
 if python3 -c 'import sys; sys.path.insert(0, "bench"); import nixl_peer; sys.exit(nixl_peer.nixl_module() is None)'; then
   timeout "${NIXL_TIMEOUT:-300}" python3 bench/nixl_peer.py --tokens 512,2048,8192 --iters 20 \

@@ -116,7 +116,13 @@ __all__ = ["IpcCommunicator", "connect_ipc"]
 # Programs of the copy kernel: NVLink's ~0.45 TB/s a direction needs a few dozen SMs of
 # stores; the rest stay with the gathers and scatters beside it.
 COPY_PROGRAMS = 32
-_COPY_BLOCK = 2048  # words a program copies per step
+# Words a program copies per step, and its warps. On few programs a copy's rate is bound
+# by the loads each program keeps in flight: on 32 programs, with 16 KiB a step (2,048
+# words, 8 warps) a send into blocks moved 0.50 TB/s on one H200, with 32 KiB (4,096
+# words, 16 warps) 0.70 TB/s, and cost matrix multiplies beside it no more
+# (docs/PERFORMANCE.md, "Figures the code quotes").
+_COPY_BLOCK = 4096
+_COPY_WARPS = 16
 # A staged transfer of at most this many blocks goes as one op, straight into the
 # receiver's blocks (`IpcCommunicator.send_blocks`); its ids take an arena slot.
 MAX_BLOCKS = 8192
@@ -296,7 +302,7 @@ class _Copier:
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             kernel = _kernel()[(grid,)](src, dst, count, ready, arrived, tally, seq, ABORT_AT=ABORT, WIDE=wide,
-                                        BLOCK=_COPY_BLOCK, num_warps=8)
+                                        BLOCK=_COPY_BLOCK, num_warps=_COPY_WARPS)
         self.compiled.setdefault(wide, kernel)
 
     def check(self, scratch: torch.Tensor, peer: str = "") -> None:
@@ -363,7 +369,7 @@ class _BlockCopier:
                        *args, _COPY_BLOCK, ABORT)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            kernel = _blocks_kernel()[(grid,)](*args, BLOCK=_COPY_BLOCK, ABORT_AT=ABORT, num_warps=8)
+            kernel = _blocks_kernel()[(grid,)](*args, BLOCK=_COPY_BLOCK, ABORT_AT=ABORT, num_warps=_COPY_WARPS)
         if self.compiled is None:
             self.compiled = kernel
 

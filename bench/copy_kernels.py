@@ -85,9 +85,11 @@ def timed(work: Callable[[torch.cuda.Stream], None], device: torch.device, reps:
     return statistics.median(times)
 
 
-def beside_gemm(bench: _Bench, shape: tuple[int, int] | None, rounds: int = 11) -> dict[str, float]:
-    """20 ms of matrix multiplies on one stream, eight sends of 2,048 tokens on another
-    started with them (none: the multiplies alone); medians, ms."""
+def beside_gemm(bench: _Bench, rounds: int = 11) -> dict[str, Any]:
+    """20 ms of matrix multiplies on one stream, alone and with eight sends of 2,048
+    tokens on another started with them, for each kernel step, alternated in every
+    round (a GPU's clocks drift within a call): medians, ms, of the multiplies alone,
+    of what each step's copies added to them, and of when those copies ended."""
     dev = bench.device
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     b = torch.randn_like(a)
@@ -102,8 +104,8 @@ def beside_gemm(bench: _Bench, shape: tuple[int, int] | None, rounds: int = 11) 
         e[1].record(compute)
     torch.cuda.synchronize(dev)
     n = max(1, round(20 / (e[0].elapsed_time(e[1]) / 10)))
-    gemm, copies = [], []
-    for _ in range(rounds):
+
+    def once(shape: tuple[int, int] | None) -> tuple[float, float]:
         torch.cuda.synchronize(dev)
         e[0].record(compute)
         with torch.cuda.stream(compute):
@@ -116,10 +118,22 @@ def beside_gemm(bench: _Bench, shape: tuple[int, int] | None, rounds: int = 11) 
                 bench.send(128, side, shape)
             e[2].record(side)
         torch.cuda.synchronize(dev)
-        gemm.append(e[0].elapsed_time(e[1]))
-        if shape is not None:
-            copies.append(e[0].elapsed_time(e[2]))
-    return {"gemm_ms": statistics.median(gemm), "copies_end_ms": statistics.median(copies) if copies else 0.0}
+        return e[0].elapsed_time(e[1]), e[0].elapsed_time(e[2]) if shape is not None else 0.0
+
+    alone: list[float] = []
+    added: dict[str, list[float]] = {name: [] for name in SHAPES}
+    ends: dict[str, list[float]] = {name: [] for name in SHAPES}
+    names = list(SHAPES)
+    for r in range(rounds):
+        base = once(None)[0]
+        alone.append(base)
+        for name in names[r % 2:] + names[: r % 2]:
+            took, end = once(SHAPES[name])
+            added[name].append(took - base)
+            ends[name].append(end)
+    return {"gemm_alone_ms": round(statistics.median(alone), 3),
+            **{name: {"stretch_ms": round(statistics.median(added[name]), 3),
+                      "copies_end_ms": round(statistics.median(ends[name]), 3)} for name in names}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,15 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{row['tokens']:>7} {row['MiB']:>6} {base:>9.3f} {ms['shipped']:>11.3f} {row['shipped_TBps']:>6.2f}"
               f" {ms['previous']:>12.3f} {row['previous_TBps']:>6.2f} {row['x_previous']:>11.2f}")
-    alone = beside_gemm(bench, None)["gemm_ms"]
-    beside = {name: beside_gemm(bench, shape) for name, shape in SHAPES.items()}
-    print(f"8 x 2,048 tokens beside {alone:.2f} ms of matrix multiplies: " + "; ".join(
-        f"{name}: multiplies +{v['gemm_ms'] - alone:.2f} ms, copies end at {v['copies_end_ms']:.2f}"
-        for name, v in beside.items()))
+    beside = beside_gemm(bench)
+    print(f"8 x 2,048 tokens beside {beside['gemm_alone_ms']:.2f} ms of matrix multiplies: " + "; ".join(
+        f"{name}: multiplies +{beside[name]['stretch_ms']:.2f} ms, copies end at {beside[name]['copies_end_ms']:.2f}"
+        for name in SHAPES))
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "rows": rows,
-              "gemm_alone_ms": round(alone, 3),
-              "beside_gemm": {name: {"stretch_ms": round(v["gemm_ms"] - alone, 3),
-                                     "copies_end_ms": round(v["copies_end_ms"], 3)} for name, v in beside.items()}}
+              "beside_gemm": beside}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

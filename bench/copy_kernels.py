@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = blocks * LAYERS * PRE * ROW_WORDS * 8
         src = bench.staging[: nbytes // 8]
         dst = torch.empty_like(src)
-        base = timed(lambda s: dst.copy_(src), device)
+        def plain(s: torch.cuda.Stream) -> None:
+            with torch.cuda.stream(s):  # on the timed stream: its events must bracket the copy
+                dst.copy_(src)
+
+        base = timed(plain, device)
         ms = {name: timed(lambda s, shape=shape: bench.send(blocks, s, shape), device) for name, shape in SHAPES.items()}
         row = {"tokens": blocks * TOKENS_A_BLOCK, "MiB": nbytes >> 20, "copy_ms": round(base, 4),
                **{f"{name}_ms": round(v, 4) for name, v in ms.items()},

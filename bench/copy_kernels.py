@@ -18,16 +18,19 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from connector_path import gpu_ms  # noqa: E402
 from workers.transports import cuda_ipc  # noqa: E402
 
 ROW_WORDS, PRE, LAYERS, TOKENS_A_BLOCK = 4096, 2, 32, 16
 CACHE_BLOCKS = 4200
+REPS = 20
 SHAPES = {"shipped": (cuda_ipc._COPY_BLOCK, cuda_ipc._COPY_WARPS), "previous": (2048, 8)}
 
 
@@ -68,21 +71,6 @@ class _Bench:
             for p in range(PRE):
                 if not torch.equal(self.cache[layer][p][self.ids[blocks]], staged[:, layer, p]):
                     raise SystemExit(f"the copy with step {shape} put other bytes in layer {layer}")
-
-
-def timed(work: Callable[[torch.cuda.Stream], None], device: torch.device, reps: int = 20) -> float:
-    stream = torch.cuda.Stream(device)
-    work(stream)  # compiles
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        work(stream)
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def beside_gemm(bench: _Bench, rounds: int = 11) -> dict[str, Any]:
@@ -155,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = blocks * LAYERS * PRE * ROW_WORDS * 8
         src = bench.staging[: nbytes // 8]
         dst = torch.empty_like(src)
-        def plain(s: torch.cuda.Stream) -> None:
-            with torch.cuda.stream(s):  # on the timed stream: its events must bracket the copy
-                dst.copy_(src)
-
-        base = timed(plain, device)
-        ms = {name: timed(lambda s, shape=shape: bench.send(blocks, s, shape), device) for name, shape in SHAPES.items()}
+        current = torch.cuda.current_stream(device)
+        for shape in SHAPES.values():  # compiled before they are timed
+            bench.send(blocks, current, shape)
+        base = gpu_ms(lambda: dst.copy_(src), REPS)
+        ms = {name: gpu_ms(lambda shape=shape: bench.send(blocks, current, shape), REPS)
+              for name, shape in SHAPES.items()}
         row = {"tokens": blocks * TOKENS_A_BLOCK, "MiB": nbytes >> 20, "copy_ms": round(base, 4),
                **{f"{name}_ms": round(v, 4) for name, v in ms.items()},
                **{f"{name}_TBps": round(nbytes / v / 1e9, 3) for name, v in ms.items()},

@@ -118,8 +118,8 @@ __all__ = ["IpcCommunicator", "connect_ipc"]
 COPY_PROGRAMS = 32
 # Words a program copies per step, and its warps. On few programs a copy's rate is bound
 # by the loads each program keeps in flight: on 32 programs, with 16 KiB a step (2,048
-# words, 8 warps) a send into blocks moved 0.50 TB/s on one H200, with 32 KiB (4,096
-# words, 16 warps) 0.70 TB/s, and cost matrix multiplies beside it no more
+# words, 8 warps) a send of 1 GiB into blocks moved 0.52 TB/s on one H200, with 32 KiB
+# (4,096 words, 16 warps) 0.74 TB/s, and cost matrix multiplies beside it no more
 # (docs/PERFORMANCE.md, "Figures the code quotes").
 _COPY_BLOCK = 4096
 _COPY_WARPS = 16

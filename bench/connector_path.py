@@ -58,11 +58,19 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--log-format json|console] [--thread-cpu] [--json PATH]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
 while a request was timed, and how long each sat runnable without a CPU: what D's host
 spends on a request besides waiting for its GPU.
+
+`--profile DIR` writes, per prompt length, P's GPU timeline of its last warm-up request
+(torch's profiler, chrome format, `p-TOKENSxN.json`: which kernel ran on which stream
+when, the sends' copies against the forward pass and its gathers), and a cProfile of each
+worker over the timed requests (`p-loop-*.txt`, `d-loop-*.txt`; started on the broker
+client's loop, it covers every thread of the process on Python 3.12). The timed requests
+run unprofiled by torch's profiler, but cProfile slows every thread's Python: read those
+runs' times as the profile's, not the benchmark's.
 """
 
 from __future__ import annotations
@@ -316,6 +324,52 @@ class _RawTcp:
             got += n
 
 
+def _profiler(cfg: dict, tokens: int, it: int) -> Any:
+    """A started torch profiler (CPU and CUDA activity) for P's last warm-up request when
+    `--profile` names a folder, else None: kernels by stream, to see where a request's
+    copies ran against the forward pass and its gathers."""
+    if not cfg["profile"] or it != cfg["warmup"] - 1:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+class _LoopProfile:
+    """cProfile of a worker over the timed requests of one size (`--profile`): where its
+    threads' time goes (the Offers, the Go or Prepare handlers, the posts). Started and
+    stopped on the broker client's loop: before Python 3.12 a profiler follows only the
+    thread that enables it, and that one is the loop."""
+
+    def __init__(self, worker: ConnectorWorker, cfg: dict, name: str) -> None:
+        self.client = worker.client if cfg["profile"] else None
+        self.path = os.path.join(cfg["profile"], name) if cfg["profile"] else ""
+        self.prof: Any = None
+
+    def start(self) -> None:
+        if self.client is not None and self.prof is None:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.client.call(self.prof.enable)
+
+    def stop(self) -> None:
+        if self.client is None or self.prof is None:
+            return
+        import io
+        import pstats
+
+        self.client.call(self.prof.disable)
+        out = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(self.prof, stream=out).sort_stats(key).print_stats(40)
+        with open(self.path, "w") as f:
+            f.write(out.getvalue())
+        self.prof = None
+
+
 def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     """P: for each request, tell D, wait until D holds it, then run the step."""
     engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"], forward=cfg["forward"])
@@ -332,7 +386,10 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
         k = cfg["inflight"]
         for tok in cfg["tokens"]:
             n = tok // BLOCK
+            loop = _LoopProfile(p, cfg, f"p-loop-{tok}x{k}.txt")
             for it in range(cfg["warmup"] + cfg["iters"]):
+                if it == cfg["warmup"]:
+                    loop.start()
                 tids = [f"t{tok}-{it}" if k == 1 else f"t{tok}-{it}.{j}" for j in range(k)]
                 srcs = [torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist() for _ in tids]
                 check = it == cfg["warmup"]
@@ -341,6 +398,8 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 assert conn.recv() == "bound"
                 alone = engine.forward_pass()  # the baseline, just before the request's own
                 engine.sync()
+                # The last warm-up request's GPU timeline (`--profile`): the timed ones run unprofiled.
+                profile = _profiler(cfg, tok, it)
                 log.info("bench.step_start", transfer_id=tids[-1])
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
@@ -360,6 +419,9 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 # request's time splits into the pass (stretched by the step's gathers) and after.
                 engine.sync()
                 ended = time.perf_counter()
+                if profile is not None:
+                    profile.__exit__(None, None, None)
+                    profile.export_chrome_trace(os.path.join(cfg["profile"], f"p-{tok}x{k}.json"))
                 log.info("bench.forward_end", transfer_id=tids[-1], first_save_us=round(saves[0] * 1e6),
                          saves_us=round(sum(saves) * 1e6), wait_for_save_us=round((launched - s0) * 1e6),
                          host_us=round((launched - t0) * 1e6), gpu_after_us=round((ended - launched) * 1e6))
@@ -380,6 +442,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 else:
                     raw_tcp.send(data)
                 assert conn.recv() == "done"
+            loop.stop()
         conn.send(None)
     finally:
         p.close()
@@ -409,6 +472,9 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
             tok, k = n * BLOCK, len(tids)
+            if it == cfg["warmup"]:
+                loop = _LoopProfile(d, cfg, f"d-loop-{tok}x{k}.txt")
+                loop.start()
             free = torch.randperm(cfg["num_blocks"], generator=g)[: k * n].tolist()  # no two loads share a block
             dsts = [free[j * n : (j + 1) * n] for j in range(k)]
             d.bind(KvBrokerMetadata(loads={
@@ -466,6 +532,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 raw_tcp.recv(into)
             raw = time.perf_counter() - r0
             conn.send("done")
+            if it == cfg["warmup"] + cfg["iters"] - 1:
+                loop.stop()
             if it >= cfg["warmup"]:
                 times[tok][0].append(took)
                 times[tok][1].append(raw)
@@ -550,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
                          "for `kvbroker phases`)")
     ap.add_argument("--thread-cpu", action="store_true",
                     help="also print the CPU time each of D's threads used while a request was timed (Linux)")
+    ap.add_argument("--profile", default="",
+                    help="a folder: P writes a torch profiler trace (chrome format) of its last warm-up request "
+                         "of each size there, p-TOKENSxINFLIGHT.json (needs --warmup 1 or more)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     gpus = torch.cuda.device_count() if args.transport == "nccl" else 0
@@ -564,11 +635,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
-           "thread_cpu": args.thread_cpu, "backend": backend,
+           "thread_cpu": args.thread_cpu, "backend": backend, "profile": args.profile,
            "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     broker, endpoint = _start_broker(args.broker_log_level)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -783,8 +783,9 @@ class ConsumerSide:
                            block_nbytes: int, into: Any = None, **fields: Any) -> Any:
         """Over nccl: lease `nbytes` into `holder.lease` (the load, or one of its lanes; no
         lease for a receive straight into the load's blocks on a communicator built
-        already), then take a ticket, send the Ready and post the receive (the other way round
-        where `NcclLink.posts_first` says), in the producer's turn; the posted receive.
+        already), then take a ticket, send the Ready and post the receive, in the producer's
+        turn; the posted receive. Where `NcclLink.posts_first` says, the receive is posted
+        first, in the turn, and the Ready sent once the turn is passed on.
         `fields` (a lane's source and heads) go into the Ready and its log line. A ticket
         whose receive was not posted is given up: its Ready may be out, and the
         producer's send must not pair with another receive."""
@@ -801,6 +802,7 @@ class ConsumerSide:
         # The producer's turn is held from the ticket until the receive is posted, not
         # until it ends: the next transfer's Ready goes while this one is on the wire, and
         # its receive is posted after this one's (`connector.nccl_link`).
+        posted, posted_at = None, 0.0
         async with w.nccl.receiving(source):
             turn = time.monotonic()
             ticket = w.nccl.ticket(source)
@@ -808,7 +810,6 @@ class ConsumerSide:
             # producer sees it in their mailbox and starts sending without waiting for
             # the Go (`NcclLink.watch_receive`). Else the Ready goes first.
             first = into is not None and w.nccl.posts_first(source, ticket)
-            posted = None
             try:
                 if holder.lease is None and not (first and w.nccl.receives_into_blocks(source, into[0], len(into[1]))):
                     # the communicator changed since: the bytes go through the pool after all
@@ -817,32 +818,46 @@ class ConsumerSide:
                     posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
                                                     block_nbytes=block_nbytes, into=into)
                     posted_at = time.monotonic()
-                try:
-                    await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1],
-                                                source=fields.get("source", ""))
-                except BaseException:
-                    if posted is not None:  # posted, but the broker may never hear of it: end it
-                        with anyio.CancelScope(shield=True):
-                            await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
-                    raise
-                # Where D's time before the Ready went: room in the pool, the producer's
-                # turn (the transfers ahead of it posting), the post (when first), the send.
-                ready = time.monotonic()
-                w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
-                           skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
-                           seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(leased - asked),
-                           turn_us=_us(turn - leased), send_us=_us(ready - (posted_at if first else turn)),
-                           posted_first=first, **fields)
-                if not first:
+                else:
+                    ready = await self._ready(msg, load, ticket, offset, nbytes, (leased - asked, turn - leased, turn),
+                                              False, fields)
                     posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
                                                     block_nbytes=block_nbytes, into=into)
-                if holder is load:
-                    load.post_us = _us(posted_at - turn) if first else _us(time.monotonic() - ready)
+                    if holder is load:
+                        load.post_us = _us(time.monotonic() - ready)
             finally:
                 if posted is None:
                     with anyio.CancelScope(shield=True):
                         await w.nccl.give_up(source)
+        if first:
+            # Posted: the turn is the next transfer's now, whose receive then goes while
+            # this Ready is sent (with eight of a step, each Ready held the next post back).
+            if holder is load:
+                load.post_us = _us(posted_at - turn)
+            try:
+                await self._ready(msg, load, ticket, offset, nbytes, (leased - asked, turn - leased, posted_at), True,
+                                  fields)
+            except BaseException:  # posted, but the broker may never hear of it: end it
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
+                raise
         return posted
+
+    async def _ready(self, msg: Prepare, load: _Load, ticket: tuple[str, int], offset: int, nbytes: int,
+                     waits: tuple[float, float, float], first: bool, fields: dict[str, Any]) -> float:
+        """Send `msg`'s Ready naming `ticket`, and log where D's time before it went: room in
+        the pool, the producer's turn (the transfers ahead of it posting), then the post
+        (when `first`, it went before the Ready) and the send, from `waits[2]`. When it was sent."""
+        w, tid = self.w, msg.transfer_id
+        assert w.client is not None
+        await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1], source=fields.get("source", ""))
+        ready = time.monotonic()
+        lease_s, turn_s, since = waits
+        w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
+                   skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
+                   seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(lease_s),
+                   turn_us=_us(turn_s), send_us=_us(ready - since), posted_first=first, **fields)
+        return ready
 
     def _before_landing(self, load: _Load) -> None:
         """As the receive is waited for, before the first chunk can land: put the scatter

@@ -743,6 +743,9 @@ class NcclLink:
             raise
         self._send_order.posted(decode, ticket, posted.comm.nonce)
         self._changed(decode)
+        # D posts a step's receives back to back: the next may be there already. Looked
+        # for now, its send starts without waiting for the poller's next look.
+        self._look_now()
         return await self.wait(posted, deadline)
 
     def abandon(self, decode: str, ticket: Ticket) -> None:
@@ -758,7 +761,8 @@ class NcclLink:
         """P: for `RECEIVE_WATCH_S`, look (the poller, between its polls) for D's receive
         of `transfer_id` straight into its blocks, on any communicator built with a D
         that writes into blocks; once it is the next receive there, call `seen` (in the
-        poller's thread: it must not block). D posts such a receive before its Ready
+        poller's thread, or on the client's loop right after a send was posted: it must
+        not block). D posts such a receive before its Ready
         (`posts_first`), so P may start the send then (`ticket_at`), without the
         Ready's trip to the broker and the Go's back. Nothing to look for while no
         communicator built writes into blocks (a peer's first transfer builds one on its Go)."""
@@ -783,6 +787,20 @@ class NcclLink:
             if not self._watch.expire(time.monotonic()):
                 self._probing = False
                 return True
+        self._find_receives()
+        return False
+
+    def _look_now(self) -> None:
+        """P, on the client's loop, right after a send was posted: the probe's look, if
+        one is running (the poller alone ends it)."""
+        with self._lock:
+            if not self._probing:
+                return
+        self._find_receives()
+
+    def _find_receives(self) -> None:
+        """Call the watch of each built communicator's next receive that names a watched
+        transfer (`watch_receive`), once: the watch is taken under the lock."""
         for comm in self.cache.built():
             try:
                 found = comm.next_block_receive() if comm.writes_into_blocks else None
@@ -796,7 +814,6 @@ class NcclLink:
             if watched is not None:
                 tid, seen = watched
                 seen(tid, comm.peer, comm.nonce, seq, nbytes)
-        return False
 
     def ticket_at(self, decode: str, nonce: str, seq: int) -> Ticket | None:
         """P, on the client's loop: the ticket of the send that pairs with `decode`'s

@@ -512,7 +512,8 @@ class ProducerSide:
 
     def _receive_seen(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:
         """D's receive of `tid` straight into its blocks is posted (the link's poller
-        thread saw it): on to the loop, which may start the send (`_go_on_receive`)."""
+        thread saw it, or the loop as it posted the send before): on to the loop, which
+        may start the send (`_go_on_receive`)."""
         self.w.spawn(self._go_on_receive, tid, decode, nonce, seq, nbytes)
 
     async def _go_on_receive(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:

@@ -102,3 +102,28 @@ def test_nothing_is_watched_without_a_communicator_that_writes_into_blocks(seen:
         assert not link._probing and not link._watch.expire(0.0)
     finally:
         link.poller.close()
+
+
+def test_right_after_a_send_is_posted_the_next_receive_is_looked_for_on_the_posting_thread(
+    seen: queue.Queue,
+) -> None:
+    """`NcclLink.send` looks for D's next receive as soon as it posted (`_look_now`): with
+    eight of a step, D's next receive is often there already, and its send then starts
+    without waiting for the poller's next look. Only while a probe runs (something is
+    watched), and each watch is reported once, whoever looks."""
+    comm = _Comm("d0", "c1")
+    link = _link(comm)
+    try:
+        comm.receive = (3, transfer_tag("t1"), 4096)
+        link._look_now()  # nothing watched: no look at all
+        assert comm.looked == 0 and seen.empty()
+        # A watch as `watch_receive` makes it, with the poller kept out of the way (it
+        # would report the receive itself, in its own thread).
+        link._watch.add("t1", float("inf"), _recorder(seen))
+        link._probing = True
+        link._look_now()
+        assert seen.get_nowait() == (threading.current_thread().name, ("t1", "d0", "c1", 3, 4096))
+        link._look_now()  # taken: not reported again
+        assert seen.empty() and comm.looked == 2
+    finally:
+        link.poller.close()

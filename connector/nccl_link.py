@@ -792,11 +792,14 @@ class NcclLink:
 
     def _look_now(self) -> None:
         """P, on the client's loop, right after a send was posted: the probe's look, if
-        one is running (the poller alone ends it)."""
+        one is running (the poller alone ends it). Never raises: the send is posted."""
         with self._lock:
             if not self._probing:
                 return
-        self._find_receives()
+        try:
+            self._find_receives()
+        except Exception as exc:  # a shortcut: the poller looks too, and the Go still comes
+            log.warning("nccl.probe_failed", error=repr(exc))
 
     def _find_receives(self) -> None:
         """Call the watch of each built communicator's next receive that names a watched

@@ -127,3 +127,22 @@ def test_right_after_a_send_is_posted_the_next_receive_is_looked_for_on_the_post
         assert seen.empty() and comm.looked == 2
     finally:
         link.poller.close()
+
+
+def test_the_look_right_after_a_send_never_raises_into_that_send() -> None:
+    """The send is posted by then: a failing look (here its callback) is logged, and the
+    transfer still has the poller's look and its Go."""
+    comm = _Comm("d0", "c1")
+    link = _link(comm)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("the loop is gone")
+
+    try:
+        comm.receive = (3, transfer_tag("t1"), 4096)
+        link._watch.add("t1", float("inf"), broken)
+        link._probing = True
+        link._look_now()  # no exception
+        assert comm.looked == 1
+    finally:
+        link.poller.close()

@@ -465,6 +465,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         times: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         alone: dict[int, list[float]] = {t: [] for t in cfg["tokens"]}  # P's forward pass by itself, ms
         tails: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        # of "then sync": D's host up to the sync (wall, and its main thread's CPU time in it)
+        before_sync: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         # the forward pass's stretch over its time alone, and the time after P's host saw it end
         split: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
@@ -495,7 +497,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 d.bind(KvBrokerMetadata(idle=not engine.step_on_gpu))
                 g0 = time.perf_counter()
                 _, recving = d.get_finished(set())
-                g1 = time.perf_counter()
+                g1, c1 = time.perf_counter(), time.thread_time()
                 d.clear()
                 waiting -= recving or set()
                 if not waiting:
@@ -507,6 +509,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 engine.step()
             if d.get_block_ids_with_load_errors():
                 raise RuntimeError(f"{', '.join(tids)} failed to load: {d.statistics()}")
+            s0, c0 = time.perf_counter(), time.thread_time()
             engine.sync()  # the scatter get_finished enqueued
             t1 = time.perf_counter()
             cpu[tok].stop()
@@ -540,6 +543,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 alone[tok].append(forward_ms)
                 tails[tok][0].append(g1 - g0)  # the get_finished that reported the last request
                 tails[tok][1].append(t1 - g1)  # then D's compute stream catching up with the scatter
+                before_sync[tok][0].append(s0 - g1)
+                before_sync[tok][1].append(c0 - c1)
                 split[tok][0].append((ended - t0) * 1e3 - forward_ms)
                 split[tok][1].append((t1 - ended) * 1e3)
         for tok, (conn_s, raw_s) in times.items():
@@ -555,6 +560,10 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "iters": len(conn_s), "stats": d.statistics(),
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
                          "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3),
+                         # of it, D's host before the sync: wall, and the main thread's CPU
+                         # time (wall beyond it is waiting, for the GIL among others)
+                         "before_sync_ms": round(statistics.median(before_sync[tok][0]) * 1e3, 3),
+                         "before_sync_cpu_ms": round(statistics.median(before_sync[tok][1]) * 1e3, 3),
                          "forward_stretch_ms": round(statistics.median(split[tok][0]), 3),
                          "after_forward_end_ms": round(statistics.median(split[tok][1]), 3),
                          **({"d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})

@@ -324,7 +324,7 @@ class _RawTcp:
             got += n
 
 
-def _profiler(cfg: dict, tokens: int, it: int) -> Any:
+def _profiler(cfg: dict, it: int) -> Any:
     """A started torch profiler (CPU and CUDA activity) for P's last warm-up request when
     `--profile` names a folder, else None: kernels by stream, to see where a request's
     copies ran against the forward pass and its gathers."""
@@ -333,7 +333,7 @@ def _profiler(cfg: dict, tokens: int, it: int) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    prof.__enter__()
+    prof.start()
     return prof
 
 
@@ -399,7 +399,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 alone = engine.forward_pass()  # the baseline, just before the request's own
                 engine.sync()
                 # The last warm-up request's GPU timeline (`--profile`): the timed ones run unprofiled.
-                profile = _profiler(cfg, tok, it)
+                profile = _profiler(cfg, it)
                 log.info("bench.step_start", transfer_id=tids[-1])
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
@@ -420,7 +420,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 engine.sync()
                 ended = time.perf_counter()
                 if profile is not None:
-                    profile.__exit__(None, None, None)
+                    profile.stop()
                     profile.export_chrome_trace(os.path.join(cfg["profile"], f"p-{tok}x{k}.json"))
                 log.info("bench.forward_end", transfer_id=tids[-1], first_save_us=round(saves[0] * 1e6),
                          saves_us=round(sum(saves) * 1e6), wait_for_save_us=round((launched - s0) * 1e6),
@@ -629,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also print the CPU time each of D's threads used while a request was timed (Linux)")
     ap.add_argument("--profile", default="",
                     help="a folder: P writes a torch profiler trace (chrome format) of its last warm-up request "
-                         "of each size there, p-TOKENSxINFLIGHT.json (needs --warmup 1 or more)")
+                         "of each size there, p-TOKENSxINFLIGHT.json (needs --warmup 1 or more), and each worker "
+                         "a cProfile of the timed requests, p-loop-* and d-loop-*.txt")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     gpus = torch.cuda.device_count() if args.transport == "nccl" else 0

@@ -819,8 +819,8 @@ class ConsumerSide:
                                                     block_nbytes=block_nbytes, into=into)
                     posted_at = time.monotonic()
                 else:
-                    ready = await self._ready(msg, load, ticket, offset, nbytes, (leased - asked, turn - leased, turn),
-                                              False, fields)
+                    ready = await self._ready(load, ticket, offset, nbytes, fields, lease_s=leased - asked,
+                                              turn_s=turn - leased, since=turn, first=False)
                     posted = await w.nccl.post_recv(source, tid, holder.lease, nbytes, load.deadline, ticket,
                                                     block_nbytes=block_nbytes, into=into)
                     if holder is load:
@@ -835,24 +835,24 @@ class ConsumerSide:
             if holder is load:
                 load.post_us = _us(posted_at - turn)
             try:
-                await self._ready(msg, load, ticket, offset, nbytes, (leased - asked, turn - leased, posted_at), True,
-                                  fields)
+                await self._ready(load, ticket, offset, nbytes, fields, lease_s=leased - asked, turn_s=turn - leased,
+                                  since=posted_at, first=True)
             except BaseException:  # posted, but the broker may never hear of it: end it
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
                 raise
         return posted
 
-    async def _ready(self, msg: Prepare, load: _Load, ticket: tuple[str, int], offset: int, nbytes: int,
-                     waits: tuple[float, float, float], first: bool, fields: dict[str, Any]) -> float:
-        """Send `msg`'s Ready naming `ticket`, and log where D's time before it went: room in
-        the pool, the producer's turn (the transfers ahead of it posting), then the post
-        (when `first`, it went before the Ready) and the send, from `waits[2]`. When it was sent."""
-        w, tid = self.w, msg.transfer_id
+    async def _ready(self, load: _Load, ticket: tuple[str, int], offset: int, nbytes: int, fields: dict[str, Any], *,
+                     lease_s: float, turn_s: float, since: float, first: bool) -> float:
+        """Send `load`'s Ready naming `ticket`, and log where D's time before it went: room
+        in the pool (`lease_s`), the producer's turn (`turn_s`: the transfers ahead of it
+        posting), then from `since` the post (when `first`, it went before the Ready) and
+        the send. When it was sent."""
+        w, tid = self.w, load.transfer_id
         assert w.client is not None
         await w.client.client.ready(tid, nbytes, offset, comm=ticket[0], seq=ticket[1], source=fields.get("source", ""))
         ready = time.monotonic()
-        lease_s, turn_s, since = waits
         w.log.info("transfer.ready", transfer_id=tid, phase="ready", offset=offset, nbytes=nbytes,
                    skip_blocks=load.spec.num_cached_blocks, transport="nccl", comm=ticket[0] or None,
                    seq=ticket[1], prepare_us=_us(ready - load.prepared_at), lease_us=_us(lease_s),

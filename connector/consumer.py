@@ -154,8 +154,11 @@ class _Load:
     landing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # Heterogeneous TP: the lanes (by source) that bring this rank's heads (`connector.lanes`).
     lanes: dict[str, Lane] = field(default_factory=dict)
-    # tcp: received straight into its blocks (`CachePlaces`): nothing to scatter
-    in_place: bool = False
+    # Received straight into its blocks (tcp: `CachePlaces`; nccl: an ipc receive into the
+    # blocks): nothing to scatter, and the receiving task sends the Done as they land.
+    into_blocks: bool = False
+    # The receiving task told the broker (the Done): the get_finished that reports it does not.
+    told: bool = False
     # tcp: where its bytes go in the blocks, worked out at the Expect (which then tells the
     # broker that it takes no room in the pool); None: into a lease
     places: list[memoryview] | None = None
@@ -184,6 +187,9 @@ class ConsumerSide:
         # step's get_finished waits on it.
         self.landed = threading.Condition(worker.lock)
         self.idle_wait_s, self.landing_gap_s = IDLE_WAIT_S, LANDING_GAP_S
+        # An idle step's get_finished is waiting for a landing (`_await_landing`, under
+        # the worker's lock): it reports what lands and sends the Done itself.
+        self._awaiting = False
         self._endings = 0  # loads ended (received or failed) so far
 
     def start_transport(self) -> dict[str, str]:
@@ -260,9 +266,10 @@ class ConsumerSide:
                 error = self._scatter(load)
                 if error is None:
                     loaded, loaded_bytes = loaded + 1, loaded_bytes + load.nbytes
-                    dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
-                        (load.transfer_id, load.nbytes, "")]
-                    lines.append(self._loaded_line(load))
+                    if not load.told:  # else its receiving task sent the Done as the bytes landed
+                        dones += [(load.transfer_id, lane.nbytes, lane.source) for lane in load.lanes.values()] or [
+                            (load.transfer_id, load.nbytes, "")]
+                        lines.append(self._loaded_line(load))
                     scattered = True
                 else:
                     load.state, load.reason = "failed", error
@@ -317,14 +324,18 @@ class ConsumerSide:
         deadline = time.monotonic() + timeout_s
         left, woken = timeout_s, False
         with self.landed:
-            while left > 0:
-                states = {load.state for load in self._loads.values()}
-                if "receiving" not in states or (not woken and states & {"received", "failed"}):
-                    return
-                seen = self._endings
-                if not self.landed.wait_for(lambda: self._endings != seen, left):
-                    return
-                left, woken = min(deadline - time.monotonic(), self.landing_gap_s), True
+            try:
+                while left > 0:
+                    states = {load.state for load in self._loads.values()}
+                    if "receiving" not in states or (not woken and states & {"received", "failed"}):
+                        return
+                    seen = self._endings
+                    self._awaiting = True
+                    if not self.landed.wait_for(lambda: self._endings != seen, left):
+                        return
+                    left, woken = min(deadline - time.monotonic(), self.landing_gap_s), True
+            finally:
+                self._awaiting = False
 
     def _received(self, load: _Load) -> None:
         """Mark `load` received (the worker's lock held) and wake an idle step waiting for it."""
@@ -470,14 +481,14 @@ class ConsumerSide:
             transfer_id=load.transfer_id,
             phase="receive",
             nbytes=lease.nbytes if lease is not None else 0,
-            into_blocks=load.in_place,  # then the receiver may write the load's blocks, which fail it
+            into_blocks=load.into_blocks,  # then the receiver may write the load's blocks, which fail it
             reason=why,
         )
 
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
         w, spec = self.w, load.spec
-        if load.in_place:  # the receiving thread wrote the blocks as the bytes came
+        if load.into_blocks and load.scattered is None:  # tcp: the receiving thread wrote them as they came
             return None
         assert load.lease is not None or load.lanes or load.scattered is not None
         count = len(spec.block_ids) - spec.num_cached_blocks
@@ -518,13 +529,15 @@ class ConsumerSide:
 
     @staticmethod
     def _loaded_line(load: _Load) -> dict[str, Any]:
-        """The fields of a reported load's `transfer.loaded` line, taken as it is reported.
-        The line itself is written on the client's loop, after the Done (`_finish`): on
-        the engine's thread each line cost its get_finished 20 us (0.15 ms of a step that
-        reports eight loads, on an H200 host)."""
+        """The fields of a load's `transfer.loaded` line, taken as its Done is sent: as it
+        lands for a load straight into its blocks (`done_at` "landing"), else as the
+        engine's get_finished reports it ("report"). The line itself is written on the
+        client's loop, after the Done (`_finish`): on the engine's thread each line cost its
+        get_finished 20 us (0.15 ms of a step that reports eight loads, on an H200 host)."""
         spec = load.spec
         return {
             "transfer_id": load.transfer_id, "phase": "loaded", "req_id": spec.req_id, "nbytes": load.nbytes,
+            "done_at": "landing" if load.told else "report",
             "blocks": len(spec.block_ids) - spec.num_cached_blocks, "skipped_blocks": spec.num_cached_blocks,
             "since_received_ms": round((time.monotonic() - load.received_at) * 1e3, 3) if load.received_at else None,
             # over nccl: the post's time from the Ready, and D's host's after the last byte
@@ -746,10 +759,23 @@ class ConsumerSide:
                 self._received(load)
             elif load.state != "received":  # given up by `get_finished` meanwhile (else `_land` marked it)
                 return load.reason or "the load was given up"
-        # The bytes are in (and, chunk by chunk, being scattered); the engine sees it at its
-        # next get_finished, whose `transfer.loaded` line says how the receive went. No line
-        # here: with many loads landing at once, this thread's lines took the GIL from the
-        # engine's get_finished that reports them.
+            # In its blocks, the load is as the engine will read it: the Done goes now, from
+            # this task. Sent after the get_finished that reports it, it woke this loop just
+            # as the engine went on, and held the GIL from it (docs/PERFORMANCE.md). Not when
+            # that get_finished took the load already, nor while an idle step's waits for
+            # landings: it reports this one at once, and this loop's Dones would hold the
+            # GIL from it (and from the step's other landings).
+            tell = (load.into_blocks and not load.settled and not self._awaiting
+                    and self._loads.get(load.transfer_id) is load)
+            if tell:
+                load.told = load.settled = True
+        if tell:
+            w.count("done_at_landing")
+            await self._finish([(load.transfer_id, load.nbytes, "")], [], [self._loaded_line(load)])
+        # Else the bytes are in (and, chunk by chunk, being scattered); the engine sees it at
+        # its next get_finished, whose `transfer.loaded` line says how the receive went. No
+        # line here: with many loads landing at once, this thread's lines took the GIL from
+        # the engine's get_finished that reports them.
         return ""
 
     async def _receive_nccl(self, msg: Prepare, load: _Load, offset: int, nbytes: int) -> str:
@@ -764,6 +790,7 @@ class ConsumerSide:
                         if w.paged is not None else None)
                 posted = await self.post_receive(msg, load, load, offset, nbytes, w.chunk_nbytes, into)
                 if posted.into_blocks:  # nothing to land: the receive's end is the load's
+                    load.into_blocks = True
                     load.waited = await w.nccl.wait(
                         posted, load.deadline, landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))
                 else:
@@ -972,7 +999,7 @@ class ConsumerSide:
                 leased = time.monotonic()
                 if into is not None:  # straight into the blocks: no pool room, and get_finished scatters nothing
                     completion = self.receiver.expect(key, msg.attempt, into=into)
-                    load.in_place = True
+                    load.into_blocks = True
                 else:
                     assert holder.lease is not None
                     completion = self.receiver.expect(key, msg.attempt, holder.lease.tensor, nbytes)

@@ -182,9 +182,12 @@ class ConnectorWorker:
         self.client: SyncBrokerClient | None = None
         self.nccl: NcclLink | None = None  # transport "nccl": made once registered (it is named by the peer id)
         self.meta = KvBrokerMetadata()
-        # sent_on_receive: of "sent", those started on D's receive, seen before their Go
+        # sent_on_receive: of "sent", those started on D's receive, seen before their Go;
+        # done_at_landing: loads whose Done went as they landed in their blocks, before the
+        # engine's get_finished reported them (counted then, as "loaded")
         self.counters = dict.fromkeys(
-            ("staged", "offered", "sent", "sent_on_receive", "released", "aborted", "loaded", "failed", "bytes"), 0)
+            ("staged", "offered", "sent", "sent_on_receive", "released", "aborted", "loaded", "done_at_landing",
+             "failed", "bytes"), 0)
         self.producer = ProducerSide(self) if self.is_producer else None
         self.consumer = None if self.is_producer else ConsumerSide(self)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -201,14 +202,15 @@ def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: Bro
                                                          num_tokens=len(src) * 32 - 5, decode="d0")}))
             p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
             pc[LAYERS[0]][src] = -7.0  # the next layer's compute reuses the blocks at once
-            wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
-                       "the broker's Go, before the forward pass ends")
             if twin == "shipped":  # streamed, straight into D's blocks: layer 0 is there before layer 1 is saved
+                wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
+                           "the broker's Go, before the forward pass ends")
                 wait_until(lambda: torch.equal(dc[LAYERS[0]][dst], saved[LAYERS[0]]), 10,
                            "layer 0's bytes in D's blocks before layer 1 is saved")
                 assert p.statistics()["sent"] == sent
-            else:  # every layer counted copied: the send has nothing to wait for
-                wait_until(lambda: p.statistics()["sent"] == sent + 1, 10, "the unsafe twin's whole send")
+            else:  # every layer counted copied: the send, on the Go, has nothing to wait for
+                wait_until(lambda: p.statistics()["sent"] == sent + 1, 10,
+                           "the unsafe twin's whole send, before the forward pass ends")
             for name in LAYERS[1:]:
                 p.save_kv_layer(name, pc[name])
                 pc[name][src] = -7.0
@@ -257,6 +259,85 @@ def test_over_tcp_the_kv_lands_straight_in_the_blocks_and_nothing_is_scattered(
                 assert torch.equal(t[rest], before[n][rest]), f"{n}: blocks outside the load's tail changed"
         assert scattered == []
         assert d.pool is not None and d.pool.statistics().leases == 0  # given back by the step that reported each
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_load_into_its_blocks_is_done_at_the_broker_before_the_engine_reports_it(broker: BrokerProcess) -> None:
+    """Over tcp into its blocks, D's receiving task sends the Done as the bytes land: the
+    broker has completed the transfer and P has released its staging while D's engine has
+    not called get_finished yet. The get_finished that then reports it sends no second
+    Done, which the broker would refuse and count as an error: a later transfer through
+    the same D, whose messages follow on the same socket, completes with none counted."""
+    pc, dc = make_caches(seed=55), make_caches(seed=56)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        counters = broker.status()["counters"]
+        completed, errors = counters.get("completed", 0), counters.get("errors", 0)
+        src, dst = [4, 11, 19, 26], [30, 8, 44, 15]
+        load(d, "early", dst, cached=1)
+        stage(p, pc, "early", src, decode="d0")
+        wait_until(lambda: broker.status()["counters"].get("completed", 0) == completed + 1
+                   and p.statistics()["released"] == 1, 10, "the broker's completion before D's engine reports it")
+        assert d.statistics()["loaded"] == 0 and d.statistics()["done_at_landing"] == 1
+        for n, t in dc.items():
+            assert torch.equal(t[dst[1:]], pc[n][src[1:]]), n
+        assert run_steps(d, {"req-early"}, 10)[1] == set()
+        assert d.statistics()["loaded"] == 1
+        load(d, "later", dst, cached=0)
+        stage(p, pc, "later", src, decode="d0")
+        assert run_steps(d, {"req-later"}, 10)[1] == set()
+        wait_until(lambda: p.statistics()["released"] == 2, 10, "the later transfer's release")
+        counters = broker.status()["counters"]
+        assert counters.get("completed", 0) == completed + 2 and counters.get("errors", 0) == errors, counters
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_load_landing_while_an_idle_step_waits_for_it_is_done_by_that_step(broker: BrokerProcess) -> None:
+    """An idle step's get_finished is waiting for the load when it lands: that step reports
+    it and sends its Done, and the receiving task sends none (its Done would hold the GIL
+    from the step that is about to report the load). P's forward pass is held after its
+    first layer until the step waits, so the load can only land during that wait."""
+    from tests.connector.test_consumer_idle import _SaysWaiting
+
+    pc, dc = make_caches(seed=57), make_caches(seed=58)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    assert d.consumer is not None
+    d.consumer.landed = waits = _SaysWaiting(d.lock)
+    d.consumer.idle_wait_s = 30.0  # a slow machine cannot turn the landing into the wait's end
+    reported: list[set[str] | None] = []
+    try:
+        src, dst = [6, 13, 21, 28], [31, 9, 45, 16]
+        load(d, "waited", dst, cached=0)
+        p.bind(KvBrokerMetadata(saves={"waited": SaveSpec(req_id="req-waited", block_ids=src,
+                                                          num_tokens=len(src) * 32 - 5, decode="d0")}))
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["sending"], 10,
+                   "the Go, with P's forward pass held after its first layer")
+
+        def idle_step() -> None:
+            d.bind(KvBrokerMetadata(idle=True))
+            reported.append(d.get_finished(set())[1])
+            d.clear()
+
+        step = threading.Thread(target=idle_step, daemon=True)
+        step.start()
+        assert waits.waiting.wait(10), "the idle step never waited for the load"
+        for name in LAYERS[1:]:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        p.clear()
+        step.join(20)
+        assert reported == [{"req-waited"}]
+        assert d.statistics()["loaded"] == 1 and d.statistics()["done_at_landing"] == 0
+        wait_until(lambda: p.statistics()["released"] == 1, 10, "the release on the Done the step sent")
+        for n, t in dc.items():
+            assert torch.equal(t[dst], pc[n][src]), n
     finally:
         p.close()
         d.close()

@@ -503,6 +503,9 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
             stage(p, pc, f"b{i}", src, decode="d0")
             for t in pc.values():
                 t[:, src] = -7.0
+            if i < 10:  # in its blocks: D told the broker as it landed, before its engine saw it
+                wait_until(lambda: p.statistics()["released"] == i + 1, 30, f"b{i}'s release before D's report")
+                assert d.statistics()["loaded"] == i
             assert not run_steps(d, {f"req-b{i}"}, timeout=30)[1], f"transfer b{i} failed to load"
             torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():

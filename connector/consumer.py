@@ -488,7 +488,11 @@ class ConsumerSide:
     def _scatter(self, load: _Load) -> str | None:
         """Write the received blocks into D's cache after its prefix hit; None, or why it failed."""
         w, spec = self.w, load.spec
-        if load.into_blocks and load.scattered is None:  # tcp: the receiving thread wrote them as they came
+        if load.into_blocks:
+            # Written as the bytes came (tcp), or by a receive (ipc) whose end this process
+            # saw before it marked the load received (`_landed_in_place`): the compute
+            # stream has nothing to wait for, and asking the driver again took get_finished
+            # 25-30 us a load on an H200 host, traced.
             return None
         assert load.lease is not None or load.lanes or load.scattered is not None
         count = len(spec.block_ids) - spec.num_cached_blocks
@@ -504,12 +508,11 @@ class ConsumerSide:
                 scatter_rows(load.lease.tensor, rows, w.staged_layers, spec.groups, w.groups.layer_group)
             elif load.lanes:  # heterogeneous TP: join the lanes' heads, then scatter as below
                 scatter_lanes(w, load, list(targets), count)
-            elif load.scattered is not None:  # in its blocks, or scattered chunk by chunk as it arrived (`_land`)
+            elif load.scattered is not None:  # scattered chunk by chunk as it arrived (`_land`)
                 assert load.landed_blocks == count, (load.landed_blocks, count)
-                # The compute stream waits only for what has not run yet. A load received
-                # straight into its blocks was seen to end by this very event; a wait for
-                # it on the compute stream still had the GPU schedule this process's
-                # context before the next step's work (measured: docs/PERFORMANCE.md).
+                # The compute stream waits only for what has not run yet: a wait for an
+                # event that had ended still had the GPU schedule this process's context
+                # before the next step's work (measured: docs/PERFORMANCE.md).
                 if not load.scattered.query():
                     torch.cuda.current_stream(load.scattered.device).wait_event(load.scattered)
             elif w.paged is not None:  # one kernel for every layer (`ConnectorWorker._triton_copies`)

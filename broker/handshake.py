@@ -262,16 +262,15 @@ class Handshake:
         """The lanes a message from `peer` is about: an Abort, every lane it is part of; a
         Ready or a Done, the lane from the source it names (none named: its only lane)."""
         tid, rank = msg.transfer_id, peer.reg.rank
-        lanes_of = sorted(self.by_tid.get(tid, ()))
         if isinstance(msg, Abort):
-            mine = [k for k in lanes_of if peer.peer_id in self._parties(self.transfers[k])]
+            mine = [k for k in sorted(self.by_tid.get(tid, ())) if peer.peer_id in self._parties(self.transfers[k])]
             return mine or [(tid, rank)]
         if msg.source:
             src = self.peers.get(msg.source)
             source_rank = src.reg.rank if src is not None else rank_in(msg.source, type(msg), tid)
             return [(tid, lane_id(source_rank, rank))]
-        if (tid, rank) not in self.transfers:
-            mine = [k for k in lanes_of if self.transfers[k].decode == peer.peer_id]
+        if (tid, rank) not in self.transfers:  # sorted only here: a Ready or a Done of one lane never needs it
+            mine = [k for k in sorted(self.by_tid.get(tid, ())) if self.transfers[k].decode == peer.peer_id]
             if len(mine) == 1:
                 return mine
         return [(tid, rank)]

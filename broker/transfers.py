@@ -136,10 +136,13 @@ class Transfer:
     oversize_for: str = ""
     attempt: int = 0
     tried: set[str] = field(default_factory=set)
+    # Where the broker files it: (transfer_id, lane), fixed at creation (`lane_id`).
+    key: TransferKey = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.source_rank < 0:
             self.source_rank = self.rank
+        self.key = (self.transfer_id, lane_id(self.source_rank, self.rank))
 
     @property
     def in_place(self) -> bool:
@@ -157,6 +160,3 @@ class Transfer:
         when it is received in place."""
         return 0 if self.in_place else credit_for(self.nbytes)
 
-    @property
-    def key(self) -> TransferKey:
-        return (self.transfer_id, lane_id(self.source_rank, self.rank))

@@ -116,6 +116,8 @@ class Broker(Handshake):
         self.by_identity: dict[bytes, str] = {}
         self.transfers: dict[TransferKey, Transfer] = {}
         self.by_tid: dict[str, set[TransferKey]] = {}  # every lane of a transfer id
+        # The lanes between two registrations, by their ids (`Handshake._lanes`).
+        self.plans: dict[tuple[int, int], tuple[Register, Register, list[Lane]]] = {}
         # Why a transfer was aborted, where one was delivered, and why a prefill peer was
         # lost, each until `transfer_lease_s` after: a message behind them is answered at once.
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
@@ -459,7 +461,10 @@ class Broker(Handshake):
         if d is None:
             candidates = self._unclaimed_candidates(t)
             fits = [p for p in candidates if p.pool and p.pool.capacity >= p.pool.credit_for(t.nbytes)]
-            d = max(fits, key=lambda p: (p.pool.free, -len(p.transfers)), default=None) if fits else None  # type: ignore[union-attr]
+            if len(fits) > 1:  # the most room, then the fewest transfers
+                d = max(fits, key=lambda p: (p.pool.free, -len(p.transfers)))  # type: ignore[union-attr]
+            else:
+                d = fits[0] if fits else None
             if d is None and candidates:
                 d = candidates[0]  # too small: refused just below, with the size named
         if d is None:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .latency import Histogram
 
 S = TransferState
+MAX_PLANS = 256  # lanes kept per pair of registrations (`Handshake._lanes`)
 
 
 class Handshake:
@@ -54,6 +55,7 @@ class Handshake:
         peers: dict[str, Peer]
         transfers: dict[TransferKey, Transfer]
         by_tid: dict[str, set[TransferKey]]
+        plans: dict[tuple[int, int], tuple[Register, Register, list[Lane]]]
         aborted: OrderedDict[TransferKey, tuple[float, str]]
         delivered: OrderedDict[TransferKey, tuple[float, str]]
         lost: OrderedDict[str, tuple[float, str]]
@@ -100,14 +102,15 @@ class Handshake:
             work.append((lane, key, nbytes, layout))
         if not work:
             return
-        fresh = [key for _, key, _, _ in work if key not in self.transfers]
-        if len(fresh) == len(mine) and self._answer_ended(now, peer, fresh, out, offer=True):
+        ended = {key: self._ended(now, key) for _, key, _, _ in work if key not in self.transfers}
+        if len(ended) == len(mine) and self._answer_ended(now, peer, list(ended), out, offer=True,
+                                                          endings=list(ended.values())):
             return
-        self._room_for(len(fresh))
+        self._room_for(len(ended))
         for lane, key, nbytes, layout in work:
             t = self.transfers.get(key)
             if t is None:
-                if self._ended(now, key):
+                if ended[key]:
                     continue  # this lane ended already; the others go on
                 t = self._new(now, tid, lane, d_reg.world_size, S.UNROUTED)
             t.prefill, t.absent_until, t.offered_at = peer.peer_id, None, now
@@ -126,11 +129,23 @@ class Handshake:
         those cannot pair (`broker.lanes`)."""
         try:
             side = "source" if peer.role == "prefill" else "rank"
-            return [lane for lane in plan(p, d) if getattr(lane, side) == peer.reg.rank]
+            return [lane for lane in self._lanes(p, d) if getattr(lane, side) == peer.reg.rank]
         except ValueError as exc:
             out.append(Send(peer.identity, Abort(transfer_id=tid, reason=str(exc)[:2000])))
             out.append(Note("transfer.refused", {"transfer_id": tid, "peer": peer.peer_id, "reason": str(exc)}))
             return None
+
+    def _lanes(self, p: Register, d: Register) -> list[Lane]:
+        """`plan(p, d)`, worked out once for a pair of registrations (a peer that registers
+        again brings a new one); raises as `plan` does."""
+        kept = self.plans.get((id(p), id(d)))
+        if kept is not None and kept[0] is p and kept[1] is d:
+            return kept[2]
+        lanes = plan(p, d)
+        if len(self.plans) >= MAX_PLANS:  # registrations come and go: never more than a few live
+            self.plans.clear()
+        self.plans[(id(p), id(d))] = (p, d, lanes)
+        return lanes
 
     def _instance(self, name: str, role: str) -> Register | None:
         """The registration of a live peer of instance `name` in `role`, if any."""
@@ -373,13 +388,15 @@ class Handshake:
 
     def _answer_ended(
         self, now: float, peer: Peer, keys: list[TransferKey], out: list[Effect], *, offer: bool,
-        lost: tuple[float, str] | None = None,
+        lost: tuple[float, str] | None = None, endings: list[tuple[bool, str] | None] | None = None,
     ) -> bool:
         """Answer an Offer (`offer`) or an Expect whose every lane ended within its lease,
         or whose named prefill peer is `lost`, with that ending; True if it did. Nothing will
-        come for it: say so now, not at the peer's deadline, and make no transfer for it."""
+        come for it: say so now, not at the peer's deadline, and make no transfer for it.
+        `endings`: each key's `_ended`, where the caller has them already."""
         tid = keys[0][0]
-        endings = [self._ended(now, key) for key in keys]
+        if endings is None:
+            endings = [self._ended(now, key) for key in keys]
         if all(endings):
             delivered, why = next((e for e in endings if e and not e[0]), endings[0])  # type: ignore[misc]
         elif lost is not None and lost[0] > now:

@@ -99,6 +99,22 @@ def test_hetero_unnamed_instances_plan_against_the_one_tp_size_registered(c: Fak
     assert [m.head_start for m in d0.take()] == [0] and [m.head_start for m in d1.take()] == [2]
 
 
+def test_hetero_an_instance_that_registers_again_with_another_tp_size_gets_lanes_for_it(c: FakeCluster) -> None:
+    """The lanes between two registrations are worked out once (`Handshake._lanes`): a
+    decode instance back with another TP size is a new registration, planned anew."""
+    [p] = instance(c, "p", "prefill", 1)
+    [d] = instance(c, "d", "decode", 1)
+    p.offer("t1", 100, decode="d")
+    assert [(m.head_start, m.head_stop) for m in d.take() if isinstance(m, Prepare)] == [(0, 0)]
+    d.ready("t1")
+    d.done("t1", 100)
+    d.goodbye()
+    d0, d1 = instance(c, "d", "decode", 2)
+    p.offer("t2", 100, decode="d")
+    assert [m.head_start for m in d0.take() if isinstance(m, Prepare)] == [0]
+    assert [m.head_start for m in d1.take() if isinstance(m, Prepare)] == [2]
+
+
 def test_hetero_a_decode_instance_of_another_size_than_planned_is_refused_for_it(c: FakeCluster) -> None:
     [p] = instance(c, "p", "prefill", 1)
     instance(c, "a", "decode", 2, claims_only=True)

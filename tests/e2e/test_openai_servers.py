@@ -257,6 +257,17 @@ def gateway_transfers(log: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def new_transfers(log: Path, before: set[str], n: int) -> dict[str, dict[str, Any]]:
+    """The gateway's `gateway.decoded` lines not in `before`, once there are `n` of them:
+    the gateway writes a request's line after relaying D's answer, so a client can hold
+    the answer a moment before the line is there."""
+    def seen() -> dict[str, dict[str, Any]]:
+        fresh = {t: rec for t, rec in gateway_transfers(log).items() if t not in before}
+        return fresh if len(fresh) >= n else {}
+
+    return wait_until(seen, 10, f"{n} new gateway.decoded lines")
+
+
 def test_a_client_of_the_gateway_gets_the_decode_servers_answer_from_the_prefill_servers_kv(
     cluster: dict[str, Any], gateway: dict[str, Any]
 ) -> None:
@@ -275,7 +286,7 @@ def test_a_client_of_the_gateway_gets_the_decode_servers_answer_from_the_prefill
     with ThreadPoolExecutor(max_workers=2 * len(prompts)) as pool:
         via = list(pool.map(ask, prompts))
         plain = list(pool.map(lambda q: completion(cluster["plain"], q, MAX_TOKENS), prompts))
-    tids = sorted(set(gateway_transfers(gateway["log"])) - before)
+    tids = sorted(new_transfers(gateway["log"], before, len(prompts)))
     assert len(tids) == len(prompts), timeline(cluster, tids)
     assert [token_ids(b) for b in via] == [token_ids(b) for b in plain], timeline(cluster, tids)
     # D computed none of them: every prompt's KV came from P, under the gateway's transfer ids.
@@ -334,8 +345,8 @@ def test_a_decode_server_killed_behind_the_gateway_loses_no_request_and_costs_no
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # two at once: the router gives one to each decode instance
         via = list(pool.map(ask, prompts))
-    done = gateway_transfers(gateway["log"])
-    tids = [t for t in done if t not in before]
+    done = new_transfers(gateway["log"], before, 2)
+    tids = list(done)
     assert len(tids) == 2 and {done[t]["decode"] for t in tids} == {"decode-0"}
     retried = [t for t in tids if done[t]["attempt"] == 2]
     assert len(retried) == 1, timeline(cluster, tids)

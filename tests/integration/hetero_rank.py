@@ -97,6 +97,7 @@ class Rank(NullHandler):
         self.counts = {"released": 0, "aborted": 0, "sent": 0, "lanes": 0, "checked": 0, "mismatched": 0,
                        "cached_changed": 0, "aborts_seen": 0}
         self.finished = anyio.Event()
+        self.sending = 0  # Gos whose send has not returned yet: a Release may come first
         self.staging: dict[str, torch.Tensor] = {}
         self.arrived: dict[str, list[tuple[str, int]]] = {}
         self.covered: dict[str, int] = {}
@@ -131,9 +132,14 @@ class Rank(NullHandler):
             data = split_heads(staging, self.layout, a, b, part).view(-1)
         else:
             data = staging.view(-1)
-        await self.sender.send(msg.endpoints["tcp"], f"{msg.transfer_id}|{self.peer_id}", msg.attempt,
-                               data[msg.offset:msg.offset + msg.nbytes])
-        self.counts["sent"] += 1
+        self.sending += 1
+        try:
+            await self.sender.send(msg.endpoints["tcp"], f"{msg.transfer_id}|{self.peer_id}", msg.attempt,
+                                   data[msg.offset:msg.offset + msg.nbytes])
+            self.counts["sent"] += 1
+        finally:
+            self.sending -= 1
+        self._maybe_finished()
 
     async def on_release(self, msg: Release) -> None:
         self.counts["released"] += 1
@@ -146,7 +152,8 @@ class Rank(NullHandler):
 
     def _maybe_finished(self) -> None:
         c = self.counts
-        if self.args.role == "prefill" and c["released"] + c["aborted"] >= self.args.transfers:
+        # D's Done, and the Release it brings, can overtake the end of the send that fed it.
+        if self.args.role == "prefill" and c["released"] + c["aborted"] >= self.args.transfers and not self.sending:
             self.finished.set()
         if self.args.role == "decode" and c["checked"] + c["aborts_seen"] >= self.args.transfers:
             self.finished.set()

@@ -566,7 +566,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "connector_max_ms": round(max(conn_s) * 1e3, 3),
                          # the spread D's idle cycle gives (where in it the last landing falls)
                          "connector_mean_ms": round(statistics.fmean(conn_s) * 1e3, 3),
-                         "connector_p90_ms": round((statistics.quantiles(conn_s, n=10)[-1] if len(conn_s) > 1 else c / 1e3) * 1e3, 3),
+                         "connector_p90_ms": round(statistics.quantiles(conn_s, n=10)[-1] * 1e3, 3)
+                         if len(conn_s) > 1 else round(c, 3),
                          "vs_raw": round(r / c, 3),
                          "iters": len(conn_s), "stats": d.statistics(),
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),

@@ -36,6 +36,10 @@ from broker.core import Broker, Send  # noqa: E402
 from protocols.codec import Codec  # noqa: E402
 from protocols.messages import Done, Go, Offer, Prepare, Ready, Register, Registered, Release  # noqa: E402
 
+# The two peers the driver plays, registered the same way with the core alone (`core_us`).
+PREFILL = Register(role="prefill", instance_id="bench-p", compat_hash="bench")
+DECODE = Register(role="decode", instance_id="bench-d", pool_capacity=1 << 40, compat_hash="bench")
+
 ECHO = """
 import sys, zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.setsockopt(zmq.SNDHWM, 0); s.setsockopt(zmq.RCVHWM, 0)
@@ -115,8 +119,8 @@ class Driver:
         self.p = dealer(self.ctx, endpoint)
         self.d = dealer(self.ctx, endpoint)
         for sock, reg in (
-            (self.p, Register(role="prefill", instance_id="bench-p", compat_hash="bench")),
-            (self.d, Register(role="decode", instance_id="bench-d", pool_capacity=1 << 40, compat_hash="bench")),
+            (self.p, PREFILL),
+            (self.d, DECODE),
         ):
             sock.send(self.codec.encode(reg))
             assert sock.poll(10_000), "broker did not answer Register"
@@ -179,8 +183,8 @@ def core_us(n: int, rounds: int = 5) -> dict[str, float]:
     all in flight (Offers, then Readys, then Dones). Where the daemon's time goes when the
     table's rate moves: the core, or the loop and the sockets around it."""
     core = Broker()
-    core.handle(0.0, b"p", Register(role="prefill", instance_id="bench-p", compat_hash="bench"))
-    core.handle(0.0, b"d", Register(role="decode", instance_id="bench-d", pool_capacity=1 << 40, compat_hash="bench"))
+    core.handle(0.0, b"p", PREFILL)
+    core.handle(0.0, b"d", DECODE)
     best = {"offer": math.inf, "ready": math.inf, "done": math.inf}
     for r in range(rounds):
         tids = [f"c{r}-{i}" for i in range(n)]

@@ -765,7 +765,7 @@ class ConsumerSide:
             # In its blocks, the load is as the engine will read it: the Done goes now, from
             # this task. Sent after the get_finished that reports it, it woke this loop just
             # as the engine went on, and held the GIL from it (docs/PERFORMANCE.md). Not when
-            # that get_finished took the load already, nor while an idle step's waits for
+            # that get_finished took the load already, nor while an idle step waits for
             # landings: it reports this one at once, and this loop's Dones would hold the
             # GIL from it (and from the step's other landings).
             tell = (load.into_blocks and not load.settled and not self._awaiting

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from broker.core import Broker, Send  # noqa: E402
+from broker.ledger import BrokerConfig  # noqa: E402
 from protocols.codec import Codec  # noqa: E402
 from protocols.messages import Done, Go, Offer, Prepare, Ready, Register, Registered, Release  # noqa: E402
 
@@ -177,12 +178,13 @@ class Driver:
         self.ctx.destroy(linger=0)
 
 
-def core_us(n: int, rounds: int = 5) -> dict[str, float]:
+def core_us(n: int, rounds: int = 5, *, notes: bool = False) -> dict[str, float]:
     """The broker's decisions alone, in this process (no sockets, no codec): microseconds
     per message of each kind of a handshake, the best of `rounds` runs of `n` transfers
     all in flight (Offers, then Readys, then Dones). Where the daemon's time goes when the
-    table's rate moves: the core, or the loop and the sockets around it."""
-    core = Broker()
+    table's rate moves: the core, or the loop and the sockets around it. `notes`: with
+    each transfer's info notes, as a daemon logging at info makes them."""
+    core = Broker(BrokerConfig(note_transfers=notes))
     core.handle(0.0, b"p", PREFILL)
     core.handle(0.0, b"d", DECODE)
     best = {"offer": math.inf, "ready": math.inf, "done": math.inf}
@@ -302,7 +304,7 @@ def main() -> None:
         finally:
             stop(broker)
 
-    core = core_us(20_000)
+    core = core_us(20_000, notes=args.broker_log_level.lower() in ("debug", "info"))
     echo_hs = args.transfers * 3 / e_el / 3
     broker_hs = args.transfers / b_el
     result = {

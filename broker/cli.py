@@ -61,6 +61,7 @@ def serve(**opts: Any) -> None:
             max_transfers=opts["max_transfers"],
             max_peers=opts["max_peers"],
             note_steps=opts["log_level"].lower() == "debug",
+            note_transfers=opts["log_level"].lower() in ("debug", "info"),
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -83,7 +83,7 @@ from protocols.messages import (
 )
 
 from .handshake import Handshake
-from .lanes import equal_tp_refusal, pairing_refusal
+from .lanes import equal_tp_refusal, one_size, pairing_refusal
 from .latency import PHASES, Histogram
 from .ledger import (
     BrokerConfig,
@@ -119,6 +119,9 @@ class Broker(Handshake):
         self.by_tid: dict[str, set[TransferKey]] = {}  # every lane of a transfer id
         # The lanes between two registrations, by their ids (`Handshake._lanes`).
         self.plans: dict[tuple[int, int], tuple[Register, Register, list[Lane]]] = {}
+        # What the Offers read from the set of live peers (`_candidates`, `_one_size`),
+        # worked out once while that set stays as it is: cleared as a peer joins or leaves.
+        self.views: dict[tuple[object, ...], Any] = {}
         # Why a transfer was aborted, where one was delivered, and why a prefill peer was
         # lost, each until `transfer_lease_s` after: a message behind them is answered at once.
         self.aborted: OrderedDict[TransferKey, tuple[float, str]] = OrderedDict()
@@ -255,6 +258,7 @@ class Broker(Handshake):
             self._evict(now, self.peers[self.by_identity[identity]], "its socket registered as another peer", out)
         pool = Pool(capacity=reg.pool_capacity, alignment=reg.pool_alignment) if reg.role == "decode" else None
         self.peers[pid] = Peer(pid, identity, reg, now + self.config.peer_lease_s, pool)
+        self.views.clear()
         self.lost.pop(pid, None)
         self.by_identity[identity] = pid
         out.append(
@@ -291,6 +295,7 @@ class Broker(Handshake):
 
     def _evict(self, now: float, peer: Peer, why: str, out: list[Effect]) -> None:
         del self.peers[peer.peer_id]
+        self.views.clear()
         if self.by_identity.get(peer.identity) == peer.peer_id:
             del self.by_identity[peer.identity]
         self.counters["evicted"] += 1
@@ -411,15 +416,29 @@ class Broker(Handshake):
             raise Busy(f"the broker holds {self.config.max_transfers} transfers; retry later or raise --max-transfers")
 
     def _candidates(self, t: Transfer) -> list[Peer]:
-        return [
-            p
-            for p in self.peers.values()
-            if p.pool is not None
-            and p.reg.rank == t.rank
-            and p.reg.world_size == t.decode_tp
-            and p.reg.compat_hash == t.compat_hash
-            and p.peer_id not in t.tried
-        ]
+        """The decode peers `t` may go to: its rank, of the TP size its lanes were planned
+        for, compatible, and not tried for it yet."""
+        key = ("candidates", t.rank, t.decode_tp, t.compat_hash)
+        fit = self.views.get(key)
+        if fit is None:
+            fit = self.views[key] = [
+                p
+                for p in self.peers.values()
+                if p.pool is not None
+                and p.reg.rank == t.rank
+                and p.reg.world_size == t.decode_tp
+                and p.reg.compat_hash == t.compat_hash
+            ]
+        return [p for p in fit if p.peer_id not in t.tried] if t.tried else list(fit)
+
+    def _one_size(self, role: str, compat_hash: str) -> Register | None:
+        """A registration standing for every live `role` peer of `compat_hash`, when they
+        share one TP size (`one_size`)."""
+        key = ("one_size", role, compat_hash)
+        if key not in self.views:
+            self.views[key] = one_size(q.reg for q in self.peers.values()
+                                       if q.role == role and q.reg.compat_hash == compat_hash)
+        return self.views[key]
 
     def _unclaimed_candidates(self, t: Transfer) -> list[Peer]:
         """Where a transfer nobody claimed may go: any compatible decode peer that takes

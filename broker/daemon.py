@@ -38,6 +38,7 @@ from .metrics import serve_metrics
 log = structlog.get_logger("kvbroker.broker")
 
 DRAIN_BATCH = 256
+SEND_BATCH = 32
 # The loop away this long is a stall worth a warning; its timer wakes at least every 100 ms.
 STALL_S = 1.0
 
@@ -142,18 +143,35 @@ class BrokerDaemon:
         while True:
             try:
                 frames = await chan.receive()
-                self.on_frames(chan, frames)
-                # Drain a burst without a scheduler round trip per message, bounded so the
-                # lease timer still runs under sustained load.
-                for _ in range(DRAIN_BATCH):
-                    self.on_frames(chan, chan.receive_nowait())
-            except anyio.WouldBlock:
-                continue
             except ChannelClosed:
                 return
+            # Drain a burst without a scheduler round trip per message, bounded so the
+            # lease timer still runs under sustained load. Its replies go out a few at a
+            # time (`SEND_BATCH`): each send that finds zmq's I/O thread asleep wakes it,
+            # and on the broker's one core that wake-up took the core from this thread
+            # once a message (docs/PERFORMANCE.md, control plane).
+            held: list[Send] = []
+            try:
+                self.on_frames(chan, frames, held)
+                for _ in range(DRAIN_BATCH):
+                    if len(held) >= SEND_BATCH:
+                        self._send_all(chan, held)
+                    self.on_frames(chan, chan.receive_nowait(), held)
+            except anyio.WouldBlock:
+                pass
+            except ChannelClosed:
+                return
+            finally:
+                self._send_all(chan, held)
 
-    def on_frames(self, chan: ZmqChannel, frames: list[bytes]) -> None:
-        """Handle one ROUTER message: [identity, payload]. Never raises on bad input."""
+    def _send_all(self, chan: ZmqChannel, held: list[Send]) -> None:
+        for send in held:
+            self._send(chan, send)
+        held.clear()
+
+    def on_frames(self, chan: ZmqChannel, frames: list[bytes], held: list[Send] | None = None) -> None:
+        """Handle one ROUTER message: [identity, payload]. Never raises on bad input. Its
+        replies go into `held` when given (the caller sends them), else out at once."""
         counters = self.core.counters
         if len(frames) != 2:
             counters["bad_frames"] += 1
@@ -166,12 +184,19 @@ class BrokerDaemon:
             counters["bad_frames"] += 1
             if counters["bad_frames"] <= 10 or counters["bad_frames"] % 1000 == 0:
                 log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=counters["bad_frames"])
-            self._send(chan, Send(identity, Error(code=exc.code, detail=str(exc)[:2000])))
+            error = Send(identity, Error(code=exc.code, detail=str(exc)[:2000]))
+            if held is not None:  # after the replies to the peer's earlier messages
+                held.append(error)
+            else:
+                self._send(chan, error)
             return
         now = self.clock()
         self._check_stall(now)  # before this message renews its sender's lease
         for effect in self.core.handle(now, identity, msg):
-            self._apply(chan, effect)
+            if held is not None and type(effect) is Send:
+                held.append(effect)
+            else:
+                self._apply(chan, effect)
 
     def _check_stall(self, now: float) -> None:
         """The loop runs `now`: if that is long after the timer was due, the broker was

@@ -25,7 +25,7 @@ from protocols.messages import (
     Release,
 )
 
-from .lanes import claim_share, lane_share, one_size, plan, wire_heads
+from .lanes import claim_share, lane_share, plan, wire_heads
 from .ledger import BrokerConfig, Effect, Note, Peer, Send, rank_in, remember
 from .transfers import (
     HOLDS_CREDIT,
@@ -64,6 +64,7 @@ class Handshake:
 
         def _new(self, now: float, tid: str, lane: Lane, decode_tp: int, state: TransferState) -> Transfer: ...
         def _room_for(self, n: int) -> None: ...
+        def _one_size(self, role: str, compat_hash: str) -> Register | None: ...
         def _route(self, now: float, t: Transfer, out: list[Effect]) -> None: ...
         def _unroute(self, t: Transfer, out: list[Effect]) -> None: ...
         def _claim_room(self, t: Transfer, d: Peer, nbytes: int, out: list[Effect]) -> None: ...
@@ -118,7 +119,8 @@ class Handshake:
             t.prompt, t.heads = msg.prompt, wire_heads(lane, peer.reg, d_reg)
             peer.transfers.add(key)
             self.counters["offered"] += 1
-            out.append(Note("transfer.offered", {"transfer_id": tid, "nbytes": nbytes, "peer": peer.peer_id}))
+            if self.config.note_transfers:
+                out.append(Note("transfer.offered", {"transfer_id": tid, "nbytes": nbytes, "peer": peer.peer_id}))
             self._route(now, t, out)
             if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
                 out.append(Note("transfer.unrouted", {"transfer_id": tid, "waiting_for": self._waiting_for(t)},
@@ -161,8 +163,7 @@ class Handshake:
             pid = self.transfers[key].expected_by or self.transfers[key].decode
             if pid in self.peers:
                 return self.peers[pid].reg
-        same = (q.reg for q in self.peers.values() if q.role == "decode" and q.reg.compat_hash == p.reg.compat_hash)
-        return one_size(same) or p.reg
+        return self._one_size("decode", p.reg.compat_hash) or p.reg
 
     def _prefill_side(self, tid: str, d: Peer, named: str) -> Register:
         """The prefill instance an Expect's lanes are planned for (see broker/lanes.py)."""
@@ -173,8 +174,7 @@ class Handshake:
             pid = self.transfers[key].prefill
             if pid in self.peers:
                 return self.peers[pid].reg
-        same = (q.reg for q in self.peers.values() if q.role == "prefill" and q.reg.compat_hash == d.reg.compat_hash)
-        return one_size(same) or d.reg
+        return self._one_size("prefill", d.reg.compat_hash) or d.reg
 
     def _expect(self, now: float, peer: Peer, msg: Expect, out: list[Effect]) -> None:
         if peer.role != "decode":
@@ -362,7 +362,9 @@ class Handshake:
                 self.latency["total"].observe(now - t.offered_at)
             if not self._feeds(p.peer_id, t.transfer_id):  # its staging serves no other lane
                 out.append(Send(p.identity, Release(transfer_id=t.transfer_id)))
-            out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes, "attempt": t.attempt}))
+            if self.config.note_transfers:
+                out.append(Note("transfer.done", {"transfer_id": t.transfer_id, "nbytes": nbytes,
+                                                  "attempt": t.attempt}))
 
     def _feeds(self, prefill: str, tid: str) -> bool:
         """Whether prefill peer `prefill` still has a lane of transfer `tid`."""

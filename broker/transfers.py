@@ -123,7 +123,7 @@ class Transfer:
     decode_hint: str = ""
     prompt: str = ""
     nbytes: int = 0
-    layout: Layout = field(default_factory=Layout)
+    layout: Layout = Layout()  # frozen: one shared default
     compat_hash: str = ""
     credit_deadline: float | None = None
     reserved: int = 0

@@ -24,6 +24,7 @@ from protocols.errors import BrokerUnavailable
 from protocols.messages import (
     Abort,
     Done,
+    Error,
     Expect,
     Go,
     Heartbeat,
@@ -204,6 +205,33 @@ def test_garbage_leaves_broker_serving_and_state_unchanged(tmp_path: Path) -> No
     finally:
         ctx.destroy(linger=0)
         assert broker.stop() == 0
+
+
+def test_a_burst_is_answered_whole_and_in_order(broker: BrokerProcess) -> None:
+    # The broker sends a burst's replies a few at a time, after handling them: every one
+    # must still go out, in the order of the messages they answer, a bad frame's Error too.
+    ctx = zmq.Context()
+    try:
+        codec = Codec()
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.setsockopt(zmq.SNDHWM, 0)
+        peer.connect(broker.endpoint)
+        peer.send(codec.encode(Register(role="decode", instance_id="d0", pool_capacity=1000, compat_hash="h")))
+        assert peer.poll(5000) and isinstance(codec.decode(peer.recv()), Registered)
+        n = 1000  # several of the broker's bursts, each several send batches
+        for seq in range(n):
+            peer.send(codec.encode(Heartbeat(seq=seq)))
+        peer.send(b"not a message")
+        peer.send(codec.encode(Heartbeat(seq=n)))
+        got: list[object] = []
+        deadline = time.monotonic() + 30
+        while len(got) < n + 2 and peer.poll(max(deadline - time.monotonic(), 0) * 1000):
+            got.append(codec.decode(peer.recv()))
+        assert [m.seq for m in got[:n]] == list(range(n))  # type: ignore[attr-defined]
+        assert isinstance(got[n], Error) and got[n + 1] == Heartbeat(seq=n)
+    finally:
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.anyio

@@ -169,31 +169,29 @@ class BrokerDaemon:
             self._send(chan, send)
         held.clear()
 
-    def on_frames(self, chan: ZmqChannel, frames: list[bytes], held: list[Send] | None = None) -> None:
+    def on_frames(self, chan: ZmqChannel, frames: list[bytes], held: list[Send]) -> None:
         """Handle one ROUTER message: [identity, payload]. Never raises on bad input. Its
-        replies go into `held` when given (the caller sends them), else out at once."""
+        replies go into `held`, in order (the caller sends them); its notes are logged now."""
         counters = self.core.counters
         if len(frames) != 2:
             counters["bad_frames"] += 1
             log.warning("frame.dropped", reason=f"expected 2 frames, got {len(frames)}")
             return
         identity, payload = frames
+        effects: list[Send | Note]
         try:
             msg = self.codec.decode(payload)
         except RemoteProtocolError as exc:
             counters["bad_frames"] += 1
             if counters["bad_frames"] <= 10 or counters["bad_frames"] % 1000 == 0:
                 log.warning("frame.rejected", code=exc.code, detail=str(exc), bad_frames=counters["bad_frames"])
-            error = Send(identity, Error(code=exc.code, detail=str(exc)[:2000]))
-            if held is not None:  # after the replies to the peer's earlier messages
-                held.append(error)
-            else:
-                self._send(chan, error)
-            return
-        now = self.clock()
-        self._check_stall(now)  # before this message renews its sender's lease
-        for effect in self.core.handle(now, identity, msg):
-            if held is not None and type(effect) is Send:
+            effects = [Send(identity, Error(code=exc.code, detail=str(exc)[:2000]))]
+        else:
+            now = self.clock()
+            self._check_stall(now)  # before this message renews its sender's lease
+            effects = self.core.handle(now, identity, msg)
+        for effect in effects:
+            if type(effect) is Send:
                 held.append(effect)
             else:
                 self._apply(chan, effect)

@@ -93,7 +93,7 @@ class ZmqChannel:
         # A ROUTER's message is its sender's identity and at least one frame more: the
         # second is taken without asking whether one follows (each ask, 0.6 us, looks the
         # option up in pyzmq's enum; two a message were 4 us of a broker's handshake).
-        self._frames_known = 2 if sock.getsockopt(zmq.TYPE) == zmq.ROUTER else 1
+        self._router = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
         self._closed = False
         self._poll_scope: anyio.CancelScope | None = None  # set while a task waits on the fd
         self._changed: anyio.Event | None = None  # where the other waiters park
@@ -174,7 +174,7 @@ class ZmqChannel:
     def _recv_frames(self) -> list[bytes]:
         recv, more = self._sock.recv, self._raw_get
         frames = [recv(_NOBLOCK)]
-        if self._frames_known == 2:  # the rest of a message is there once its first frame is
+        if self._router:  # the rest of a message is there once its first frame is
             frames.append(recv(_NOBLOCK))
         while more(_RCVMORE):
             frames.append(recv(_NOBLOCK))

@@ -24,6 +24,7 @@ from protocols.messages import (
     Done,
     Error,
     Expect,
+    Go,
     Goodbye,
     Heartbeat,
     Layout,
@@ -34,6 +35,7 @@ from protocols.messages import (
     Register,
     Registered,
     Relay,
+    Release,
     Status,
 )
 
@@ -315,6 +317,17 @@ def received(peer: FakePeer, kind: type[Prepare] | type[Abort]) -> list[str]:
 def prepared(peer: FakePeer) -> list[str]:
     """The transfer ids of the Prepares a peer received; it received nothing else."""
     return received(peer, Prepare)
+
+
+def deliver(p: FakePeer, d: FakePeer, tid: str, nbytes: int) -> None:
+    """One whole handshake of `tid`, offered by `p` and delivered to `d`: each peer gets
+    exactly the message of each step (Prepare, Go, then Release), and nothing else."""
+    p.offer(tid, nbytes)
+    assert d.take_one(Prepare).transfer_id == tid
+    d.ready(tid, nbytes=nbytes)
+    assert p.take_one(Go).transfer_id == tid
+    d.done(tid, nbytes=nbytes)
+    assert p.take_one(Release) == Release(transfer_id=tid)
 
 
 def aborted(peer: FakePeer) -> list[str]:

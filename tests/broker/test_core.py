@@ -56,6 +56,7 @@ from tests.broker.fake_cluster import (
     FakePeer,
     aborted,
     check_invariants,
+    deliver,
     prepared,
     refused,
     snapshot,
@@ -111,11 +112,7 @@ def test_an_offer_left_unrouted_is_noted_with_what_it_waits_for() -> None:
 def test_message_steps_are_noted_at_debug_level_when_asked() -> None:
     c = FakeCluster(dataclasses.replace(CONFIG, note_steps=True))
     p, d = c.prefill(), c.decode(pool=100)
-    p.offer("t1", 64)
-    d.take_one(Prepare)
-    d.ready("t1", nbytes=64)
-    p.take_one(Go)
-    d.done("t1", nbytes=64)
+    deliver(p, d, "t1", 64)
     assert [(n.event, n.level) for n in c.notes if n.fields.get("transfer_id") == "t1"] == [
         ("transfer.offered", "info"), ("transfer.prepared", "debug"), ("transfer.go", "debug"),
         ("transfer.done", "info")]
@@ -127,12 +124,7 @@ def test_without_transfer_notes_the_core_notes_no_offer_or_delivery() -> None:
     # What a broker logging at warning asks for: the handshake is the same, its info notes gone.
     c = FakeCluster(dataclasses.replace(CONFIG, note_transfers=False))
     p, d = c.prefill(), c.decode(pool=100)
-    p.offer("t1", 64)
-    d.take_one(Prepare)
-    d.ready("t1", nbytes=64)
-    p.take_one(Go)
-    d.done("t1", nbytes=64)
-    assert p.take_one(Release) == Release(transfer_id="t1")
+    deliver(p, d, "t1", 64)
     assert c.status().counters["completed"] == 1
     assert [n.event for n in c.notes if n.fields.get("transfer_id") == "t1"] == []
 
@@ -142,24 +134,15 @@ def test_offers_route_by_the_peers_live_now_as_decode_peers_come_and_go(c: FakeC
     # must not be routed to, and one that joined must be.
     p = c.prefill()
     d1 = c.decode("d1")
-
-    def deliver(tid: str, d: FakePeer) -> None:
-        p.offer(tid, 10)
-        assert prepared(d) == [tid]
-        d.ready(tid, nbytes=10)
-        p.take_one(Go)
-        d.done(tid, nbytes=10)
-        assert p.take_one(Release) == Release(transfer_id=tid)
-
-    deliver("t1", d1)
+    deliver(p, d1, "t1", 10)
     d1.goodbye()
     d2 = c.decode("d2")
-    deliver("t2", d2)
+    deliver(p, d2, "t2", 10)
     d3 = c.decode("d3", claims_only=True)
-    deliver("t3", d2)  # two could hold it now, and d3 takes only its claims: d2 gets it
+    deliver(p, d2, "t3", 10)  # two could hold it now, and d3 takes only its claims: d2 gets it
     assert d3.take() == []
     d2.goodbye()
-    deliver("t4", d3)  # the one decode peer left that could take it
+    deliver(p, d3, "t4", 10)  # the one decode peer left that could take it
 
 
 def test_an_unclaimed_offer_waits_for_the_expect_between_decode_peers_that_take_only_their_own(

@@ -278,9 +278,9 @@ def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[Conne
         # P and D share this host's cores, so each gets one intra-op thread, as the README
         # asks of instances sharing a host (their own cores each). With torch's default of
         # one per core, P's copies in save_kv_layer spun OpenMP threads on the cores the
-        # sending and receiving threads needed: on a 2-core VM the path measured 0.82x
-        # raw at 2,048 tokens against 0.98x with one thread, and P's 22 ms forward pass
-        # stretched by 41 ms against 21 (docs/PERFORMANCE.md).
+        # sending and receiving threads needed: on a 2-core VM one request of 2,048 tokens
+        # took 96-98 ms against 81-84 with one thread, and P's 22 ms forward pass
+        # stretched by 47-52 ms against 21-22 (docs/PERFORMANCE.md).
         torch.set_num_threads(1)
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(

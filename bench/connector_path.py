@@ -76,6 +76,7 @@ runs' times as the profile's, not the benchmark's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -91,7 +92,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,7 @@ from connector.config import EngineInfo, parse_config  # noqa: E402
 from connector.consumer import IDLE_WAIT_S  # noqa: E402
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
+from workers.cpus import parse_cpu_list  # noqa: E402
 from protocols.logs import configure_logging  # noqa: E402
 import structlog  # noqa: E402
 
@@ -112,6 +114,7 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * DIM * 2  # one block of every layer, K and V
 DEADLINE_S = 30.0
 GEMM = 4096  # `--forward gemm`: one layer's share is some of these square bf16 matrix multiplies
+CPU_GEMM = 256  # the same on the CPU, float32 (a fraction of a millisecond each on one core)
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,17 @@ class _Engine:
     """One side's device work: where its caches live, its syncs and its engine step."""
 
     def __init__(self, transport: str, role: str, step_ms: float, prefill_ms: float = 0.0,
-                 step_on: str = "gpu", forward: str = "sleep") -> None:
+                 step_on: str = "gpu", forward: str = "sleep", threads: int = 1) -> None:
         self.gpu = transport == "nccl"
+        if not self.gpu:
+            # P and D share this host's cores, so each gets its own intra-op threads, as the
+            # README asks of instances sharing a host (their own cores each): one, unless P
+            # is bound to cores of its own (`--p-cpus`). With torch's default of one per
+            # core, P's copies in save_kv_layer spun OpenMP threads on the cores the sending
+            # and receiving threads needed: on a 2-core VM one request of 2,048 tokens took
+            # 96-98 ms against 81-84 with one thread, and P's 22 ms forward pass stretched
+            # by 47-52 ms against 21-22 (docs/PERFORMANCE.md).
+            torch.set_num_threads(threads)
         one = self.gpu and torch.cuda.device_count() == 1  # the ipc backend on one GPU: both caches there
         self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
@@ -160,6 +172,17 @@ class _Engine:
                 self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
                 mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
                 self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
+        elif prefill_ms > 0 and forward == "gemm":
+            # matrix multiplies on P's intra-op threads: a send's threads on those cores
+            # take time from the forward pass, which a sleep hides
+            self.mats = [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)]
+            for _ in range(20):  # warm: the first ones take longer
+                self._gemm()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                self._gemm()
+            mm = (time.perf_counter() - t0) * 1e3 / 50
+            self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
@@ -168,9 +191,9 @@ class _Engine:
         """The forward pass alone (every layer's share, no saves), ms: GPU time on a GPU.
         Measured again before each timed request, so a clock that drifts during the run
         moves the baseline and the request alike."""
-        if self.layer_cycles or self.layer_gemms:
+        if self.gpu and (self.layer_cycles or self.layer_gemms):
             return gpu_ms(lambda: [self.layer() for _ in NAMES], runs=1)
-        if not self.layer_s:
+        if not self.layer_s and not self.layer_gemms:
             return 0.0
         t0 = time.perf_counter()
         for _ in NAMES:
@@ -274,19 +297,12 @@ class _ThreadCpu:
 
 
 def _worker(endpoint: str, role: str, engine: _Engine, cfg: dict) -> tuple[ConnectorWorker, dict[str, torch.Tensor]]:
-    if not engine.gpu:
-        # P and D share this host's cores, so each gets one intra-op thread, as the README
-        # asks of instances sharing a host (their own cores each). With torch's default of
-        # one per core, P's copies in save_kv_layer spun OpenMP threads on the cores the
-        # sending and receiving threads needed: on a 2-core VM one request of 2,048 tokens
-        # took 96-98 ms against 81-84 with one thread, and P's 22 ms forward pass
-        # stretched by 47-52 ms against 21-22 (docs/PERFORMANCE.md).
-        torch.set_num_threads(1)
     caches = engine.caches(cfg["num_blocks"], 1 if role == "p" else 2)
     config = parse_config(
         {"broker": endpoint, "instance_id": f"{role}0", "transport": cfg["transport"], "pool_bytes": cfg["pool"],
          "staging_bytes": cfg["pool"], "load_timeout_s": DEADLINE_S,
-         **({"nccl_backend": cfg["backend"]} if cfg["backend"] and cfg["transport"] == "nccl" else {})},
+         **({"nccl_backend": cfg["backend"]} if cfg["backend"] and cfg["transport"] == "nccl" else {}),
+         **({"thread_cpus": cfg["thread_cpus"]} if cfg["transport"] == "tcp" else {})},
         kv_role="kv_producer" if role == "p" else "kv_consumer", engine_id=None,
     )
     backend = "FLASH_ATTN/bench" if engine.gpu else "CPU_ATTN/bench"
@@ -387,7 +403,8 @@ class _LoopProfile:
 
 def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
     """P: for each request, tell D, wait until D holds it, then run the step."""
-    engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"], forward=cfg["forward"])
+    engine = _Engine(cfg["transport"], "p", cfg["step_ms"], cfg["prefill_ms"], forward=cfg["forward"],
+                     threads=len(parse_cpu_list(cfg["p_cpus"])) if cfg["p_cpus"] else 1)
     configure_logging(cfg["log_format"], cfg["log_level"])
     p, caches = _worker(endpoint, "p", engine, cfg)
     log = structlog.get_logger().bind(role="bench")
@@ -616,6 +633,29 @@ def _start_broker(log_level: str = "warning") -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
+@contextlib.contextmanager
+def _bound_as_vllm_binds(cpus: str) -> Iterator[None]:
+    """A process started in the block binds its OpenMP threads, and with them its main
+    thread, to `cpus` as it loads torch: the environment vLLM's CPU backend starts a
+    worker with (`VLLM_CPU_OMP_THREADS_BIND=auto`, GNU OpenMP)."""
+    if not cpus:
+        yield
+        return
+    listed = sorted(parse_cpu_list(cpus))
+    env = {"OMP_PLACES": "{" + ",".join(map(str, listed)) + "}", "OMP_PROC_BIND": "true",
+           "OMP_NUM_THREADS": str(len(listed))}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--transport", choices=("nccl", "tcp"), default="nccl")
@@ -635,8 +675,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="P's forward pass, ms spread over its layers before each save_kv_layer (GPU time on nccl; "
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
     ap.add_argument("--forward", default="sleep", choices=("sleep", "gemm"),
-                    help="nccl, with --prefill-ms: P's forward pass as a sleep kernel (GPU time that leaves the "
-                         "SMs free) or as bf16 matrix multiplies on every SM, as a real prefill's")
+                    help="with --prefill-ms: P's forward pass as a sleep (a kernel on nccl: GPU time that leaves "
+                         "the SMs free) or as matrix multiplies, as a real prefill's (bf16 on every SM; float32 "
+                         "on P's intra-op threads on tcp)")
+    ap.add_argument("--p-cpus", default="",
+                    help="tcp: bind P's engine thread and OpenMP threads to these CPUs (\"0\", \"0-5\"), as "
+                         "vLLM's CPU backend binds a worker, before P imports torch")
+    ap.add_argument("--thread-cpus", default="auto",
+                    help="tcp: the connector's thread_cpus on both sides (auto, inherit, or a CPU list)")
     ap.add_argument("--log-format", default="json", choices=("console", "json"),
                     help="the workers' logs: json as in production (microsecond timestamps, for `kvbroker trace`); "
                          "console costs each log line about three times the host time")
@@ -666,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
            "thread_cpu": args.thread_cpu, "backend": backend, "profile": args.profile,
+           "p_cpus": args.p_cpus, "thread_cpus": args.thread_cpus,
            "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
@@ -680,7 +727,8 @@ def main(argv: list[str] | None = None) -> int:
              ctx.Process(target=_decode, args=(endpoint, conn_d, cfg, results))]
     try:
         for proc in procs:
-            proc.start()
+            with _bound_as_vllm_binds(args.p_cpus if proc is procs[0] else ""):
+                proc.start()
         rows = results.get(timeout=600)
         for proc in procs:
             proc.join(timeout=60)

@@ -26,6 +26,10 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
     register_timeout_s  longest the first registration with the broker may take (default 10).
     tcp_host            address the decode side's TCP receiver binds AND advertises
                         (default 127.0.0.1; use a routable address across hosts).
+    thread_cpus         transport "tcp": the CPUs the connector's own threads run on:
+                        "auto" (default: the cores vLLM's CPU binding keeps out of the
+                        worker's OpenMP threads, where it keeps any; `workers.cpus`),
+                        "inherit" (the worker's), or a CPU list such as "7" or "6-7,14".
     instance_id         this engine's name at the broker (default: vLLM's engine_id).
     grant_key_file      a file holding a secret shared by P and D (16 bytes or more, e.g.
                         `openssl rand -hex 32`): P signs each transfer it stages into the
@@ -54,6 +58,7 @@ from typing import Any, Literal
 
 from protocols.errors import KvBrokerError
 from protocols.grants import GrantKeyError, read_key
+from workers.cpus import AUTO, INHERIT, parse_cpu_list
 
 __all__ = [
     "ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "kv_groups_of",
@@ -100,6 +105,7 @@ class ConnectorConfig:
     grant_key: bytes | None = field(default=None, repr=False)
     nccl_backend: str = ""  # "": the environment's, else direct where libnccl loads, else torch
     nccl_communicators: int = 8
+    thread_cpus: str | frozenset[int] = AUTO  # "auto", "inherit", or the CPUs themselves
 
     @property
     def staging_ttl_s(self) -> float:
@@ -128,6 +134,7 @@ _KEYS = (
     "grant_key_file",
     "nccl_backend",
     "nccl_communicators",
+    "thread_cpus",
 )
 
 
@@ -233,6 +240,7 @@ def parse_config(
         raise ConfigError(f"{_PREFIX}.fault_injection_prefix must be a string, not {prefix!r}.")
     grant_key = _grant_key(extra.get("grant_key_file"))
     nccl_backend, nccl_communicators = _nccl_settings(extra, transport)
+    thread_cpus = _thread_cpus(extra.get("thread_cpus", AUTO), transport)
     return ConnectorConfig(
         broker=broker,
         role=role,
@@ -250,7 +258,26 @@ def parse_config(
         grant_key=grant_key,
         nccl_backend=nccl_backend,
         nccl_communicators=nccl_communicators,
+        thread_cpus=thread_cpus,
     )
+
+
+def _thread_cpus(value: object, transport: str) -> str | frozenset[int]:
+    if value in (AUTO, INHERIT):
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        try:
+            cpus = parse_cpu_list(value)
+        except ValueError:
+            pass
+        else:
+            if transport != "tcp":
+                raise ConfigError(
+                    f'{_PREFIX}.thread_cpus places the threads of a worker whose KV cache is on the CPU (transport '
+                    f'"tcp"); remove it for transport {transport!r}.'
+                )
+            return cpus
+    raise ConfigError(f'{_PREFIX}.thread_cpus must be "auto", "inherit" or a CPU list such as "6-7,14", not {value!r}.')
 
 
 def _grant_key(path: object) -> bytes | None:

@@ -65,6 +65,7 @@ from protocols.channel import curve_client_keys
 from protocols.heads import rank_heads
 from protocols.messages import Abort, Go, Prepare, Register, Relay, Release
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
+from workers.cpus import PlacementError, format_cpu_list, read_host, thread_cpus, threads_started_on
 from workers.gpu_staging import PagedKv
 from workers.groups import KvGroups
 from workers.layout import CachePlaces, CacheSpec, LayerLayout, detect_layout
@@ -263,7 +264,11 @@ class ConnectorWorker:
         self.pool = BufferPool(-(-size // ALIGN) * ALIGN, alignment=ALIGN, device=device if nccl else "cpu")
         side = self.producer or self.consumer
         assert side is not None
-        endpoints = side.start_transport()
+        # The transport's threads and the broker client's loop start here: on the CPUs
+        # vLLM's binding keeps off the forward pass, where it keeps any (`workers.cpus`).
+        cpus = None if nccl else self._thread_cpus()
+        with threads_started_on(cpus):
+            endpoints = side.start_transport()
         registration = Register(
             role="prefill" if self.is_producer else "decode",
             instance_id=self.config.instance_id,
@@ -293,7 +298,8 @@ class ConnectorWorker:
             pool_free=None if self.is_producer else (lambda: pool.statistics().free),
         )
         try:
-            self.client = SyncBrokerClient(client, on_task_error=self._task_failed)
+            with threads_started_on(cpus):
+                self.client = SyncBrokerClient(client, on_task_error=self._task_failed)
             if nccl:
                 self.nccl = NcclLink(self.client, device, connect_timeout_s=self.config.load_timeout_s,
                                      backend=self.config.nccl_backend or None,
@@ -311,6 +317,17 @@ class ConnectorWorker:
             endpoints=endpoints,
             pool_bytes=self.pool.capacity,
         )
+
+    def _thread_cpus(self) -> frozenset[int] | None:
+        """Where this CPU worker's connector threads start (`thread_cpus`), logged once."""
+        try:
+            placement = thread_cpus(self.config.thread_cpus, read_host())
+        except PlacementError as exc:
+            raise ConfigError(str(exc)) from None
+        self.log.info("connector.thread_cpus", phase="register",
+                      cpus=format_cpu_list(placement.cpus) if placement.cpus is not None else None,
+                      reason=placement.reason)
+        return placement.cpus
 
     def _triton_copies(self, layout: LayerLayout) -> PagedKv | None:
         """Word views of the GPU caches for `PagedKv`'s Triton copy: P gathers a layer with

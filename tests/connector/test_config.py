@@ -202,3 +202,14 @@ def test_the_environment_overrides_the_nccl_backend(monkeypatch: pytest.MonkeyPa
     assert parse(nccl, cuda=True).nccl_backend == "ipc"
     monkeypatch.setenv("KVBROKER_NCCL_BACKEND", "nvlink")
     assert "KVBROKER_NCCL_BACKEND='nvlink' names no NCCL backend" in refused(nccl, cuda=True)
+
+
+def test_thread_cpus_is_auto_inherit_or_a_cpu_list_of_a_cpu_worker() -> None:
+    assert parse({"broker": BROKER}).thread_cpus == "auto"
+    assert parse({"broker": BROKER, "thread_cpus": "inherit"}).thread_cpus == "inherit"
+    assert parse({"broker": BROKER, "thread_cpus": "6-7,14"}).thread_cpus == {6, 7, 14}
+    for bad in ("all", "7-6", 7, ""):
+        assert 'thread_cpus must be "auto", "inherit" or a CPU list such as "6-7,14"' in refused(
+            {"broker": BROKER, "thread_cpus": bad})
+    assert 'remove it for transport \'nccl\'' in refused(
+        {"broker": BROKER, "transport": "nccl", "thread_cpus": "7"}, cuda=True)

@@ -324,6 +324,13 @@ class ConnectorWorker:
             placement = thread_cpus(self.config.thread_cpus, read_host())
         except PlacementError as exc:
             raise ConfigError(str(exc)) from None
+        try:  # Linux refuses CPUs outside this process's cgroup: then they stay where they are
+            with threads_started_on(placement.cpus):
+                pass
+        except OSError as exc:
+            self.log.warning("connector.thread_cpus", phase="register", cpus=None,
+                             reason=f"Linux refused CPUs {format_cpu_list(placement.cpus or set())}: {exc}")
+            return None
         self.log.info("connector.thread_cpus", phase="register",
                       cpus=format_cpu_list(placement.cpus) if placement.cpus is not None else None,
                       reason=placement.reason)

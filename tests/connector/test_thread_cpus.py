@@ -66,3 +66,26 @@ def test_a_list_puts_them_where_it_says(broker: BrokerProcess) -> None:
     _, _, threads = run_bound_worker(broker, str(target))
     ours = started_by_the_connector(threads)
     assert ours and all(cpus == {target} for cpus in ours.values()), ours
+
+
+def test_cpus_linux_refuses_leave_the_threads_where_they_are(broker: BrokerProcess,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU outside the process's cgroup: Linux refuses it, and the worker still starts."""
+    import structlog
+
+    from tests.connector.test_worker import make_caches, make_worker
+    from workers import cpus
+
+    def refuse(pid: int, mask: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(cpus.os, "sched_setaffinity", refuse)
+    with structlog.testing.capture_logs() as logs:
+        worker = make_worker(broker.endpoint, "d", "d0", make_caches(), thread_cpus=str(max(os.sched_getaffinity(0))))
+    try:
+        assert worker.client is not None and worker.client.registered is not None
+        placed = [e for e in logs if e["event"] == "connector.thread_cpus"]
+        assert [(e["log_level"], e["cpus"]) for e in placed] == [("warning", None)], placed
+        assert "Linux refused CPUs" in placed[0]["reason"]
+    finally:
+        worker.close()

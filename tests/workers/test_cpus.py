@@ -71,3 +71,21 @@ def test_a_bad_cpu_list_is_refused(text: str) -> None:
 @given(st.sets(st.integers(0, 300), min_size=1))
 def test_a_cpu_list_round_trips(cpus: set[int]) -> None:
     assert parse_cpu_list(format_cpu_list(cpus)) == cpus
+
+
+@given(st.data())
+def test_auto_never_puts_the_threads_on_the_workers_cores_nor_off_its_nodes(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 24), label="cpus")
+    cut = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=3), label="node starts")) if n > 1 else []
+    edges = [0, *cut, n]
+    nodes = tuple(frozenset(range(a, b)) for a, b in zip(edges, edges[1:]))
+    every = frozenset(range(n))
+    allowed = data.draw(st.sets(st.sampled_from(sorted(every)), min_size=1), label="allowed")
+    bound = data.draw(st.sets(st.sampled_from(sorted(allowed)), min_size=1), label="bound")
+    placement = thread_cpus(AUTO, Host(allowed=frozenset(allowed), bound=frozenset(bound), nodes=nodes))
+    if placement.cpus is None:
+        # nothing left on the worker's nodes
+        assert not {c for node in nodes if node & bound for c in node} & (allowed - bound)
+    else:
+        assert placement.cpus and placement.cpus <= allowed - bound
+        assert all(any(c in node and node & bound for node in nodes) for c in placement.cpus)

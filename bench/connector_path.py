@@ -46,7 +46,10 @@ compares with two GPUs).
                On a GPU the forward pass is a sleep kernel, which leaves the SMs to
                whatever runs beside it; `--forward gemm` makes it bf16 matrix multiplies
                on every SM, as a real prefill's are, so what the copy kernels cost the
-               forward pass shows.
+               forward pass shows. On the CPU it makes them float32 matrix multiplies on
+               P's intra-op threads; `--p-cpus 0` binds those, and P's engine thread, to
+               CPU 0 as vLLM's CPU backend binds a worker, so where the connector's own
+               threads run (`--thread-cpus`, its `thread_cpus`) shows in the stretch.
                The row also splits that time where P's host sees its forward pass end
                (it waits for it, as vLLM's sampler does): `forward_stretch_ms`, how much
                longer the pass took than alone (the gathers that materialize the KV on
@@ -58,7 +61,8 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
+       [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
 while a request was timed, and how long each sat runnable without a CPU: what D's host

@@ -162,6 +162,7 @@ class _Engine:
         self.step_s = step_ms / 1e3
         self.step_on_gpu = self.gpu and step_on == "gpu"
         self.cycles = self.layer_cycles = self.layer_gemms = 0
+        self._op: Callable[[], None] = self._gemm  # `--forward gemm` or `launches`: one step of a layer
         self.prefill_ms = 0.0  # the forward pass's time (`layer` x the layers), as first measured here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
@@ -176,17 +177,23 @@ class _Engine:
                 self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
                 mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
                 self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
-        elif prefill_ms > 0 and forward == "gemm":
-            # matrix multiplies on P's intra-op threads: a send's threads on those cores
-            # take time from the forward pass, which a sleep hides
-            self.mats = [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)]
+        elif prefill_ms > 0 and forward in ("gemm", "launches"):
+            # gemm: matrix multiplies on P's intra-op threads, the GIL released while they
+            # run: a send's threads on those cores take time from the forward pass, which a
+            # sleep hides. launches: the host side of a GPU prefill, Python between calls
+            # that let go of the GIL for a moment (kernel launches), which keeps the GIL
+            # from the broker client's loop most of the time
+            if forward == "gemm":
+                self.mats = [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)]
+            else:
+                self.mats, self._op = [torch.zeros(16) for _ in range(3)], self._launch
             for _ in range(20):  # warm: the first ones take longer
-                self._gemm()
+                self._op()
             t0 = time.perf_counter()
             for _ in range(50):
-                self._gemm()
-            mm = (time.perf_counter() - t0) * 1e3 / 50
-            self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
+                self._op()
+            op_ms = (time.perf_counter() - t0) * 1e3 / 50
+            self.layer_gemms = max(1, round(prefill_ms / LAYERS / op_ms))
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
@@ -208,11 +215,20 @@ class _Engine:
         a, b, out = self.mats
         torch.mm(a, b, out=out)
 
+    def _launch(self) -> None:
+        """About what a kernel launch costs a GPU prefill's host thread: Python, then a
+        call that releases the GIL and takes it back at once."""
+        x = 0
+        for i in range(200):
+            x += i
+        a, _, out = self.mats
+        torch.add(a, 1, out=out)
+
     def layer(self) -> None:
         """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
         if self.layer_gemms:
             for _ in range(self.layer_gemms):
-                self._gemm()
+                self._op()
         elif self.layer_cycles:
             torch.cuda._sleep(self.layer_cycles)
         elif self.layer_s:
@@ -678,10 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-ms", type=float, default=0.0,
                     help="P's forward pass, ms spread over its layers before each save_kv_layer (GPU time on nccl; "
                          "on tcp a sleep, the GIL released as torch's CPU kernels release it)")
-    ap.add_argument("--forward", default="sleep", choices=("sleep", "gemm"),
+    ap.add_argument("--forward", default="sleep", choices=("sleep", "gemm", "launches"),
                     help="with --prefill-ms: P's forward pass as a sleep (a kernel on nccl: GPU time that leaves "
                          "the SMs free) or as matrix multiplies, as a real prefill's (bf16 on every SM; float32 "
-                         "on P's intra-op threads on tcp)")
+                         "on P's intra-op threads on tcp); tcp: launches, Python between calls that release the "
+                         "GIL for a moment, as a GPU prefill's host thread runs")
     ap.add_argument("--p-cpus", default="",
                     help="tcp: bind P's engine thread and OpenMP threads to these CPUs (\"0\", \"0-5\"), as "
                          "vLLM's CPU backend binds a worker, before P imports torch")
@@ -712,6 +729,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    if args.forward == "launches" and args.transport == "nccl":
+        print("--forward launches models a GPU prefill's host thread on the CPU: use it with --transport tcp "
+              "(on a GPU the forward pass's kernels are launched for real with --forward gemm)", file=sys.stderr)
+        return 2
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,

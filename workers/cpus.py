@@ -68,12 +68,16 @@ class Host:
     bound: the CPUs the worker's threads are bound to now, all of them together.
     nodes: the host's NUMA nodes, each its CPUs (one node where Linux names none).
     omp_bind: `VLLM_CPU_OMP_THREADS_BIND` ("auto" where unset).
+    omp_placed: the OpenMP runtime was told where its threads go (`OMP_PLACES`,
+        `GOMP_CPU_AFFINITY` or `KMP_AFFINITY` in the environment, as vLLM's binding sets
+        them); else whatever bound the worker (`taskset` on it alone) was not vLLM.
     """
 
     allowed: frozenset[int]
     bound: frozenset[int]
     nodes: tuple[frozenset[int], ...]
     omp_bind: str = AUTO
+    omp_placed: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,8 @@ def thread_cpus(setting: str | frozenset[int], host: Host) -> Placement:
     """Where the connector's threads should run, for the `thread_cpus` setting.
 
     "inherit": where the worker's thread that starts them runs. A CPU list: there. "auto":
-    where vLLM's own CPU binding ("auto") left CPUs of the worker's NUMA nodes out of its
-    threads, there (the core it keeps for a KV connector, and any others it left, such as
+    where vLLM's own CPU binding ("auto", placing the OpenMP threads through the
+    environment) left CPUs of the worker's NUMA nodes out of its threads, there (the core it keeps for a KV connector, and any others it left, such as
     a bound core's second hyperthread); else inherit. With cores named by hand
     (`VLLM_CPU_OMP_THREADS_BIND=0-7`), other instances may compute on every core not
     named, so only a list given here moves the threads.
@@ -116,6 +120,9 @@ def thread_cpus(setting: str | frozenset[int], host: Host) -> Placement:
     if host.omp_bind != AUTO:
         return Placement(None, "VLLM_CPU_OMP_THREADS_BIND names this worker's cores: set thread_cpus to a core "
                                "left out of every instance's list")
+    if not host.omp_placed:  # bound by someone else (taskset on this process): their choice stands
+        return Placement(None, "this worker's OpenMP threads were not placed (no OMP_PLACES, GOMP_CPU_AFFINITY "
+                               "or KMP_AFFINITY)")
     local = frozenset().union(*(node for node in host.nodes if node & host.bound)) or host.allowed
     free = (host.allowed & local) - host.bound
     if not free:
@@ -154,7 +161,9 @@ def read_host() -> Host:
                 with open(os.path.join(root, name, "cpulist")) as f, contextlib.suppress(ValueError):
                     nodes.append(parse_cpu_list(f.read().strip()))
     omp_bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", AUTO).strip() or AUTO
-    return Host(allowed=allowed, bound=frozenset(bound), nodes=tuple(nodes) or (allowed,), omp_bind=omp_bind)
+    omp_placed = any(os.environ.get(k) for k in ("OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"))
+    return Host(allowed=allowed, bound=frozenset(bound), nodes=tuple(nodes) or (allowed,), omp_bind=omp_bind,
+                omp_placed=omp_placed)
 
 
 @contextlib.contextmanager

@@ -21,14 +21,20 @@ pytestmark = [
 ]
 
 
-def run_bound_worker(broker: BrokerProcess, setting: str) -> tuple[frozenset[int], frozenset[int], dict]:
-    """(the core the child's OpenMP threads are bound to, the child's main thread's CPUs, its threads)."""
+def run_bound_worker(broker: BrokerProcess, setting: str, *, by: str = "openmp",
+                     ) -> tuple[frozenset[int], frozenset[int], dict]:
+    """(the core the child's engine thread is bound to, the child's main thread's CPUs, its
+    threads). `by`: "openmp", as vLLM binds a worker; "taskset", the child alone bound from
+    outside (its OpenMP runtime told nothing)."""
     omp = min(os.sched_getaffinity(0))
     child_env = env()
-    child_env.update({"OMP_PLACES": f"{{{omp}}}", "OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "1"})
-    child_env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's default: it binds the worker itself
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
+        child_env.pop(key, None)  # vLLM's default: it binds the worker itself
+    if by == "openmp":
+        child_env.update({"OMP_PLACES": f"{{{omp}}}", "OMP_PROC_BIND": "true", "OMP_NUM_THREADS": "1"})
     out = subprocess.run([sys.executable, "tests/connector/thread_cpus_child.py", broker.endpoint, setting],
-                         cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=child_env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, {omp})) if by == "taskset" else None)
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("THREADS "))[8:])
     return frozenset({omp}), parse_cpu_list(report["main"]), report["threads"]
@@ -56,6 +62,15 @@ def test_the_connectors_threads_run_on_the_cores_vllms_binding_left_free(broker:
 def test_inherit_leaves_them_on_the_forward_passs_core(broker: BrokerProcess) -> None:
     """The twin: what every connector thread did before, and still does when told to."""
     omp, main, threads = run_bound_worker(broker, "inherit")
+    assert main == omp
+    ours = started_by_the_connector(threads)
+    assert ours and all(cpus == omp for cpus in ours.values()), ours
+
+
+def test_auto_leaves_a_worker_bound_from_outside_where_it_was_bound(broker: BrokerProcess) -> None:
+    """A worker run under `taskset` alone: its parent may use more CPUs, but nothing left
+    them for the connector, so its threads stay inside the binding."""
+    omp, main, threads = run_bound_worker(broker, "auto", by="taskset")
     assert main == omp
     ours = started_by_the_connector(threads)
     assert ours and all(cpus == omp for cpus in ours.values()), ours

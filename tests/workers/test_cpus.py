@@ -15,8 +15,8 @@ NODES = (frozenset(range(0, 8)), frozenset(range(8, 16)))
 ALL = NODES[0] | NODES[1]
 
 
-def host(bound: set[int], *, allowed: frozenset[int] = ALL, omp_bind: str = AUTO) -> Host:
-    return Host(allowed=allowed, bound=frozenset(bound), nodes=NODES, omp_bind=omp_bind)
+def host(bound: set[int], *, allowed: frozenset[int] = ALL, omp_bind: str = AUTO, omp_placed: bool = True) -> Host:
+    return Host(allowed=allowed, bound=frozenset(bound), nodes=NODES, omp_bind=omp_bind, omp_placed=omp_placed)
 
 
 def test_auto_takes_the_cores_vllm_kept_out_of_this_ranks_threads_on_its_own_node() -> None:
@@ -45,6 +45,14 @@ def test_auto_moves_nothing_unless_vllm_chose_the_cores_itself(omp_bind: str) ->
     placement = thread_cpus(AUTO, host(set(range(0, 6)), omp_bind=omp_bind))
     assert placement.cpus is None
     assert "VLLM_CPU_OMP_THREADS_BIND" in placement.reason
+
+
+def test_auto_leaves_a_binding_that_openmp_was_not_told_of_alone() -> None:
+    """`taskset` on the worker alone: its parent may use more CPUs, but they were not
+    left for the connector, and the user's choice stands."""
+    placement = thread_cpus(AUTO, host(set(range(0, 6)), omp_placed=False))
+    assert placement.cpus is None
+    assert "OMP_PLACES" in placement.reason
 
 
 def test_a_list_is_taken_as_given_and_inherit_moves_nothing() -> None:
@@ -82,7 +90,8 @@ def test_auto_never_puts_the_threads_on_the_workers_cores_nor_off_its_nodes(data
     every = frozenset(range(n))
     allowed = data.draw(st.sets(st.sampled_from(sorted(every)), min_size=1), label="allowed")
     bound = data.draw(st.sets(st.sampled_from(sorted(allowed)), min_size=1), label="bound")
-    placement = thread_cpus(AUTO, Host(allowed=frozenset(allowed), bound=frozenset(bound), nodes=nodes))
+    placement = thread_cpus(AUTO, Host(allowed=frozenset(allowed), bound=frozenset(bound), nodes=nodes,
+                                       omp_placed=True))
     if placement.cpus is None:
         # nothing left on the worker's nodes
         assert not {c for node in nodes if node & bound for c in node} & (allowed - bound)

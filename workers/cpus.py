@@ -97,10 +97,11 @@ def thread_cpus(setting: str | frozenset[int], host: Host) -> Placement:
 
     "inherit": where the worker's thread that starts them runs. A CPU list: there. "auto":
     where vLLM's own CPU binding ("auto", placing the OpenMP threads through the
-    environment) left CPUs of the worker's NUMA nodes out of its threads, there (the core it keeps for a KV connector, and any others it left, such as
-    a bound core's second hyperthread); else inherit. With cores named by hand
-    (`VLLM_CPU_OMP_THREADS_BIND=0-7`), other instances may compute on every core not
-    named, so only a list given here moves the threads.
+    environment) left CPUs of the worker's NUMA nodes out of its threads, there (the core
+    it keeps for a KV connector, and any others it left, such as a bound core's second
+    hyperthread); else inherit. With cores named by hand (`VLLM_CPU_OMP_THREADS_BIND=0-7`),
+    other instances may compute on every core not named, so only a list given here moves
+    the threads.
 
     Raises:
         PlacementError: a list that names CPUs outside `host.allowed`.
@@ -143,8 +144,7 @@ def read_host() -> Host:
     if not hasattr(os, "sched_getaffinity"):
         everything = frozenset(range(os.cpu_count() or 1))
         return Host(everything, everything, (everything,))
-    own = _affinity(0)
-    bound: set[int] = set(own)
+    bound: set[int] = set(_affinity(0))  # this thread's, where /proc cannot be read
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError):  # the thread ended meanwhile

@@ -61,7 +61,7 @@ Once per prompt length, D's blocks are compared with P's. Prints a table; `--jso
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
        [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
@@ -161,7 +161,7 @@ class _Engine:
         self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
         self.step_on_gpu = self.gpu and step_on == "gpu"
-        self.cycles = self.layer_cycles = self.layer_gemms = 0
+        self.cycles = self.layer_cycles = self.layer_ops = 0
         self._op: Callable[[], None] = self._gemm  # `--forward gemm` or `launches`: one step of a layer
         self.prefill_ms = 0.0  # the forward pass's time (`layer` x the layers), as first measured here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
@@ -176,7 +176,7 @@ class _Engine:
                 # kernels' programs beside them cost shows up, which a sleep kernel hides
                 self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
                 mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
-                self.layer_gemms = max(1, round(prefill_ms / LAYERS / mm))
+                self.layer_ops = max(1, round(prefill_ms / LAYERS / mm))
         elif prefill_ms > 0 and forward in ("gemm", "launches"):
             # gemm: matrix multiplies on P's intra-op threads, the GIL released while they
             # run: a send's threads on those cores take time from the forward pass, which a
@@ -193,7 +193,7 @@ class _Engine:
             for _ in range(50):
                 self._op()
             op_ms = (time.perf_counter() - t0) * 1e3 / 50
-            self.layer_gemms = max(1, round(prefill_ms / LAYERS / op_ms))
+            self.layer_ops = max(1, round(prefill_ms / LAYERS / op_ms))
         elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
@@ -202,9 +202,9 @@ class _Engine:
         """The forward pass alone (every layer's share, no saves), ms: GPU time on a GPU.
         Measured again before each timed request, so a clock that drifts during the run
         moves the baseline and the request alike."""
-        if self.gpu and (self.layer_cycles or self.layer_gemms):
+        if self.gpu and (self.layer_cycles or self.layer_ops):
             return gpu_ms(lambda: [self.layer() for _ in NAMES], runs=1)
-        if not self.layer_s and not self.layer_gemms:
+        if not self.layer_s and not self.layer_ops:
             return 0.0
         t0 = time.perf_counter()
         for _ in NAMES:
@@ -226,8 +226,8 @@ class _Engine:
 
     def layer(self) -> None:
         """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
-        if self.layer_gemms:
-            for _ in range(self.layer_gemms):
+        if self.layer_ops:
+            for _ in range(self.layer_ops):
                 self._op()
         elif self.layer_cycles:
             torch.cuda._sleep(self.layer_cycles)

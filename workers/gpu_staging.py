@@ -516,6 +516,10 @@ def _record_event(stream: Any) -> torch.cuda.Event:
     return event
 
 
+def _event_ran(event: torch.cuda.Event) -> bool:
+    return event.query()
+
+
 class StepLayers:
     """A step's layers as its gathers are enqueued on the compute stream (`gathered`),
     counted in order: the `LayerFeed` that block sends posted during the forward pass
@@ -531,12 +535,18 @@ class StepLayers:
     first: the event comes after every gather before it in stream order, and a send
     skips layers it has launched already.
 
-    `record(stream)` makes the event (injected by the CPU tests, which have no CUDA)."""
+    Groups whose gathers the GPU has already run go in one launch, behind the latest of
+    their events: a send that starts after a short forward pass (no prefill to overlap)
+    is one launch, not one a group, each of them host time on the client's loop.
 
-    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event) -> None:
+    `record(stream)` makes the event and `ran(event)` asks whether it completed
+    (injected by the CPU tests, which have no CUDA)."""
+
+    def __init__(self, num_layers: int, *, record: Callable[[Any], Any] = _record_event,
+                 ran: Callable[[Any], bool] = _event_ran) -> None:
         self.num_layers = num_layers
         self._ends = layer_groups(num_layers)
-        self._record = record
+        self._record, self._ran = record, ran
         self._lock = threading.Lock()  # the forward pass's thread counts; the broker client's loop follows
         self._done: set[int] = set()
         self._prefix = 0  # layers [0, prefix) are gathered
@@ -570,11 +580,16 @@ class StepLayers:
                 log.error("transfer.launch_failed", layers=end, error=repr(exc))
 
     def follow(self, send: LayerSend) -> None:
-        """`send` is launched for each group reached now, and then as each is."""
+        """`send` is launched up to each group reached now (in one launch for those the
+        GPU has run), and then as each is."""
         with self._lock:
             reached = list(self._reached)
             if not reached or reached[-1][0] < self.num_layers:
                 self._followers.append(send)
+        for k in range(len(reached) - 1, 0, -1):  # the latest group already run, and those after it
+            if self._ran(reached[k][1]):
+                reached = reached[k:]
+                break
         for end, event in reached:
             send.launch(end, event)
 

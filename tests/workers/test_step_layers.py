@@ -4,7 +4,8 @@ every layer it copies (the seed's invariant, on the GPU), a send must end up lau
 whole once the step gathered every layer, and the forward pass's thread must never
 see a launch's error. On a GPU, tests/gpu/test_connector_nccl.py runs the same with real
 events, copies and an unsafe twin; here the events are tokens of what the compute
-stream had gathered when each was recorded."""
+stream had gathered when each was recorded, and an event has run once the GPU ran every
+gather in it."""
 
 from __future__ import annotations
 
@@ -16,15 +17,24 @@ from workers.gpu_staging import StepLayers, layer_groups
 
 
 class Stream:
-    """The compute stream: which layers' gathers are enqueued on it so far."""
+    """The compute stream: which layers' gathers are enqueued on it so far, and which of
+    them the GPU has run (none unless a test says so: the host runs ahead)."""
 
     def __init__(self) -> None:
         self.gathered: set[int] = set()
+        self.ran: set[int] = set()
+
+    def record(self, stream: Stream) -> frozenset[int]:
+        """An event on `stream`: it completes after every gather enqueued before it."""
+        return frozenset(stream.gathered)
+
+    def has_run(self, event: frozenset[int]) -> bool:
+        return event <= self.ran
 
 
-def record(stream: Stream) -> frozenset[int]:
-    """An event on `stream`: it completes after every gather enqueued before it."""
-    return frozenset(stream.gathered)
+def step_on(num_layers: int) -> tuple[StepLayers, Stream]:
+    stream = Stream()
+    return StepLayers(num_layers, record=stream.record, ran=stream.has_run), stream
 
 
 class Send:
@@ -64,9 +74,11 @@ def test_every_launch_waits_for_the_gathers_of_the_layers_it_copies(num_layers: 
     launch per group."""
     order = data.draw(st.permutations(range(num_layers)))
     joins = data.draw(st.lists(st.integers(0, num_layers), min_size=1, max_size=4))  # after that many gathers
-    step, stream = StepLayers(num_layers, record=record), Stream()
+    step, stream = step_on(num_layers)
     sends: list[Send] = []
     for k in range(num_layers + 1):
+        # the GPU runs the gathers in stream order, behind the host
+        stream.ran.update(order[: data.draw(st.integers(len(stream.ran), k))])
         for _ in range(joins.count(k)):
             sends.append(Send())
             step.follow(sends[-1])
@@ -85,7 +97,7 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
     """The host runs ahead of the GPU: when the Go comes, every layer's gathers may be
     enqueued while few have run. Each group is then launched behind its own event, so
     the copy still moves as the forward pass computes, not all of it after."""
-    step, stream = StepLayers(32, record=record), Stream()
+    step, stream = step_on(32)
     for layer in range(20):
         gather(step, stream, layer)
     send = Send()
@@ -100,10 +112,31 @@ def test_a_send_that_follows_late_still_copies_each_group_behind_its_own_gathers
             (16, 16), (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
 
 
+def test_a_send_that_follows_once_the_gpu_ran_the_gathers_is_one_launch() -> None:
+    """Without a prefill to overlap, the send starts after the GPU ran every gather:
+    one launch, not one a group (each is host time on the client's loop). Groups not run
+    yet are still launched each behind its own event."""
+    step, stream = step_on(32)
+    for layer in range(32):
+        gather(step, stream, layer)
+    stream.ran.update(range(32))
+    send = Send()
+    step.follow(send)
+    assert [(layers, len(after or ())) for layers, after in send.launches] == [(32, 32)]
+    step, stream = step_on(32)
+    for layer in range(32):
+        gather(step, stream, layer)
+    stream.ran.update(range(25))  # up to the second group's end (24), not the third's (28)
+    send = Send()
+    step.follow(send)
+    assert [(layers, len(after or ())) for layers, after in send.launches] == [
+        (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
+
+
 def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
     """Its transfers are aborted (their sends end with the communicator); no launch may
     copy the missing layer's staging, which nothing wrote."""
-    step, stream = StepLayers(4, record=record), Stream()
+    step, stream = step_on(4)
     send = Send()
     step.follow(send)
     for layer in (0, 1, 3):
@@ -115,7 +148,7 @@ def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:
 
 
 def test_a_launch_that_fails_in_the_forward_pass_is_not_raised_into_it() -> None:
-    step, stream = StepLayers(2, record=record), Stream()
+    step, stream = step_on(2)
     broken, fine = Send(fail=True), Send()
     step.follow(broken)
     step.follow(fine)

@@ -60,7 +60,7 @@ from protocols.errors import TransferFailed
 from protocols.messages import Abort, Go, Release
 from workers.gpu_staging import StepLayers, current_stream, layers_in_order
 from workers.groups import GroupRows, gather_layer_rows
-from workers.layout import gather_layer_into_staging, staging_view, wire_layout
+from workers.layout import StepGather, gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import SourceInUse, TcpSender, byte_view
 
@@ -122,6 +122,7 @@ class _Group:
     ids: torch.Tensor | None = None  # with `PagedKv`: `block_ids` on the GPU
     words: torch.Tensor | None = None  # with `PagedKv`: the staging pool as words
     offset: int = 0  # with `PagedKv`: the first member's staged bytes, in words into `words`
+    gather: StepGather | None = None  # else, from the registered caches (`CacheRows`)
 
     @cached_property
     def staging(self) -> torch.Tensor:
@@ -240,6 +241,8 @@ class ProducerSide:
             if self._pool_words is None:
                 self._pool_words = w.pool.tensor.view(paged.word)
             group.ids, group.words, group.offset = ids, self._pool_words, parts[0].offset // paged.word.itemsize
+        else:
+            group.gather = w.rows.step(group.staging, block_ids)
         self._group = group
         return out
 
@@ -319,7 +322,8 @@ class ProducerSide:
         layout = self.w.layouts[layer_name]
         # The registered cache on a GPU: the transport's kernel, about ten times the rate
         # of an index_select into the strided staging rows (`ConnectorWorker._triton_copies`).
-        paged = self.w.paged if kv_layer is self.w.caches.get(layer_name) else None
+        registered = kv_layer is self.w.caches.get(layer_name)
+        paged = self.w.paged if registered else None
         group = self._group
         failed: list[tuple[str, Exception]] = []  # never raised into vLLM's forward pass
         for tid, staged in self._step:
@@ -342,7 +346,9 @@ class ProducerSide:
             try:
                 if paged is not None and group.ids is not None and group.words is not None:
                     paged.gather_layer_at(idx, group.ids, group.words, group.offset)
-                else:  # the CPU, or this layer handed over as another tensor than the one registered
+                elif registered and group.gather is not None:  # the CPU
+                    group.gather.layer(idx)
+                else:  # this layer handed over as another tensor than the one registered
                     gather_layer_into_staging(group.staging, idx, kv_layer, layout, group.block_ids)
             except Exception as exc:
                 failed += [(tid, exc) for tid, staged in self._step if staged.grouped]  # the group's members

@@ -68,7 +68,7 @@ from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 from workers.cpus import PlacementError, format_cpu_list, read_host, thread_cpus, threads_started_on
 from workers.gpu_staging import PagedKv
 from workers.groups import KvGroups
-from workers.layout import CachePlaces, CacheSpec, LayerLayout, detect_layout
+from workers.layout import CachePlaces, CacheRows, CacheSpec, LayerLayout, detect_layout
 from workers.pool import BufferPool
 
 from .config import ConfigError, ConnectorConfig, EngineInfo, read_secret_key
@@ -173,6 +173,7 @@ class ConnectorWorker:
         self.caches: dict[str, torch.Tensor] = {}
         self.staged_layers: list[tuple[torch.Tensor, LayerLayout]] = []  # (cache, layout) in staged order
         self.places = CachePlaces([])
+        self.rows = CacheRows([])
         self.paged: PagedKv | None = None  # GPU caches: the transport's copy kernel moves the blocks
         self.block_nbytes = 0
         self.chunk_nbytes = 0  # the unit nccl cuts a transfer into chunks at (`nccl_link.chunks`)
@@ -243,6 +244,7 @@ class ConnectorWorker:
         self.chunk_nbytes = self.block_nbytes if hybrid else len(self.layers) * self.block_nbytes
         self.staged_layers = [(self.caches[name], self.layouts[name]) for name in self.layers]
         self.places = CachePlaces(self.staged_layers)  # where a tcp receive lands in a CPU cache
+        self.rows = CacheRows(self.staged_layers)  # where a save's copies read it, without the copy kernel
         if hybrid:
             self.groups = KvGroups(layer_group=tuple(self.info.layer_groups[n] for n in self.layers),
                                    windows=self.info.windows, block_size=self.info.block_size)

@@ -62,6 +62,7 @@ from protocols.messages import Layout
 
 __all__ = [
     "CachePlaces",
+    "CacheRows",
     "CacheSpec",
     "LayerLayout",
     "LayoutError",
@@ -74,6 +75,7 @@ __all__ = [
     "scatter_layer_from_staging",
     "scatter_layers_from_staging",
     "staging_view",
+    "StepGather",
     "tail",
     "tail_range",
     "wire_layout",
@@ -293,6 +295,64 @@ def scatter_layers_from_staging(
             if layout == first:
                 word = rows.dtype
         rows.index_copy_(0, idx, data)
+
+
+class CacheRows:
+    """Where P's copies of a step read a cache: each registered layer's blocks as rows of
+    the widest integer word its bytes allow (`_blocks`, `_as_words`), worked out once per
+    cache (`register_kv_caches`). A step's gather of a layer is then one `index_select`
+    into its staging (`StepGather`), with no views, checks or index tensor made for each
+    layer: per layer (`gather_layer_into_staging`) those took 60-90 us of the forward
+    pass's host time a save, of 110-120, on a 2-core VM (docs/PERFORMANCE.md).
+
+    `rows` is None where the layers' rows differ in shape or word (they are then copied
+    one call a layer)."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, LayerLayout]]) -> None:
+        self.rows: list[torch.Tensor] | None = None
+        try:
+            rows = [_as_words(_blocks(cache, layout))[0] for cache, layout in layers]
+        except LayoutError:  # each save's copy names it
+            return
+        if len({(r.dtype, tuple(r.shape[1:]), r.device) for r in rows}) == 1:
+            self.rows = rows
+            bound = min(layout.num_blocks for _, layout in layers)
+            self._layout = replace(layers[0][1], num_blocks=bound)  # what block ids are checked against
+
+    def step(self, staging: torch.Tensor, block_ids: BlockIds) -> StepGather | None:
+        """The gathers of a step's blocks `block_ids` into block-major `staging` (``[n,
+        layers, block_nbytes]`` uint8, see `staging_view`); None where its bytes do not
+        take the caches' word (then copy one call a layer, which names what is wrong)."""
+        if self.rows is None or staging.dtype != torch.uint8 or staging.dim() != 3 \
+                or staging.shape[1] != len(self.rows):
+            return None
+        first = self.rows[0]
+        k = first.element_size()
+        if staging.shape[2] % k or staging.storage_offset() % k or staging.stride(1) % k or staging.stride(0) % k \
+                or staging.stride(2) != 1 or staging.device != first.device:
+            return None
+        tail = tuple(first.shape[1:])
+        if staging.shape[2] // k != _prod(tail):
+            return None
+        try:
+            idx = _index(block_ids, self._layout, first.device, unique=False)
+        except LayoutError:
+            return None
+        if len(idx) != staging.shape[0]:
+            return None
+        into = staging.view(first.dtype).view(staging.shape[0], staging.shape[1], *tail).unbind(1)
+        return StepGather(self.rows, idx, into)
+
+
+class StepGather:
+    """One step's copies of its blocks, layer by layer, into its staging (`CacheRows.step`)."""
+
+    def __init__(self, rows: list[torch.Tensor], idx: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+        self._rows, self._idx, self._into = rows, idx, into
+
+    def layer(self, layer_idx: int) -> None:
+        """Copy layer `layer_idx` of the step's blocks into its staging: one `index_select`."""
+        torch.index_select(self._rows[layer_idx], 0, self._idx, out=self._into[layer_idx])
 
 
 class CachePlaces:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from workers.layout import (
     CachePlaces,
+    CacheRows,
     CacheSpec,
     LayerLayout,
     LayoutError,
@@ -304,6 +305,61 @@ def test_every_layer_at_once_writes_what_one_layer_at_a_time_does(
     scatter_layers_from_staging(staging, [(c, layout) for c in caches], ids)
     for got, expected in zip(caches, want, strict=True):
         assert got.view(torch.uint8).numpy().tobytes() == expected.view(torch.uint8).numpy().tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(**LAYER_CASES, repeat=st.booleans(), at=st.integers(0, 3))
+def test_a_steps_gathers_worked_out_once_copy_what_one_call_a_layer_does(
+    kind: str, dtype: torch.dtype, num_layers: int, ids: list[int], views: bool, seed: int, repeat: bool, at: int
+) -> None:
+    """`CacheRows.step` (P's copies of a step on a CPU) writes into staging the bytes that
+    `gather_layer_into_staging` writes, layer by layer, whatever the layout, word, block
+    ids (a repeated id too) and where in its buffer the staging starts, and nothing else
+    of the buffer; where the staging's bytes do not take the caches' word, it declines."""
+    gen = torch.Generator().manual_seed(seed)
+    caches, layout = layer_caches(kind, dtype, num_layers, views, gen)
+    if repeat:
+        ids = [*ids, ids[0]]
+    rows = CacheRows([(c, layout) for c in caches])
+    assert rows.rows is not None
+    nbytes = len(ids) * num_layers * layout.block_nbytes
+    want_buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    want = staging_view(want_buf, len(ids), num_layers, layout.block_nbytes)
+    for layer, cache in enumerate(caches):
+        gather_layer_into_staging(want, layer, cache, layout, ids)
+    # the staging `at` bytes into a larger buffer, as a lease is into the pool
+    buf = torch.randint(0, 256, (nbytes + 16,), dtype=torch.uint8, generator=gen)
+    before = buf.clone()
+    staging = staging_view(buf[at : at + nbytes], len(ids), num_layers, layout.block_nbytes)
+    step = rows.step(staging, ids)
+    word = rows.rows[0].element_size()
+    if at % word:
+        assert step is None
+        return
+    assert step is not None
+    for layer in range(num_layers):
+        step.layer(layer)
+    assert buf[at : at + nbytes].numpy().tobytes() == want_buf.numpy().tobytes()
+    assert torch.equal(buf[:at], before[:at]) and torch.equal(buf[at + nbytes :], before[at + nbytes :])
+
+
+def test_a_steps_gathers_decline_what_one_call_a_layer_must_name() -> None:
+    """Ids outside the cache, staging of another shape or dtype, layers of other rows:
+    no plan, so the per-layer copy raises its own clear error."""
+    gen = torch.Generator().manual_seed(0)
+    caches, layout = layer_caches("cpu", torch.bfloat16, 2, False, gen)
+    rows = CacheRows([(c, layout) for c in caches])
+    staging = staging_view(torch.zeros(2 * 2 * layout.block_nbytes, dtype=torch.uint8), 2, 2, layout.block_nbytes)
+    assert rows.step(staging, [0, 1]) is not None
+    assert rows.step(staging, [0, 12]) is None  # 12 blocks: id 12 is outside
+    assert rows.step(staging, [0]) is None  # two staged blocks, one id
+    assert rows.step(staging.view(torch.int16), [0, 1]) is None
+    assert rows.step(staging_view(torch.zeros(2 * 3 * layout.block_nbytes, dtype=torch.uint8), 2, 3,
+                                  layout.block_nbytes), [0, 1]) is None  # three layers staged, two registered
+    other_spec = spec_for("cpu", head_size=4)
+    other = torch.zeros(shape_for("cpu", 12, other_spec), dtype=torch.bfloat16)
+    assert CacheRows([(caches[0], layout), (other, detect_layout(other, other_spec))]).rows is None
+    assert CacheRows([]).rows is None
 
 
 def test_every_layer_at_once_checks_ids_and_layers() -> None:

@@ -302,8 +302,9 @@ class CacheRows:
     the widest integer word its bytes allow (`_blocks`, `_as_words`), worked out once per
     cache (`register_kv_caches`). A step's gather of a layer is then one `index_select`
     into its staging (`StepGather`), with no views, checks or index tensor made for each
-    layer: per layer (`gather_layer_into_staging`) those took 60-90 us of the forward
-    pass's host time a save, of 110-120, on a 2-core VM (docs/PERFORMANCE.md).
+    layer: made per layer (`gather_layer_into_staging`), they held a save of one block
+    at 86-120 us of the forward pass's host time on a 2-core VM, against 36-37 us now
+    (docs/PERFORMANCE.md).
 
     `rows` is None where the layers' rows differ in shape or word (they are then copied
     one call a layer)."""

@@ -53,6 +53,8 @@ TARGETS: dict[str, dict[str, list[str]]] = {
                                          "_post_blocks", "ticket_at", "posts_first"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
+    "workers.transports.tcp": {"TcpSender": ["_send", "_checkout"]},
+    "workers.transports.tcp_receiver": {"TcpReceiver": ["expect", "_read_header", "_receive"]},
     "workers.transports.cuda_ipc": {
         "IpcCommunicator": ["post_blocks", "send_blocks", "_posted", "_publish_layers", "_wait_room", "_descriptor",
                             "_layers_of", "_send_stream", "send_ready", "next_receive_takes_blocks",

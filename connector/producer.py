@@ -92,6 +92,7 @@ class _Staged:
     event: torch.cuda.Event | None = None  # nccl: recorded after the step's gathers; the send waits on it
     waiter: anyio.Event | None = None  # made by an early Go on the loop; set once complete or dead
     grouped: bool = False  # gathered with the rest of its step's group (`_Group`), one kernel a layer
+    gather: StepGather | None = None  # not grouped, without the copy kernel: from the registered caches
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
     # nccl: the decode peer and communicator of a send started on D's receive, seen before
     # the Go came (`_go_on_receive`): that Go, when it comes, sends nothing again
@@ -287,7 +288,10 @@ class ProducerSide:
             ids = w.paged.block_ids(spec.block_ids) if w.paged is not None else None
         except ValueError:  # ids outside the cache: the torch copy names them in save_kv_layer
             ids = None
-        return _Staged(spec=spec, lease=lease, shape=shape, created=time.monotonic(), ids=ids, rows=rows)
+        staged = _Staged(spec=spec, lease=lease, shape=shape, created=time.monotonic(), ids=ids, rows=rows)
+        if w.paged is None and rows is None:
+            staged.gather = w.rows.step(staged.staging, spec.block_ids)
+        return staged
 
     def _duplicate(self, tid: str, old: _Staged, spec: SaveSpec) -> None:
         """A transfer_id that is still staged arrives again (a proxy retry, or a proxy bug).
@@ -336,6 +340,8 @@ class ProducerSide:
                 elif staged.rows is not None and self.w.groups is not None:  # this layer's group's blocks
                     ids = staged.spec.groups[self.w.groups.layer_group[idx]]
                     gather_layer_rows(staged.staging, staged.rows, idx, kv_layer, layout, ids)
+                elif registered and staged.gather is not None:
+                    staged.gather.layer(idx)
                 else:
                     gather_layer_into_staging(staged.staging, idx, kv_layer, layout, staged.spec.block_ids)
             except Exception as exc:

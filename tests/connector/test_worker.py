@@ -1394,6 +1394,43 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
         d.close()
 
 
+def test_a_save_staged_on_its_own_is_copied_from_the_caches_worked_out_once(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that is not staged with the rest of its step (here: the step also repeats a
+    transfer still staged, so each is leased on its own) is copied one `index_select` a
+    layer from the registered caches too (`CacheRows`), and D gets its blocks; a layer
+    handed over as another tensor than the registered one is copied the long way."""
+    from connector import producer
+
+    per_layer: list[str] = []
+    real = producer.gather_layer_into_staging
+    monkeypatch.setattr(producer, "gather_layer_into_staging",
+                        lambda staging, idx, *rest: (per_layer.append(str(idx)), real(staging, idx, *rest))[1])
+    pc, dc = make_caches(seed=71), make_caches(seed=72)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc)
+    try:
+        stage(p, pc, "first", [1, 2], decode="d0")  # still staged: no D has it yet
+        assert p.producer is not None and per_layer == []
+        first = SaveSpec(req_id="req-first", block_ids=[1, 2], num_tokens=2 * 32 - 5, decode="d0")
+        alone = SaveSpec(req_id="req-alone", block_ids=[9, 3, 22], num_tokens=3 * 32 - 5, decode="d0")
+        p.bind(KvBrokerMetadata(saves={"first": first, "alone": alone}))
+        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
+        p.save_kv_layer(LAYERS[1], pc[LAYERS[1]].clone())  # not the registered tensor
+        p.wait_for_save()
+        p.clear()
+        assert not p.producer._staged["alone"].grouped and p.producer._staged["alone"].gather is not None
+        assert per_layer == ["1"], "only the layer handed over as another tensor goes one call a layer"
+        load(d, "alone", [40, 41, 42], cached=0)
+        _, errors, _ = run_steps(d, {"req-alone"}, 10)
+        assert errors == set()
+        for n in LAYERS:
+            assert torch.equal(dc[n][[40, 41, 42]], pc[n][[9, 3, 22]])
+    finally:
+        p.close()
+        d.close()
+
+
 def test_a_stopped_client_never_raises_into_the_step(broker: BrokerProcess) -> None:
     pc = make_caches(seed=21)
     p = make_worker(broker.endpoint, "p", "p0", pc)

@@ -67,6 +67,7 @@ __all__ = [
     "LayerLayout",
     "LayoutError",
     "LayoutKind",
+    "StepGather",
     "detect_layout",
     "gather",
     "gather_layer_into_staging",
@@ -75,7 +76,6 @@ __all__ = [
     "scatter_layer_from_staging",
     "scatter_layers_from_staging",
     "staging_view",
-    "StepGather",
     "tail",
     "tail_range",
     "wire_layout",
@@ -329,8 +329,8 @@ class CacheRows:
             return None
         first = self.rows[0]
         k = first.element_size()
-        if staging.shape[2] % k or staging.storage_offset() % k or staging.stride(1) % k or staging.stride(0) % k \
-                or staging.stride(2) != 1 or staging.device != first.device:
+        # the widest word the staging's bytes allow; a wider one allows the narrower too
+        if _as_words(staging)[0].element_size() < k or staging.device != first.device:
             return None
         tail = tuple(first.shape[1:])
         if staging.shape[2] // k != _prod(tail):

@@ -50,12 +50,13 @@ How one op pairs:
   is launched a group of layers at a time (`workers.gpu_staging.StepLayers`), each
   launch behind an event recorded after that group's gathers, by whichever thread
   comes second: the one posting (the layers gathered by then, in one launch for
-  those the GPU has already run) or the forward pass's (the rest). So no program holds an SM while layers are still being computed (one
-  launch whose 32 programs waited on the GPU for each layer added 13 ms to a prefill
-  of matrix multiplies on one H200), and no stream waits for a count that a later host
-  call writes (such a wait can stall, on a hardware queue shared with other streams,
-  the very work that would end it). The gathers stay on the compute stream, so P's
-  blocks may be reused as soon as `save_kv_layer` returns.
+  those the GPU has already run) or the forward pass's (the rest). So no program holds
+  an SM while layers are still being computed (one launch whose 32 programs waited on
+  the GPU for each layer added 13 ms to a prefill of matrix multiplies on one H200),
+  and no stream waits for a count that a later host call writes (such a wait can
+  stall, on a hardware queue shared with other streams, the very work that would end
+  it). The gathers stay on the compute stream, so P's blocks may be reused as soon as
+  `save_kv_layer` returns.
 * Abort: the side that gives up marks the page dead (the peer's host stops waiting for
   its descriptors) and pushes past `ABORT` its own counters, which ends its own GPU
   waits, and the peer's `ready`: a copy reads `ready` first and skips its bytes past it,

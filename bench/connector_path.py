@@ -56,6 +56,11 @@ compares with two GPUs).
                its stream, and on one GPU the sends' copies sharing its memory), and
                `after_forward_end_ms`, from then until D reported the last request
                (the last layers' copies, D's step, its get_finished and scatter).
+               And by where D's idle cycle put the report: `seen_waiting` of the
+               requests were reported by the get_finished that was waiting as the last
+               load landed (`after_prefill_seen_waiting_ms`, their median added), the
+               others by a later step, their landing in the engine's sleep
+               (`after_prefill_next_step_ms`).
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
@@ -140,6 +145,15 @@ def gpu_ms(work: Callable[[], object], runs: int = 3) -> float:
         end.synchronize()
         took.append(begin.elapsed_time(end))
     return statistics.median(took)
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def _seen(n: int, of: int, ms: float | None) -> str:
+    """`n` of the `of` requests, and their median added ms."""
+    return f"{n}/{of} {ms:.2f}" if ms is not None else f"0/{of} -"
 
 
 class _Engine:
@@ -521,6 +535,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         before_sync: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         # the forward pass's stretch over its time alone, and the time after P's host saw it end
         split: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
+        # each request's time less P's forward pass before it, ms: [reported by a later step, by the waiting one]
+        by_step: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
         phase = random.Random(7)  # where in its step D's engine is when P's request starts (`out_of_step`)
         while (msg := conn.recv()) is not None:
@@ -541,6 +557,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
             started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
+            seen_waiting = d.statistics()["seen_waiting"]
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
             while True:  # the engine steps all along, before P's step too (as a busy engine does)
@@ -599,6 +616,10 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 before_sync[tok][1].append(c0 - c1)
                 split[tok][0].append((ended - t0) * 1e3 - forward_ms)
                 split[tok][1].append((t1 - ended) * 1e3)
+                # reported by the idle step that was waiting as the last load landed, or by a
+                # later step (the landing fell in the engine's sleep between steps)
+                waited = d.statistics()["seen_waiting"] > seen_waiting
+                by_step[tok][waited].append(took * 1e3 - forward_ms)
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
@@ -623,6 +644,11 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "before_sync_cpu_ms": round(statistics.median(before_sync[tok][1]) * 1e3, 3),
                          "forward_stretch_ms": round(statistics.median(split[tok][0]), 3),
                          "after_forward_end_ms": round(statistics.median(split[tok][1]), 3),
+                         # where D's idle cycle put the report (an idle engine only): the requests
+                         # whose last landing the waiting get_finished saw, and the others
+                         "seen_waiting": len(by_step[tok][1]),
+                         "after_prefill_seen_waiting_ms": _median_ms(by_step[tok][1]),
+                         "after_prefill_next_step_ms": _median_ms(by_step[tok][0]),
                          **({"d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})
         results.put(rows)
     except BaseException as exc:
@@ -767,12 +793,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"D failed: {rows}", file=sys.stderr)
         return 1
     print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}"
-          f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}{'stretch ms':>12}{'after end ms':>14}")
+          f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}{'stretch ms':>12}{'after end ms':>14}"
+          f"{'seen waiting':>14}{'next step':>11}")
     for r in rows:
         print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
               f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}"
               f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}"
-              f"{r['forward_stretch_ms']:>12.3f}{r['after_forward_end_ms']:>14.3f}")
+              f"{r['forward_stretch_ms']:>12.3f}{r['after_forward_end_ms']:>14.3f}"
+              f"{_seen(r['seen_waiting'], r['iters'], r['after_prefill_seen_waiting_ms']):>14}"
+              f"{_seen(r['iters'] - r['seen_waiting'], r['iters'], r['after_prefill_next_step_ms']):>11}")
     for r in rows:
         if "d_threads" in r:
             print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")

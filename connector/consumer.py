@@ -333,6 +333,8 @@ class ConsumerSide:
                     self._awaiting = True
                     if not self.landed.wait_for(lambda: self._endings != seen, left):
                         return
+                    if not woken:
+                        self.w.counters["seen_waiting"] += 1  # the worker's lock is held: `landed`'s
                     left, woken = min(deadline - time.monotonic(), self.landing_gap_s), True
             finally:
                 self._awaiting = False

@@ -186,10 +186,12 @@ class ConnectorWorker:
         self.meta = KvBrokerMetadata()
         # sent_on_receive: of "sent", those started on D's receive, seen before their Go;
         # done_at_landing: loads whose Done went as they landed in their blocks, before the
-        # engine's get_finished reported them (counted then, as "loaded")
+        # engine's get_finished reported them (counted then, as "loaded"); seen_waiting: idle
+        # steps whose get_finished saw a load land (or fail) while it waited, so reported it
+        # without another engine step
         self.counters = dict.fromkeys(
             ("staged", "offered", "sent", "sent_on_receive", "released", "aborted", "loaded", "done_at_landing",
-             "failed", "bytes"), 0)
+             "seen_waiting", "failed", "bytes"), 0)
         self.producer = ProducerSide(self) if self.is_producer else None
         self.consumer = None if self.is_producer else ConsumerSide(self)
 

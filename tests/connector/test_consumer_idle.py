@@ -98,6 +98,7 @@ def test_an_idle_step_reports_a_load_that_lands_while_it_waits(side: Any) -> Non
     assert side.get_finished(set(), idle=True) == {"req-lands"}
     assert time.monotonic() - started < 30, "the step waited out its bound instead of waking on the landing"
     assert side.landed.waiting.is_set()
+    assert side.w.counters["seen_waiting"] == 1
     t.join(5)
 
 
@@ -115,6 +116,7 @@ def test_an_idle_step_reports_together_the_loads_that_keep_landing(side: Any) ->
     t = _once_waiting(side, land(first), land(second))
     assert side.get_finished(set(), idle=True) == {"req-first", "req-second"}
     assert side.landed.count == 2
+    assert side.w.counters["seen_waiting"] == 1  # one step saw them: counted once
     t.join(5)
 
 
@@ -127,6 +129,7 @@ def test_an_idle_step_that_finds_a_load_landed_reports_it_at_once(side: Any) -> 
         side._received(landed)
     assert side.get_finished(set(), idle=True) == {"req-landed"}
     assert side.landed.count == 0
+    assert side.w.counters["seen_waiting"] == 0  # it landed before the step
 
 
 def test_an_idle_step_reports_a_load_that_fails_while_it_waits(side: Any) -> None:

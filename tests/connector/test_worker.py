@@ -335,6 +335,7 @@ def test_a_load_landing_while_an_idle_step_waits_for_it_is_done_by_that_step(bro
         step.join(20)
         assert reported == [{"req-waited"}]
         assert d.statistics()["loaded"] == 1 and d.statistics()["done_at_landing"] == 0
+        assert d.statistics()["seen_waiting"] == 1
         wait_until(lambda: p.statistics()["released"] == 1, 10, "the release on the Done the step sent")
         for n, t in dc.items():
             assert torch.equal(t[dst], pc[n][src]), n

@@ -27,8 +27,8 @@ compares with two GPUs).
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
                seen within one step (with the step a sleep, D runs no model, so the
-               step's get_finished may wait up to 1 ms for a landing, as in vLLM:
-               `connector.consumer.IDLE_WAIT_S`). Where P and D share one GPU, D's step is a sleep
+               step's get_finished may wait up to 4 ms for a landing, as the connector
+               does in vLLM: `connector.consumer.IDLE_WAIT_S`). Where P and D share one GPU, D's step is a sleep
                (`--step-on host`): two processes time-slice one GPU, so a decode kernel of
                D's would hold up P's forward pass and copies by up to a time slice each
                time, which a D on a GPU of its own never does.

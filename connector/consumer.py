@@ -104,10 +104,12 @@ RECEIVE_GRACE_S = 1.0
 # A step that runs no model (its requests all wait for KV) is followed by vLLM's 1 ms
 # sleep (`EngineCore._process_engine_step`), and a load landing in that sleep is seen
 # only at the next step's get_finished. Such a step's get_finished waits up to this long
-# for a load being received to land, and reports it at once: about the sleep's length,
-# so an idle engine's loop turns at most half as often, and a request arriving meanwhile
-# is scheduled at most that much later.
-IDLE_WAIT_S = 1e-3
+# for a load being received to land, and reports it at once. Four times the sleep: a
+# landing falls in the wait about four times in five rather than one in two (on one H200,
+# 19-20 of 20 requests after a prefill against 2-12 with 1 ms, 0.15-0.3 ms less added at
+# 512 and 2,048 tokens: docs/PERFORMANCE.md). Such an engine has nothing else to run; a
+# request arriving meanwhile is scheduled at most this much later.
+IDLE_WAIT_S = 4e-3
 # Once one load of an idle step has landed, the step waits for the others while they keep
 # landing, each within this long of the last: a step's eight loads landed within 0.1 ms
 # of one another on an H200, and reporting the first alone left the rest for the next step.

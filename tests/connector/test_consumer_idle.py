@@ -82,8 +82,10 @@ def _once_waiting(side: Any, *acts: Callable[[], None]) -> threading.Thread:
     return t
 
 
-def test_the_bound_is_one_idle_engine_step() -> None:
-    assert IDLE_WAIT_S == pytest.approx(1e-3)
+def test_the_bound_is_a_few_of_the_engines_sleeps_and_well_below_a_decode_step() -> None:
+    """Long enough that most landings fall in the wait rather than in vLLM's 1 ms sleep,
+    short enough that a request arriving at an idle engine is not held for long."""
+    assert 2e-3 <= IDLE_WAIT_S <= 5e-3
 
 
 def test_an_idle_step_reports_a_load_that_lands_while_it_waits(side: Any) -> None:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("connector_ms", "after_prefill_ms", "forward_stretch_ms", "after_forward_end_ms")
 
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{base} holds no bench/connector_path.py: check out the base commit there")
     args.out.mkdir(parents=True, exist_ok=True)
     columns = args.columns.split(",")
-    trees = {"base": base, "new": HERE}
+    trees = {"base": base, "new": ROOT}
     runs: dict[str, list[list[dict]]] = {"base": [], "new": []}
     for k in range(args.rounds):
         for arm in ("base", "new") if k % 2 == 0 else ("new", "base"):
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             table.append({"tokens": row["tokens"], "inflight": row["inflight"], "column": col,
                           **{arm: [rows[i][col] for rows in runs[arm]] for arm in ("base", "new")}})
-    print(f"\nmedians of each run, ms; base {base}, new {HERE}; rounds alternate, base first")
+    print(f"\nmedians of each run, ms; base {base}, new {ROOT}; rounds alternate, base first")
     print(f"{'tokens':>7}{'inflight':>9}  {'column':<22}{'base':>28}  {'new':>28}")
     for t in table:
         cells = [" / ".join(f"{v:.2f}" for v in t[arm]) for arm in ("base", "new")]

@@ -24,17 +24,18 @@ class Stream:
         self.gathered: set[int] = set()
         self.ran: set[int] = set()
 
-    def record(self, stream: Stream) -> frozenset[int]:
-        """An event on `stream`: it completes after every gather enqueued before it."""
-        return frozenset(stream.gathered)
-
     def has_run(self, event: frozenset[int]) -> bool:
         return event <= self.ran
 
 
+def record(stream: Stream) -> frozenset[int]:
+    """An event on `stream`: it completes after every gather enqueued before it."""
+    return frozenset(stream.gathered)
+
+
 def step_on(num_layers: int) -> tuple[StepLayers, Stream]:
     stream = Stream()
-    return StepLayers(num_layers, record=stream.record, ran=stream.has_run), stream
+    return StepLayers(num_layers, record=record, ran=stream.has_run), stream
 
 
 class Send:

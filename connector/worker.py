@@ -367,6 +367,8 @@ class ConnectorWorker:
 
     def close(self) -> None:
         """Say goodbye to the broker and stop the transport (vLLM's shutdown hook)."""
+        if self.consumer is not None:
+            self.consumer.send_held()
         client, self.client = self.client, None
         if client is not None:
             try:

@@ -196,7 +196,7 @@ class ConsumerSide:
         self._awaiting = False
         self._endings = 0  # loads ended (received or failed) so far
         # The Dones, and their `transfer.loaded` lines, of the loads a step that ran no
-        # model reported: sent by the next step's get_finished (`_send_held`). The
+        # model reported: sent by the next step's get_finished (or `send_held` at close). The
         # engine goes from that report straight to scheduling the request, and a Done
         # sent then woke the client's loop, which held the GIL from it: D's stream caught
         # up 0.34-0.47 ms after get_finished instead of 0.21-0.29 (docs/PERFORMANCE.md).

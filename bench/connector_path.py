@@ -31,7 +31,10 @@ compares with two GPUs).
                does in vLLM: `connector.consumer.IDLE_WAIT_S`). Where P and D share one GPU, D's step is a sleep
                (`--step-on host`): two processes time-slice one GPU, so a decode kernel of
                D's would hold up P's forward pass and copies by up to a time slice each
-               time, which a D on a GPU of its own never does.
+               time, which a D on a GPU of its own never does. Once the clock stops, D
+               takes the reported requests' first step, as vLLM's scheduler runs it next:
+               its get_finished sends the Dones an idle step held, which free P's staging
+               for the next request.
 * after prefill  (with `--prefill-ms X`) P's forward pass takes X ms of GPU time (on
                tcp, X ms of sleep that leaves the GIL free, as torch's CPU kernels do)
                before its gathers, spread over the 32 layers (each layer's share, then
@@ -587,6 +590,13 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             if check:
                 for name, got in want.items():
                     assert torch.equal(engine.blocks(caches[name], dsts[0]), got), f"{tids[0]}: {name} differs"
+            # The reported requests' first decode step, which vLLM's scheduler runs next: its
+            # get_finished sends the Dones an idle step held, and they free P's staging.
+            d.bind(KvBrokerMetadata())
+            d.start_load_kv()
+            engine.step()
+            d.get_finished(set())
+            d.clear()
             conn.send("done")
             # raw
             assert d.pool is not None

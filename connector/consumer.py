@@ -198,8 +198,9 @@ class ConsumerSide:
         # The Dones, and their `transfer.loaded` lines, of the loads a step that ran no
         # model reported: sent by the next step's get_finished (or `send_held` at close). The
         # engine goes from that report straight to scheduling the request, and a Done
-        # sent then woke the client's loop, which held the GIL from it: D's stream caught
-        # up 0.34-0.47 ms after get_finished instead of 0.21-0.29 (docs/PERFORMANCE.md).
+        # sent then woke the client's loop, which held the GIL from it: D's sync after
+        # get_finished took 0.17-0.39 ms at 512-2,048 tokens, 0.12-0.24 with the Dones held
+        # (docs/PERFORMANCE.md).
         # By the next get_finished the request's first step is launched. That step always
         # comes: vLLM's scheduler either runs the reported request or tells the workers it
         # finished, both in a step. Main thread only.

@@ -64,12 +64,20 @@ compares with two GPUs).
                load landed (`after_prefill_seen_waiting_ms`, their median added), the
                others by a later step, their landing in the engine's sleep
                (`after_prefill_next_step_ms`).
+* claim after  (with `--claim-after-ms MS`) D gets the requests only once P's forward pass
+               has ended (MS later), as a proxy that sends the prompt to P first and
+               then to D with P's answer does (vLLM's examples do): P has staged and
+               offered the KV by then, D's engine takes the requests at the start of a
+               step, and the clock runs from that claim to D's report, the prefill
+               long done. Within `connector.nccl_link.RECEIVE_WATCH_S` of the Offer
+               P's link still looks for D's receive and sends on it; later, P sends
+               on the Go.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
 writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--claim-after-ms MS] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
        [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
@@ -524,6 +532,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
     d, caches = _worker(endpoint, "d", engine, cfg)
     raw_tcp = _RawTcp()
     rows: list[dict[str, Any]] = []
+    claim_after: float | None = cfg["claim_after_ms"]
     try:
         p_peer, _ = conn.recv()
         port = 0 if engine.gpu else raw_tcp.listen()
@@ -550,16 +559,31 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 loop.start()
             free = torch.randperm(cfg["num_blocks"], generator=g)[: k * n].tolist()  # no two loads share a block
             dsts = [free[j * n : (j + 1) * n] for j in range(k)]
-            d.bind(KvBrokerMetadata(loads={
+            loads = KvBrokerMetadata(loads={
                 tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1)
-                for tid, dst in zip(tids, dsts)}))
-            d.start_load_kv()
-            d.clear()
+                for tid, dst in zip(tids, dsts)})
+            started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
+            claimed = 0.0  # with --claim-after-ms: when D's engine took the requests
+            if claim_after is None:
+                d.bind(loads)
+                d.start_load_kv()
+                d.clear()
             conn.send("bound")
-            engine.out_of_step(phase)
+            if claim_after is None:
+                engine.out_of_step(phase)
+            else:
+                # The requests reach D only once P is done with them, as vLLM's proxies send
+                # them (P's answer carries what D needs); an engine with nothing else to run
+                # takes them at the start of its next step.
+                started = conn.recv()
+                if claim_after > 0:
+                    time.sleep(claim_after / 1e3)
+                claimed = time.perf_counter()
+                d.bind(loads)
+                d.start_load_kv()
+                d.clear()
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
-            started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
             seen_waiting = d.statistics()["seen_waiting"]
             deadline = time.monotonic() + DEADLINE_S
             waiting = {f"req-{tid}" for tid in tids}
@@ -586,6 +610,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             t1 = time.perf_counter()
             cpu[tok].stop()
             t0, forward_ms, ended = started if started is not None else conn.recv()
+            if claim_after is not None:  # the clock runs from the claim, the prefill long done
+                t0, forward_ms, ended = claimed, 0.0, claimed
             took = t1 - t0
             if check:
                 for name, got in want.items():
@@ -634,7 +660,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
             after = c - prefill_ms  # what the transfer adds once P's forward pass is done
-            rows.append({"tokens": tok, "inflight": cfg["inflight"], "prefill_ms": round(prefill_ms, 3),
+            rows.append({"tokens": tok, "inflight": cfg["inflight"], "claim_after_ms": claim_after,
+                         "prefill_ms": round(prefill_ms, 3),
                          "after_prefill_ms": round(after, 3),
                          "after_prefill_vs_raw": round(r / after, 3) if after > 0 else None,
                          "MiB": cfg["inflight"] * tok // BLOCK * BLOCK_BYTES / 2**20, "raw_ms": round(r, 3),
@@ -735,6 +762,11 @@ def main(argv: list[str] | None = None) -> int:
                          "the SMs free) or as matrix multiplies, as a real prefill's (bf16 on every SM; float32 "
                          "on P's intra-op threads on tcp); tcp: launches, Python between calls that release the "
                          "GIL for a moment, as a GPU prefill's host thread runs")
+    ap.add_argument("--claim-after-ms", type=float, default=None, metavar="MS",
+                    help="D gets the requests only MS after P's forward pass ended (0: at once), as a proxy that "
+                         "sends the prompt to P first and then to D does, and the clock runs from D's claim: what "
+                         "the transfer adds there (default: D holds them from the start, its claim overlapping "
+                         "P's forward pass)")
     ap.add_argument("--p-cpus", default="",
                     help="tcp: bind P's engine thread and OpenMP threads to these CPUs (\"0\", \"0-5\"), as "
                          "vLLM's CPU backend binds a worker, before P imports torch")
@@ -773,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
            "thread_cpu": args.thread_cpu, "backend": backend, "profile": args.profile,
-           "p_cpus": args.p_cpus, "thread_cpus": args.thread_cpus,
+           "p_cpus": args.p_cpus, "thread_cpus": args.thread_cpus, "claim_after_ms": args.claim_after_ms,
            "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,

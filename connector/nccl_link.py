@@ -552,7 +552,10 @@ class Poller:
                 done.append(look)
         if done:
             with self._cond:
-                self._probes = [p for p in self._probes if p not in done]
+                # One entry for each that finished, the oldest: a look asked for again
+                # meanwhile (the same callable, appended while this one ended) stays.
+                for look in done:
+                    self._probes.remove(look)
 
     def _advance(self, carried: list[tuple[_Watch, _Ended]]) -> tuple[bool, int]:
         """Advance the carried watches whose next op ended (or whose deadline passed):

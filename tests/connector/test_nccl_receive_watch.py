@@ -95,6 +95,54 @@ def test_a_watch_lapses_and_the_probe_ends(seen: queue.Queue, monkeypatch: pytes
         link.poller.close()
 
 
+def test_a_probe_asked_for_again_as_the_last_one_ends_keeps_running() -> None:
+    """A watch that starts just as the link's probe ends (it saw nothing left to watch)
+    adds the same look again: the poller drops only the one that ended, so the new watch
+    is looked for. Dropping every equal entry lost it, and with it every later watch of
+    that link (`_probing` stayed set with no probe running)."""
+    poller = Poller()
+    calls: list[int] = []
+    again = threading.Event()
+
+    def look() -> bool:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            assert poller.probe(look)  # asked for again while this look ends
+        else:
+            again.set()
+        return True
+
+    try:
+        assert poller.probe(look)
+        assert again.wait(10), f"the probe asked for again never ran: {calls}"
+    finally:
+        poller.close()
+
+
+def test_a_watch_that_starts_as_the_probe_ends_is_still_looked_for(seen: queue.Queue) -> None:
+    """The link's side of the same moment: its probe finds nothing left to watch and
+    ends, and a watch starts before the poller has dropped that probe."""
+    comm = _Comm("d0", "c1")
+    link = _link(comm)
+    real_look = link._look
+
+    def look() -> bool:
+        ended = real_look()
+        if ended and not seen.qsize() and comm.receive is None:
+            comm.receive = (1, transfer_tag("t2"), 4096)
+            link.watch_receive("t2", _recorder(seen))  # between the look's end and its removal
+        return ended
+
+    link._look = look  # type: ignore[method-assign]
+    try:
+        link._watch.add("t1", 0.0, _recorder(seen))  # lapsed at once: the first look ends the probe
+        link._probing = True
+        assert link.poller.probe(link._look)
+        assert seen.get(timeout=10)[1] == ("t2", "d0", "c1", 1, 4096)
+    finally:
+        link.poller.close()
+
+
 def test_nothing_is_watched_without_a_communicator_that_writes_into_blocks(seen: queue.Queue) -> None:
     link = _link(_Comm("d0", "c1", into_blocks=False))
     try:

@@ -564,24 +564,21 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 for tid, dst in zip(tids, dsts)})
             started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
             claimed = 0.0  # with --claim-after-ms: when D's engine took the requests
-            if claim_after is None:
-                d.bind(loads)
-                d.start_load_kv()
-                d.clear()
-            conn.send("bound")
-            if claim_after is None:
-                engine.out_of_step(phase)
-            else:
+            if claim_after is not None:
                 # The requests reach D only once P is done with them, as vLLM's proxies send
                 # them (P's answer carries what D needs); an engine with nothing else to run
                 # takes them at the start of its next step.
+                conn.send("bound")
                 started = conn.recv()
                 if claim_after > 0:
                     time.sleep(claim_after / 1e3)
                 claimed = time.perf_counter()
-                d.bind(loads)
-                d.start_load_kv()
-                d.clear()
+            d.bind(loads)
+            d.start_load_kv()
+            d.clear()
+            if claim_after is None:
+                conn.send("bound")
+                engine.out_of_step(phase)
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
             seen_waiting = d.statistics()["seen_waiting"]

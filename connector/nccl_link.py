@@ -64,7 +64,8 @@ not written.
 Such a receive names its transfer (a digest of its id), so P need not wait for the Go
 to know which send pairs with it: on a communicator already built, D posts it before
 its Ready (`posts_first`), P's poller looks for it between its polls
-(`watch_receive`, from the Offer for `RECEIVE_WATCH_S`), and P starts the send as the
+(`watch_receive`, from the Offer: at each turn for `RECEIVE_WATCH_S`, then every
+`RECEIVE_LINGER_S` until the Go), and P starts the send as the
 Go would when it is next in P's order there (`ticket_at`), a broker round trip (the
 Ready's hop and the Go's) earlier. The Go, when it comes, finds the send started and
 sends nothing; a transfer P did not see so goes on its Go as before.
@@ -119,11 +120,17 @@ WAIT_PAUSE_S = 1e-4
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
 
-# How long P looks for D's receive of a staged transfer straight into its blocks
-# (`NcclLink.watch_receive`), from its Offer. D posts it about a millisecond after the
-# Offer when its request is there; past this the broker's Go starts the send as before,
-# and looking every `WAIT_PAUSE_S` would only take the GIL from P's forward pass.
+# How long P looks for D's receive of a staged transfer straight into its blocks at each
+# turn of its poller (`NcclLink.watch_receive`), from its Offer: D posts it about a
+# millisecond after the Offer when its request is there.
 RECEIVE_WATCH_S = 0.02
+# Past that, until its Go comes or it ends, P looks once every this long. Under a proxy
+# that sends the request to P first and to D with P's answer, D claims tens of
+# milliseconds after the Offer; its send then starts on D's receive, half of this late on
+# average, instead of after D's Ready went to the broker and the Go came back (2-3.5 ms
+# later, docs/PERFORMANCE.md). A look at each turn would take the GIL from P's forward
+# pass ten times as often, for as long as transfers wait for their claim.
+RECEIVE_LINGER_S = 1e-3
 
 # Transfers cancelled before their op was posted, remembered so the post is refused: an
 # Abort can come while the Go's send waits for its turn. The oldest are forgotten first.
@@ -253,7 +260,8 @@ Seen = Callable[[str, str, str, int, int], None]
 
 class ReceiveWatch:
     """P's staged transfers whose receive D may post before their Go reaches P (no IO):
-    each by the tag such a receive names it with (`transfer_tag`), until a deadline."""
+    each by the tag such a receive names it with (`transfer_tag`), looked for at each
+    turn until its first window ends, then every `RECEIVE_LINGER_S` until dropped."""
 
     def __init__(self) -> None:
         self._by_tag: dict[bytes, tuple[str, float, Seen]] = {}
@@ -268,11 +276,12 @@ class ReceiveWatch:
         if tag is not None:
             self._by_tag.pop(tag, None)
 
-    def expire(self, now: float) -> bool:
-        """Forget the transfers watched past their deadline; whether any are left."""
-        for tid, until, _ in [w for w in self._by_tag.values() if w[1] < now]:
-            self.drop(tid)
-        return bool(self._by_tag)
+    def pace(self, now: float) -> float | None:
+        """How soon the next look is wanted: 0 (at the next turn) while a transfer is in
+        its first window, else `RECEIVE_LINGER_S`; None: nothing is watched."""
+        if not self._by_tag:
+            return None
+        return 0.0 if any(until >= now for _, until, _ in self._by_tag.values()) else RECEIVE_LINGER_S
 
     def take(self, tag: bytes) -> tuple[str, Seen] | None:
         """The transfer watched with `tag` and what to call, no longer watched; None: none is."""
@@ -432,9 +441,12 @@ class Poller:
         self._cond = threading.Condition()
         self._waits: list[tuple[Any, _Ended]] = []
         self._carried: list[tuple[_Watch, _Ended]] = []  # watches this thread advances itself
-        self._probes: list[Callable[[], bool]] = []  # looked at each turn until they return True (`probe`)
+        self._probes: list[Callable[[], float | None]] = []  # looked at until they return None (`probe`)
+        self._look_at = 0.0  # when the probes want their next look (`time.monotonic()`)
+        self._asked = 0  # counts the probes started and looks asked for (`look_soon`)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._looked = 0  # `_asked` at the last look (this thread's own)
 
     def wait(self, op: Any, timeout: float) -> float | None:
         """Block the calling thread until `op` (a completion: ``done()``) has ended, or
@@ -478,17 +490,27 @@ class Poller:
             self._cond.notify()
         return ended
 
-    def probe(self, look: Callable[[], bool]) -> bool:
-        """Call `look()` in this thread at each turn, between the polls of the ops (at
-        most `WAIT_PAUSE_S` apart), until it returns True; it must not block. False: the
-        poller is closed, and nothing will call it."""
+    def probe(self, look: Callable[[], float | None]) -> bool:
+        """Call `look()` in this thread, between the polls of the ops, until it returns
+        None; it must not block. Otherwise it returns how soon it wants the next look: 0
+        at the next turn (at most `WAIT_PAUSE_S` away), more to be left alone that long
+        (the poller then sleeps on, if nothing else waits). False: the poller is closed,
+        and nothing will call it."""
         with self._cond:
             if self._closed:
                 return False
             self._probes.append(look)
+            self._asked += 1
             self._start()
             self._cond.notify()
         return True
+
+    def look_soon(self) -> None:
+        """Have the probes looked at the next turn, whatever pace they asked for (what
+        they watch for changed)."""
+        with self._cond:
+            self._asked += 1
+            self._cond.notify()
 
     def _start(self) -> None:
         if self._thread is None:
@@ -517,8 +539,12 @@ class Poller:
                     self._cond.wait()
                     pause, progress = 0.0, time.monotonic()
                 waits, carried, probes = list(self._waits), list(self._carried), list(self._probes)
-            if probes:
-                self._look(probes)
+                asked, look_at = self._asked, self._look_at
+            if probes and (asked != self._looked or time.monotonic() >= look_at):
+                self._looked = asked
+                pace = self._look(probes)
+                with self._cond:
+                    self._look_at = time.monotonic() + pace
             ended = [w for w in waits if _ended_or_broken(w[0])]
             now = time.monotonic()
             if ended:
@@ -535,27 +561,34 @@ class Poller:
                 # host an end was then seen 20-50 us late (measured on an H200 pair).
                 pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
                 with self._cond:
-                    self._cond.wait(pause)  # a new wait ends the pause
+                    rest = pause
+                    if self._probes and not self._waits and not self._carried and self._asked == self._looked:
+                        rest = max(pause, self._look_at - time.monotonic())  # nothing to do before then
+                    self._cond.wait(rest)  # a new wait, probe or look asked for ends the pause
             known = len(waits) - len(ended) + len(carried) - finished
 
-    def _look(self, probes: list[Callable[[], bool]]) -> None:
+    def _look(self, probes: list[Callable[[], float | None]]) -> float:
         """Call each probe once; forget those that are done, or that raised (a probe is
-        a shortcut: what it watches for also comes another way)."""
-        done = []
+        a shortcut: what it watches for also comes another way). How soon the others
+        want the next look."""
+        done, pace = [], math.inf
         for look in probes:
             try:
-                finished = look()
+                wants = look()
             except Exception as exc:
                 log.warning("nccl.probe_failed", error=repr(exc))
-                finished = True
-            if finished:
+                wants = None
+            if wants is None:
                 done.append(look)
+            else:
+                pace = min(pace, wants)
         if done:
             with self._cond:
                 # One entry for each that finished, the oldest: a look asked for again
                 # meanwhile (the same callable, appended while this one ended) stays.
                 for look in done:
                     self._probes.remove(look)
+        return 0.0 if math.isinf(pace) else pace
 
     def _advance(self, carried: list[tuple[_Watch, _Ended]]) -> tuple[bool, int]:
         """Advance the carried watches whose next op ended (or whose deadline passed):
@@ -761,7 +794,8 @@ class NcclLink:
     # -- P: a send started by D's receive ---------------------------------------------------
 
     def watch_receive(self, transfer_id: str, seen: Seen) -> None:
-        """P: for `RECEIVE_WATCH_S`, look (the poller, between its polls) for D's receive
+        """P: look (the poller, between its polls: at each turn for `RECEIVE_WATCH_S`, then
+        every `RECEIVE_LINGER_S` until `unwatch_receive`) for D's receive
         of `transfer_id` straight into its blocks, on any communicator built with a D
         that writes into blocks; once it is the next receive there, call `seen` (in the
         poller's thread, or on the client's loop right after a send was posted: it must
@@ -774,7 +808,9 @@ class NcclLink:
         with self._lock:
             self._watch.add(transfer_id, time.monotonic() + RECEIVE_WATCH_S, seen)
             start, self._probing = not self._probing, True
-        if start and not self.poller.probe(self._look):
+        if not start:
+            self.poller.look_soon()  # the running probe may be pacing lingering watches
+        elif not self.poller.probe(self._look):
             with self._lock:
                 self._probing = False
 
@@ -783,15 +819,17 @@ class NcclLink:
         with self._lock:
             self._watch.drop(transfer_id)
 
-    def _look(self) -> bool:
+    def _look(self) -> float | None:
         """The poller's probe: each built communicator's next receive, if it names a
-        watched transfer. True once nothing is watched (the probe ends)."""
+        watched transfer. How soon to look again; None once nothing is watched (the
+        probe ends)."""
         with self._lock:
-            if not self._watch.expire(time.monotonic()):
+            pace = self._watch.pace(time.monotonic())
+            if pace is None:
                 self._probing = False
-                return True
+                return None
         self._find_receives()
-        return False
+        return pace
 
     def _look_now(self) -> None:
         """P, on the client's loop, right after a send was posted: the probe's look, if

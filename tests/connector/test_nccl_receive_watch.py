@@ -2,12 +2,14 @@
 GPU: the link's real poller thread looks at each communicator's next receive, here
 communicators that stand in for the ipc backend's (their `next_block_receive` is what
 D's mailbox holds; the GPU tests run the real one), and calls back for a watched
-transfer only, once, in the poller's thread, until the watch lapses."""
+transfer only, once, in the poller's thread: at each turn for a first window, then at a
+slower pace until the watch is dropped."""
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -72,25 +74,54 @@ def test_a_watched_transfer_is_reported_once_when_its_receive_is_next(seen: queu
         assert seen.get(timeout=10)[1] == ("t1", "d0", "c1", 4, 8192)
         # Nothing is watched any more: the probe ends, and nobody reports t2 again.
         wait_until(lambda: not link._probing, 10, "the probe to end")
-        assert seen.empty() and not link._watch.expire(0.0)
+        assert seen.empty() and link._watch.pace(0.0) is None
     finally:
         link.poller.close()
 
 
-def test_a_watch_lapses_and_the_probe_ends(seen: queue.Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_its_first_window_a_watch_is_looked_for_at_the_slower_pace(
+    seen: queue.Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As under a proxy that sends the request to D only with P's answer: D's receive
+    comes long after the Offer. The watch outlives its first window, looked for every
+    `RECEIVE_LINGER_S` rather than at each turn, and its receive is still reported."""
     monkeypatch.setattr(nccl_link, "RECEIVE_WATCH_S", 0.05)
+    monkeypatch.setattr(nccl_link, "RECEIVE_LINGER_S", 0.02)
     comm = _Comm("d0", "c1")
     link = _link(comm)
     try:
         link.watch_receive("t1", _recorder(seen))
-        wait_until(lambda: comm.looked > 0, 10, "the poller to look at D's next receive")
-        wait_until(lambda: not link._probing, 10, "the watch to lapse")
-        looked = comm.looked
-        comm.receive = (1, transfer_tag("t1"), 4096)  # too late: t1 waits for its Go
-        link.watch_receive("t2", _recorder(seen))  # a new watch starts the probe again
+        wait_until(lambda: link._watch.pace(time.monotonic()) == 0.02, 10, "the first window to end")
+        looked, since = comm.looked, time.monotonic()
+        wait_until(lambda: comm.looked >= looked + 5, 10, "five looks at the slower pace")
+        spent = time.monotonic() - since
+        # At each turn (at most 0.1 ms apart) it would have looked a hundred times as often.
+        assert comm.looked - looked <= spent / 0.02 + 2, (comm.looked - looked, spent)
+        assert link._probing and seen.empty()
+        comm.receive = (1, transfer_tag("t1"), 4096)
+        assert seen.get(timeout=10)[1] == ("t1", "d0", "c1", 1, 4096)
+        wait_until(lambda: not link._probing, 10, "the probe to end once nothing is watched")
+    finally:
+        link.poller.close()
+
+
+def test_a_new_watch_is_looked_for_at_once_while_others_linger(
+    seen: queue.Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe paces itself by its watches: one that lingers asks for its next look a
+    long way off (here 60 s), and a watch that starts meanwhile has the poller look now."""
+    monkeypatch.setattr(nccl_link, "RECEIVE_WATCH_S", 0.0)
+    monkeypatch.setattr(nccl_link, "RECEIVE_LINGER_S", 60.0)
+    comm = _Comm("d0", "c1")
+    link = _link(comm)
+    try:
+        link.watch_receive("t1", _recorder(seen))
+        wait_until(lambda: comm.looked > 0, 10, "the first look")
+        monkeypatch.setattr(nccl_link, "RECEIVE_WATCH_S", 30.0)
         comm.receive = (1, transfer_tag("t2"), 4096)
+        link.watch_receive("t2", _recorder(seen))
         assert seen.get(timeout=10)[1] == ("t2", "d0", "c1", 1, 4096)
-        assert comm.looked > looked and seen.empty()
+        assert link._probing  # t1 is still watched
     finally:
         link.poller.close()
 
@@ -104,13 +135,12 @@ def test_a_probe_asked_for_again_as_the_last_one_ends_keeps_running() -> None:
     calls: list[int] = []
     again = threading.Event()
 
-    def look() -> bool:
+    def look() -> None:
         calls.append(len(calls))
         if len(calls) == 1:
             assert poller.probe(look)  # asked for again while this look ends
         else:
             again.set()
-        return True
 
     try:
         assert poller.probe(look)
@@ -126,17 +156,16 @@ def test_a_watch_that_starts_as_the_probe_ends_is_still_looked_for(seen: queue.Q
     link = _link(comm)
     real_look = link._look
 
-    def look() -> bool:
-        ended = real_look()
-        if ended and not seen.qsize() and comm.receive is None:
+    def look() -> float | None:
+        pace = real_look()
+        if pace is None and not seen.qsize() and comm.receive is None:
             comm.receive = (1, transfer_tag("t2"), 4096)
             link.watch_receive("t2", _recorder(seen))  # between the look's end and its removal
-        return ended
+        return pace
 
     link._look = look  # type: ignore[method-assign]
     try:
-        link._watch.add("t1", 0.0, _recorder(seen))  # lapsed at once: the first look ends the probe
-        link._probing = True
+        link._probing = True  # a probe with nothing left to watch: its first look ends it
         assert link.poller.probe(link._look)
         assert seen.get(timeout=10)[1] == ("t2", "d0", "c1", 1, 4096)
     finally:
@@ -147,7 +176,7 @@ def test_nothing_is_watched_without_a_communicator_that_writes_into_blocks(seen:
     link = _link(_Comm("d0", "c1", into_blocks=False))
     try:
         link.watch_receive("t1", _recorder(seen))
-        assert not link._probing and not link._watch.expire(0.0)
+        assert not link._probing and link._watch.pace(0.0) is None
     finally:
         link.poller.close()
 

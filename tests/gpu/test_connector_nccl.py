@@ -523,6 +523,60 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
 
 
 @pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
+@pytest.mark.parametrize("lingers", [True, False], ids=["lingers", "twin_lapses"])
+def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, lingers: bool
+) -> None:
+    """As under a proxy that sends the request to P first and to D with P's answer: each
+    transfer is staged and offered, P's first window of looks for D's receive ends, and
+    only then does D claim it. P still looks, at the slower pace, and the send starts on
+    D's receive, a broker round trip before the Go. The twin's look never comes back
+    after the window (a pace of an hour, injected here): every send waits for its Go.
+    Either way D's blocks hold what P saved."""
+    if not lingers:
+        monkeypatch.setattr(nccl_link, "RECEIVE_LINGER_S", 3600.0)
+    pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
+    d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
+    link = p.nccl
+    assert link is not None
+
+    def lingering() -> bool:
+        with link._lock:
+            return (link._watch.pace(time.monotonic()) or 0.0) > 0
+
+    try:
+        load(d, "warm", [60], cached=0)  # the first builds the pair's communicator, on its Go
+        stage(p, pc, "warm", [1], decode="d0")
+        assert not run_steps(d, {"req-warm"}, timeout=30)[1]
+        before = p.statistics().get("sent_on_receive", 0)
+        for i in range(5):
+            src, dst = [3 + i, 17, 40, 9, 12], [50, 2 + i, 33, 21, 7]
+            for t in pc.values():
+                t[:, src] = torch.randn_like(t[:, src])
+            saved = {n: t[:, src].clone() for n, t in pc.items()}
+            stage(p, pc, f"c{i}", src, decode="d0")
+            for t in pc.values():
+                t[:, src] = -7.0
+            wait_until(lambda: p.statistics()["offered"] == i + 2 and lingering(), 10,
+                       f"P's first window of looks for c{i}'s receive to end")
+            load(d, f"c{i}", dst, cached=0)
+            assert not run_steps(d, {f"req-c{i}"}, timeout=30)[1], f"transfer c{i} failed to load"
+            torch.cuda.synchronize(D_GPU)
+            for n, t in dc.items():
+                assert torch.equal(t[:, dst].cpu(), saved[n].cpu()), (i, n)
+        on_receive = p.statistics().get("sent_on_receive", 0) - before
+        if lingers:
+            assert on_receive >= 4, p.statistics()  # D posts before its Ready; a Go may still win once
+        else:
+            assert on_receive == 0, p.statistics()
+        leases_come_back(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
 def test_over_ipc_a_load_into_the_blocks_takes_no_pool_room_whatever_its_size(broker: BrokerProcess) -> None:
     """D's receive pool holds two blocks' worth. A one-block transfer builds the pair's
     communicator through it; then each five-block transfer, whose request names its

@@ -50,7 +50,7 @@ TARGETS: dict[str, dict[str, list[str]]] = {
         "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received",
         "_receive", "_finish"]},
     "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait", "_carried", "_turn", "_post", "_postable_now",
-                                         "_post_blocks", "ticket_at", "posts_first"]},
+                                         "_post_blocks", "ticket_at", "posts_first", "watch_receive"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
     "workers.transports.tcp": {"TcpSender": ["_send", "_checkout"]},

@@ -69,12 +69,12 @@ compares with two GPUs).
                then to D with P's answer does (vLLM's examples do): P has staged and
                offered the KV by then, D's engine takes the requests at the start of a
                step, and the clock runs from that claim to D's report, the prefill
-               long done. Within `connector.nccl_link.RECEIVE_WATCH_S` of the Offer
-               P's link still looks for D's receive and sends on it; later, P sends
-               on the Go.
+               long done. P's link looks for D's receive at each turn for
+               `connector.nccl_link.RECEIVE_WATCH_S` from the Offer, then every
+               `RECEIVE_LINGER_S`, and sends on it when it sees it before the Go.
 
-Once per prompt length, D's blocks are compared with P's. Prints a table; `--json PATH`
-writes the rows.
+Once per prompt length, D's blocks are compared with P's. Prints a table, and how many of
+P's sends started on D's receive rather than on their Go; `--json PATH` writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
        [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--claim-after-ms MS] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
@@ -461,12 +461,15 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
             raw_tcp.connect(port)
         g = torch.Generator().manual_seed(0)
         k = cfg["inflight"]
+        sends: dict[int, tuple[int, int]] = {}  # tokens -> P's timed sends, those started on D's receive
         for tok in cfg["tokens"]:
             n = tok // BLOCK
             loop = _LoopProfile(p, cfg, f"p-loop-{tok}x{k}.txt")
+            counted = p.statistics()
             for it in range(cfg["warmup"] + cfg["iters"]):
                 if it == cfg["warmup"]:
                     loop.start()
+                    counted = p.statistics()
                 tids = [f"t{tok}-{it}" if k == 1 else f"t{tok}-{it}.{j}" for j in range(k)]
                 srcs = [torch.randperm(cfg["num_blocks"], generator=g)[:n].tolist() for _ in tids]
                 check = it == cfg["warmup"]
@@ -520,7 +523,10 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     raw_tcp.send(data)
                 assert conn.recv() == "done"
             loop.stop()
+            now = p.statistics()
+            sends[tok] = (now["sent"] - counted["sent"], now["sent_on_receive"] - counted["sent_on_receive"])
         conn.send(None)
+        conn.send(sends)
     finally:
         p.close()
 
@@ -653,6 +659,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 # later step (the landing fell in the engine's sleep between steps)
                 waited = d.statistics()["seen_waiting"] > seen_waiting
                 by_step[tok][waited].append(took * 1e3 - forward_ms)
+        p_sends = conn.recv()
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
@@ -670,6 +677,9 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          if len(conn_s) > 1 else round(c, 3),
                          "vs_raw": round(r / c, 3),
                          "iters": len(conn_s), "stats": d.statistics(),
+                         # P's sends of the timed requests, and of them those started on D's
+                         # receive (seen before their Go: `ProducerSide._go_on_receive`)
+                         "p_sent": p_sends[tok][0], "p_sent_on_receive": p_sends[tok][1],
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
                          "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3),
                          # of it, D's host before the sync: wall, and the main thread's CPU
@@ -841,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['forward_stretch_ms']:>12.3f}{r['after_forward_end_ms']:>14.3f}"
               f"{_seen(r['seen_waiting'], r['iters'], r['after_prefill_seen_waiting_ms']):>14}"
               f"{_seen(r['iters'] - r['seen_waiting'], r['iters'], r['after_prefill_next_step_ms']):>11}")
+    print("P's sends started on D's receive, before their Go: "
+          + ", ".join(f"{r['p_sent_on_receive']} of {r['p_sent']} at {r['tokens']}" for r in rows))
     for r in rows:
         if "d_threads" in r:
             print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from workers import gpu_staging
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
+from protocols.messages import Go
 from tests.connector.test_save_race import Blocks, defer_gathers, save_race
 from tests.connector.test_worker import (
     LAYERS,
@@ -530,9 +532,18 @@ def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
     """As under a proxy that sends the request to P first and to D with P's answer: each
     transfer is staged and offered, P's first window of looks for D's receive ends, and
     only then does D claim it. P still looks, at the slower pace, and the send starts on
-    D's receive, a broker round trip before the Go. The twin's look never comes back
-    after the window (a pace of an hour, injected here): every send waits for its Go.
-    Either way D's blocks hold what P saved."""
+    D's receive, before the Go. Here idle, the broker relays D's Ready as the Go within a
+    millisecond, as fast as that pace: the Go is held 10 ms at P (injected), as a busy
+    broker or loop would hold it, so the test tells the two apart. The twin's look never
+    comes back after the window (a pace of an hour, injected too): every send waits for
+    its Go. Either way D's blocks hold what P saved."""
+    real_on_go = ConnectorWorker.on_go
+
+    async def on_go_late(self: ConnectorWorker, msg: Go) -> None:
+        await anyio.sleep(0.01)
+        await real_on_go(self, msg)
+
+    monkeypatch.setattr(ConnectorWorker, "on_go", on_go_late)
     if not lingers:
         monkeypatch.setattr(nccl_link, "RECEIVE_LINGER_S", 3600.0)
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
@@ -567,7 +578,7 @@ def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
                 assert torch.equal(t[:, dst].cpu(), saved[n].cpu()), (i, n)
         on_receive = p.statistics().get("sent_on_receive", 0) - before
         if lingers:
-            assert on_receive >= 4, p.statistics()  # D posts before its Ready; a Go may still win once
+            assert on_receive == 5, p.statistics()
         else:
             assert on_receive == 0, p.statistics()
         leases_come_back(p, d)

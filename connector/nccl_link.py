@@ -126,10 +126,11 @@ CARRY_GRACE_S = 5.0
 RECEIVE_WATCH_S = 0.02
 # Past that, until its Go comes or it ends, P looks once every this long. Under a proxy
 # that sends the request to P first and to D with P's answer, D claims tens of
-# milliseconds after the Offer; its send then starts on D's receive, half of this late on
-# average, instead of after D's Ready went to the broker and the Go came back (2-3.5 ms
-# later, docs/PERFORMANCE.md). A look at each turn would take the GIL from P's forward
-# pass ten times as often, for as long as transfers wait for their claim.
+# milliseconds after the Offer; its send then mostly starts on D's receive, half of this
+# late on average, rather than once D's Ready went to the broker and the Go came back:
+# one request claimed 50 ms late took 0.5-0.9 ms less on one H200 (docs/PERFORMANCE.md).
+# A look at each turn would take the GIL from P's forward pass ten times as often,
+# for as long as transfers wait for their claim.
 RECEIVE_LINGER_S = 1e-3
 
 # Transfers cancelled before their op was posted, remembered so the post is refused: an

@@ -95,7 +95,7 @@ def test_past_its_first_window_a_watch_is_looked_for_at_the_slower_pace(
         looked, since = comm.looked, time.monotonic()
         wait_until(lambda: comm.looked >= looked + 5, 10, "five looks at the slower pace")
         spent = time.monotonic() - since
-        # At each turn (at most 0.1 ms apart) it would have looked a hundred times as often.
+        # At each turn (at most 0.1 ms apart) it would have looked two hundred times as often.
         assert comm.looked - looked <= spent / 0.02 + 2, (comm.looked - looked, spent)
         assert link._probing and seen.empty()
         comm.receive = (1, transfer_tag("t1"), 4096)

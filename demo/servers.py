@@ -151,10 +151,43 @@ def http_status(port: int, path: str, timeout: float = 2.0) -> int | None:
         conn.close()
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, and never handed out before by this process. The
+    kernel may give a port again once the socket that found it is closed, and vLLM binds
+    with SO_REUSEADDR long before it listens: two servers started together were once
+    given one port, and the one that listened first answered both servers' requests."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+
+
+def listens(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds the socket that listens on TCP `port` (Linux's /proc);
+    None where /proc cannot tell (another system, or the process is gone)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        held = set()
+        for fd in fds:
+            with contextlib.suppress(OSError):  # an fd closed while listed
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        tables = [Path(f"/proc/net/{t}").read_text() for t in ("tcp", "tcp6")]
+    except OSError:
+        return None
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()  # sl, local address:port (hex), remote, state, ..., inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port and f"socket:[{fields[9]}]" in held:
+                return True
+    return False
 
 
 class ServerProcess:
@@ -254,7 +287,20 @@ class ServerProcess:
                 self.start()
                 return False
             raise ServerError(f"{self.name}: exited with {rc} before it was healthy{self.log_tail()}")
-        return http_status(self.port, "/health") == 200
+        if http_status(self.port, "/health") != 200:
+            return False
+        if listens(self.proc.pid, self.port) is False:
+            # Another program answers on this server's port (it listened first), so this
+            # server never will: its requests would go to that program.
+            if self.port_retries >= PORT_RETRIES:
+                raise ServerError(f"{self.name}: another program answered on each of the {PORT_RETRIES + 1} ports "
+                                  f"it was given (the last {self.port}): stop what takes ports on 127.0.0.1."
+                                  f"{self.log_tail()}")
+            self.port_retries += 1
+            self.stop()
+            self.start()
+            return False
+        return True
 
     def ready(self) -> ApiServer:
         assert self.proc is not None

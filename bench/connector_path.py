@@ -72,6 +72,12 @@ compares with two GPUs).
                long done. P's link looks for D's receive at each turn for
                `connector.nccl_link.RECEIVE_WATCH_S` from the Offer, then every
                `RECEIVE_LINGER_S`, and sends on it when it sees it before the Go.
+               With `--prefill-ms` P goes on meanwhile, as a P under load does: once
+               the first looks are over it runs its next forward pass beside the
+               waiting transfers (`forward_beside_ms`, against `forward_alone_ms`; a
+               claim after at least that pass and 20 ms keeps it clear of the claim):
+               with `--forward launches`, a pass bound by its host thread, what the
+               lingering looks take from it shows.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table, and how many of
 P's sends started on D's receive rather than on their Go; `--json PATH` writes the rows.
@@ -123,6 +129,7 @@ sys.path.insert(0, ROOT)
 
 from connector.config import EngineInfo, parse_config  # noqa: E402
 from connector.consumer import IDLE_WAIT_S  # noqa: E402
+from connector.nccl_link import RECEIVE_WATCH_S  # noqa: E402
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 from workers.cpus import parse_cpu_list  # noqa: E402
@@ -202,6 +209,15 @@ class _Engine:
                 self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
                 mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
                 self.layer_ops = max(1, round(prefill_ms / LAYERS / mm))
+            elif prefill_ms > 0 and forward == "launches":
+                # tiny kernels, each launched after some Python: a forward pass bound by its
+                # host thread, whose GPU waits for each launch, so what takes the GIL from
+                # that thread (the connector's threads) stretches it, which larger kernels hide
+                self.mats, self._op = [torch.zeros(16, device=self.device) for _ in range(3)], self._launch
+                for _ in range(20):  # warm: the first ones take longer
+                    self._op()
+                op = gpu_ms(lambda: [self._op() for _ in range(50)]) / 50
+                self.layer_ops = max(1, round(prefill_ms / LAYERS / op))
         elif prefill_ms > 0 and forward in ("gemm", "launches"):
             # gemm: matrix multiplies on P's intra-op threads, the GIL released while they
             # run: a send's threads on those cores take time from the forward pass, which a
@@ -242,7 +258,7 @@ class _Engine:
 
     def _launch(self) -> None:
         """About what a kernel launch costs a GPU prefill's host thread: Python, then a
-        call that releases the GIL and takes it back at once."""
+        call that releases the GIL and takes it back at once (on a GPU, a launch)."""
         x = 0
         for i in range(200):
             x += i
@@ -462,6 +478,9 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
         g = torch.Generator().manual_seed(0)
         k = cfg["inflight"]
         sends: dict[int, tuple[int, int]] = {}  # tokens -> P's timed sends, those started on D's receive
+        # --claim-after-ms with a forward pass: P's next one, run while the transfers wait for D
+        beside: dict[int, tuple[list[float], list[float]]] = {tok: ([], []) for tok in cfg["tokens"]}  # and alone
+        goes_on = cfg["claim_after_ms"] is not None and engine.prefill_ms > 0
         for tok in cfg["tokens"]:
             n = tok // BLOCK
             loop = _LoopProfile(p, cfg, f"p-loop-{tok}x{k}.txt")
@@ -506,6 +525,15 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                          saves_us=round(sum(saves) * 1e6), wait_for_save_us=round((launched - s0) * 1e6),
                          host_us=round((launched - t0) * 1e6), gpu_after_us=round((ended - launched) * 1e6))
                 conn.send((t0, alone, ended))
+                if goes_on:
+                    # P goes on with its next step while these transfers wait for D's claim:
+                    # a forward pass once the link's first looks (RECEIVE_WATCH_S from the
+                    # Offer) are over, beside its lingering ones
+                    time.sleep(max(0.0, t0 + RECEIVE_WATCH_S + 0.002 - time.perf_counter()))
+                    took_beside = engine.forward_pass()
+                    if it >= cfg["warmup"]:
+                        beside[tok][0].append(took_beside)
+                        beside[tok][1].append(alone)
                 assert conn.recv() == "done"
                 # raw: the same bytes once, D's receive ready first
                 assert p.pool is not None
@@ -526,7 +554,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
             now = p.statistics()
             sends[tok] = (now["sent"] - counted["sent"], now["sent_on_receive"] - counted["sent_on_receive"])
         conn.send(None)
-        conn.send(sends)
+        conn.send((sends, beside))
     finally:
         p.close()
 
@@ -659,7 +687,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 # later step (the landing fell in the engine's sleep between steps)
                 waited = d.statistics()["seen_waiting"] > seen_waiting
                 by_step[tok][waited].append(took * 1e3 - forward_ms)
-        p_sends = conn.recv()
+        p_sends, beside = conn.recv()
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
@@ -680,6 +708,10 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          # P's sends of the timed requests, and of them those started on D's
                          # receive (seen before their Go: `ProducerSide._go_on_receive`)
                          "p_sent": p_sends[tok][0], "p_sent_on_receive": p_sends[tok][1],
+                         # --claim-after-ms with a forward pass: P's next one, beside the
+                         # transfers waiting for D's claim, and P's forward pass alone
+                         "forward_beside_ms": _median_ms(beside[tok][0]),
+                         "forward_alone_ms": _median_ms(beside[tok][1]),
                          "get_finished_ms": round(statistics.median(tails[tok][0]) * 1e3, 3),
                          "then_sync_ms": round(statistics.median(tails[tok][1]) * 1e3, 3),
                          # of it, D's host before the sync: wall, and the main thread's CPU
@@ -767,8 +799,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward", default="sleep", choices=("sleep", "gemm", "launches"),
                     help="with --prefill-ms: P's forward pass as a sleep (a kernel on nccl: GPU time that leaves "
                          "the SMs free) or as matrix multiplies, as a real prefill's (bf16 on every SM; float32 "
-                         "on P's intra-op threads on tcp); tcp: launches, Python between calls that release the "
-                         "GIL for a moment, as a GPU prefill's host thread runs")
+                         "on P's intra-op threads on tcp); or launches, Python between calls that release the "
+                         "GIL for a moment, as a GPU prefill's host thread runs (on nccl tiny kernels, launched "
+                         "so: a forward pass bound by its host thread)")
     ap.add_argument("--claim-after-ms", type=float, default=None, metavar="MS",
                     help="D gets the requests only MS after P's forward pass ended (0: at once), as a proxy that "
                          "sends the prompt to P first and then to D does, and the clock runs from D's claim: what "
@@ -804,10 +837,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    if args.forward == "launches" and args.transport == "nccl":
-        print("--forward launches models a GPU prefill's host thread on the CPU: use it with --transport tcp "
-              "(on a GPU the forward pass's kernels are launched for real with --forward gemm)", file=sys.stderr)
-        return 2
     tokens = [int(t) for t in (args.tokens or ("512,2048,8192" if args.transport == "nccl" else "512,2048")).split(",")]
     cfg = {"transport": args.transport, "tokens": tokens, "iters": args.iters, "warmup": args.warmup,
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
@@ -853,6 +882,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{_seen(r['iters'] - r['seen_waiting'], r['iters'], r['after_prefill_next_step_ms']):>11}")
     print("P's sends started on D's receive, before their Go: "
           + ", ".join(f"{r['p_sent_on_receive']} of {r['p_sent']} at {r['tokens']}" for r in rows))
+    if any(r["forward_beside_ms"] is not None for r in rows):
+        print("P's next forward pass, while the transfers waited for D's claim, against alone (ms): "
+              + ", ".join(f"{r['forward_beside_ms']:.3f} / {r['forward_alone_ms']:.3f} at {r['tokens']}" for r in rows))
     for r in rows:
         if "d_threads" in r:
             print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")

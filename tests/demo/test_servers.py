@@ -3,6 +3,7 @@ and how a server's port is told to be its own."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from demo import servers
 from demo.servers import ServerError, ServerProcess, free_port, http_status, listens, wait_all_healthy
+from tests.support import wait_until
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -68,11 +70,11 @@ def test_another_programs_port_and_a_closed_port_answer_no_status() -> None:
 needs_proc = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc")
 
 # A stand-in for a vLLM server, in a process of its own: like vLLM it takes its time
-# before it listens (until the file argv[2] exists), then answers /health on argv[1].
+# before it listens (until the FIFO argv[2] is opened for writing and closed), then
+# answers /health on argv[1].
 STAND_IN = """
-import sys, time
+import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/health" else 404)
@@ -80,19 +82,34 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
     def log_message(self, *a):
         pass
-while not Path(sys.argv[2]).exists():
-    time.sleep(0.01)
+with open(sys.argv[2]) as go:
+    go.read()
 HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
 class _StandIn(ServerProcess):
-    def __init__(self, log_dir: Path, go: Path) -> None:
+    def __init__(self, log_dir: Path) -> None:
         super().__init__(log_dir, log_dir, "stand-in")
-        self.go = go
+        self.go = log_dir / "go"
+        os.mkfifo(self.go)
 
     def command(self) -> list[str]:
         return [sys.executable, "-c", STAND_IN, str(self.port), str(self.go)]
+
+    def let_listen(self) -> None:
+        """Let the running stand-in go on to listen: open its FIFO for writing, which
+        needs the stand-in there reading it, and close it."""
+
+        def opened() -> list[int] | None:
+            try:
+                return [os.open(self.go, os.O_WRONLY | os.O_NONBLOCK)]
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no reader yet
+                    return None
+                raise
+
+        os.close(wait_until(opened, 30, "the stand-in to wait on its FIFO")[0])
 
 
 @pytest.fixture
@@ -142,14 +159,14 @@ def test_a_server_whose_port_another_program_answers_on_starts_again_on_another(
     real = servers.free_port
     ports = iter([impostor])
     monkeypatch.setattr(servers, "free_port", lambda: next(ports, None) or real())
-    stand_in = _StandIn(tmp_path, tmp_path / "go")
+    stand_in = _StandIn(tmp_path)
     stand_in.start()
     try:
         assert stand_in.port == impostor
         assert http_status(impostor, "/health") == 200  # what the probe alone took for healthy
         assert stand_in.healthy() is False
         assert stand_in.port != impostor and stand_in.port_retries == 1
-        (tmp_path / "go").touch()
+        stand_in.let_listen()
         server = wait_all_healthy([stand_in], timeout=30)["stand-in"]
         assert server.port == stand_in.port and listens(server.pid, server.port) is True
     finally:
@@ -161,7 +178,7 @@ def test_a_server_that_finds_another_program_on_every_port_it_is_given_fails_say
     tmp_path: Path, impostor: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(servers, "free_port", lambda: impostor)
-    stand_in = _StandIn(tmp_path, tmp_path / "go")
+    stand_in = _StandIn(tmp_path)
     stand_in.start()
     try:
         for _ in range(servers.PORT_RETRIES):

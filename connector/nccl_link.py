@@ -129,8 +129,9 @@ RECEIVE_WATCH_S = 0.02
 # milliseconds after the Offer; its send then mostly starts on D's receive, half of this
 # late on average, rather than once D's Ready went to the broker and the Go came back:
 # one request claimed 50 ms late took 0.5-0.9 ms less on one H200 (docs/PERFORMANCE.md).
-# A look at each turn would take the GIL from P's forward pass ten times as often,
-# for as long as transfers wait for their claim.
+# Each look takes the GIL from P's forward pass: with eight transfers waiting, a pass
+# bound by its host thread ran 0.3-0.9 ms of 19 longer at this pace, and 1.4-2.1 ms at
+# 0.25 ms, which gained no more than 0.6 ms a late claim (one H100, docs/PERFORMANCE.md).
 RECEIVE_LINGER_S = 1e-3
 
 # Transfers cancelled before their op was posted, remembered so the post is refused: an

@@ -203,39 +203,32 @@ class _Engine:
             self.cycles = int(per_ms * step_ms)
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
-            if prefill_ms > 0 and forward == "gemm":
-                # bf16 matrix multiplies on every SM, as a prefill's are: what the copy
-                # kernels' programs beside them cost shows up, which a sleep kernel hides
-                self.mats = [torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
-                mm = gpu_ms(lambda: [self._gemm() for _ in range(10)]) / 10
-                self.layer_ops = max(1, round(prefill_ms / LAYERS / mm))
-            elif prefill_ms > 0 and forward == "launches":
-                # tiny kernels, each launched after some Python: a forward pass bound by its
-                # host thread, whose GPU waits for each launch, so what takes the GIL from
-                # that thread (the connector's threads) stretches it, which larger kernels hide
-                self.mats, self._op = [torch.zeros(16, device=self.device) for _ in range(3)], self._launch
-                for _ in range(20):  # warm: the first ones take longer
-                    self._op()
-                op = gpu_ms(lambda: [self._op() for _ in range(50)]) / 50
-                self.layer_ops = max(1, round(prefill_ms / LAYERS / op))
-        elif prefill_ms > 0 and forward in ("gemm", "launches"):
-            # gemm: matrix multiplies on P's intra-op threads, the GIL released while they
-            # run: a send's threads on those cores take time from the forward pass, which a
-            # sleep hides. launches: the host side of a GPU prefill, Python between calls
-            # that let go of the GIL for a moment (kernel launches), which keeps the GIL
-            # from the broker client's loop most of the time
+        if prefill_ms > 0 and forward in ("gemm", "launches"):
+            # gemm: on a GPU bf16 matrix multiplies on every SM, as a prefill's are: what the
+            # copy kernels' programs beside them cost shows up, which a sleep kernel hides.
+            # On the CPU matrix multiplies on P's intra-op threads, the GIL released while
+            # they run: a send's threads on those cores take time from the forward pass,
+            # which a sleep hides. launches: tiny ops, each after some Python, as a GPU
+            # prefill's host thread launches its kernels: a forward pass bound by that
+            # thread (on a GPU, whose kernels wait for each launch), so what takes the GIL
+            # from it (the broker client's loop, the link's looks) stretches it
             if forward == "gemm":
-                self.mats = [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)]
+                self.mats = ([torch.randn(GEMM, GEMM, device=self.device, dtype=torch.bfloat16) for _ in range(3)]
+                             if self.gpu else [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)])
             else:
-                self.mats, self._op = [torch.zeros(16) for _ in range(3)], self._launch
+                self.mats, self._op = [torch.zeros(16, device=self.device) for _ in range(3)], self._launch
             for _ in range(20):  # warm: the first ones take longer
                 self._op()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                self._op()
-            op_ms = (time.perf_counter() - t0) * 1e3 / 50
+            runs = 10 if self.gpu and forward == "gemm" else 50  # a GPU's multiply takes about a ms
+            if self.gpu:
+                op_ms = gpu_ms(lambda: [self._op() for _ in range(runs)]) / runs
+            else:
+                t0 = time.perf_counter()
+                for _ in range(runs):
+                    self._op()
+                op_ms = (time.perf_counter() - t0) * 1e3 / runs
             self.layer_ops = max(1, round(prefill_ms / LAYERS / op_ms))
-        elif prefill_ms > 0:  # a CPU forward pass runs in torch's threads, the GIL released
+        elif prefill_ms > 0 and not self.gpu:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
 

@@ -69,15 +69,14 @@ compares with two GPUs).
                then to D with P's answer does (vLLM's examples do): P has staged and
                offered the KV by then, D's engine takes the requests at the start of a
                step, and the clock runs from that claim to D's report, the prefill
-               long done. P's link looks for D's receive at each turn for
-               `connector.nccl_link.RECEIVE_WATCH_S` from the Offer, then every
-               `RECEIVE_LINGER_S`, and sends on it when it sees it before the Go.
-               With `--prefill-ms` P goes on meanwhile, as a P under load does: once
-               the first looks are over it runs its next forward pass beside the
-               waiting transfers (`forward_beside_ms`, against `forward_alone_ms`; a
-               claim after at least that pass and 20 ms keeps it clear of the claim):
-               with `--forward launches`, a pass bound by its host thread, what the
-               lingering looks take from it shows.
+               long done. P's link looks for D's receive when it offers, then each
+               time D rings its bell, and sends on it when it sees it before the Go.
+               With `--prefill-ms` P goes on meanwhile, as a P under load does:
+               `NEXT_PASS_S` after the request's start it runs its next forward pass
+               beside the waiting transfers (`forward_beside_ms`, against
+               `forward_alone_ms`; a claim after at least that pass and 20 ms keeps it
+               clear of the claim): with `--forward launches`, a pass bound by its
+               host thread, what watching for D's receive takes from it shows.
 
 Once per prompt length, D's blocks are compared with P's. Prints a table, and how many of
 P's sends started on D's receive rather than on their Go; `--json PATH` writes the rows.
@@ -129,7 +128,6 @@ sys.path.insert(0, ROOT)
 
 from connector.config import EngineInfo, parse_config  # noqa: E402
 from connector.consumer import IDLE_WAIT_S  # noqa: E402
-from connector.nccl_link import RECEIVE_WATCH_S  # noqa: E402
 from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec  # noqa: E402
 from connector.worker import ConnectorWorker  # noqa: E402
 from workers.cpus import parse_cpu_list  # noqa: E402
@@ -142,6 +140,9 @@ BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * DIM * 2  # one block of every layer, 
 DEADLINE_S = 30.0
 GEMM = 4096  # `--forward gemm`: one layer's share is some of these square bf16 matrix multiplies
 CPU_GEMM = 256  # the same on the CPU, float32 (a fraction of a millisecond each on one core)
+# With `--claim-after-ms` and a forward pass: when P's next forward pass starts, from the
+# start of the request whose transfers wait for D's claim beside it.
+NEXT_PASS_S = 0.022
 
 
 @dataclass(frozen=True)
@@ -519,10 +520,8 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                          host_us=round((launched - t0) * 1e6), gpu_after_us=round((ended - launched) * 1e6))
                 conn.send((t0, alone, ended))
                 if goes_on:
-                    # P goes on with its next step while these transfers wait for D's claim:
-                    # a forward pass once the link's first looks (RECEIVE_WATCH_S from the
-                    # Offer) are over, beside its lingering ones
-                    time.sleep(max(0.0, t0 + RECEIVE_WATCH_S + 0.002 - time.perf_counter()))
+                    # P goes on with its next step while these transfers wait for D's claim.
+                    time.sleep(max(0.0, t0 + NEXT_PASS_S - time.perf_counter()))
                     took_beside = engine.forward_pass()
                     if it >= cfg["warmup"]:
                         beside[tok][0].append(took_beside)

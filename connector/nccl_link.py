@@ -63,17 +63,19 @@ not written.
 
 Such a receive names its transfer (a digest of its id), so P need not wait for the Go
 to know which send pairs with it: on a communicator already built, D posts it before
-its Ready (`posts_first`), P's poller looks for it between its polls
-(`watch_receive`, from the Offer: at each turn for `RECEIVE_WATCH_S`, then every
-`RECEIVE_LINGER_S` until the Go), and P starts the send as the
-Go would when it is next in P's order there (`ticket_at`), a broker round trip (the
-Ready's hop and the Go's) earlier. The Go, when it comes, finds the send started and
+its Ready (`posts_first`) and rings P's bell (`workers.transports.bell`). P's poller
+looks for it (`watch_receive`, from the Offer until the Go) at once and at each ring,
+waiting for the next ring without the GIL, so a transfer waiting for a late claim costs
+P's forward pass nothing; and P starts the send as the Go would when it is next in P's
+order there (`ticket_at`), a broker round trip (the Ready's hop and the Go's) earlier. The Go, when it comes, finds the send started and
 sends nothing; a transfer P did not see so goes on its Go as before.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -91,6 +93,7 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
+from workers.transports.bell import Bell
 from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
@@ -119,20 +122,6 @@ WAIT_PAUSE_S = 1e-4
 # report (the poller hands an expired transfer back at once; this only bounds a poller
 # that is stuck, say in a landing's launch).
 CARRY_GRACE_S = 5.0
-
-# How long P looks for D's receive of a staged transfer straight into its blocks at each
-# turn of its poller (`NcclLink.watch_receive`), from its Offer: D posts it about a
-# millisecond after the Offer when its request is there.
-RECEIVE_WATCH_S = 0.02
-# Past that, until its Go comes or it ends, P looks once every this long. Under a proxy
-# that sends the request to P first and to D with P's answer, D claims tens of
-# milliseconds after the Offer; its send then mostly starts on D's receive, half of this
-# late on average, rather than once D's Ready went to the broker and the Go came back:
-# one request claimed 50 ms late took 0.5-0.9 ms less on one H200 (docs/PERFORMANCE.md).
-# Each look takes the GIL from P's forward pass: with eight transfers waiting, a pass
-# bound by its host thread ran 0.3-0.9 ms of 19 longer at this pace, and 1.4-2.1 ms at
-# 0.25 ms, which gained no more than 0.6 ms a late claim (one H100, docs/PERFORMANCE.md).
-RECEIVE_LINGER_S = 1e-3
 
 # Transfers cancelled before their op was posted, remembered so the post is refused: an
 # Abort can come while the Go's send waits for its turn. The oldest are forgotten first.
@@ -261,35 +250,24 @@ Seen = Callable[[str, str, str, int, int], None]
 
 
 class ReceiveWatch:
-    """P's staged transfers whose receive D may post before their Go reaches P (no IO):
-    each by the tag such a receive names it with (`transfer_tag`), looked for at each
-    turn until the latest one's first window ends, then every `RECEIVE_LINGER_S`, until
-    dropped."""
+    """P's staged transfers whose receive D may post before their Go reaches P (no IO),
+    each by the tag such a receive names it with (`transfer_tag`), until dropped."""
 
     def __init__(self) -> None:
         self._by_tag: dict[bytes, tuple[str, Seen]] = {}
         self._tags: dict[str, bytes] = {}
-        # The latest first window's end: looked at each turn until then. One that ended
-        # early with its transfer keeps the others at that pace a little longer, and the
-        # poller's look costs no walk over every watch.
-        self._fast_until = -math.inf
 
-    def add(self, transfer_id: str, until: float, seen: Seen) -> None:
+    def __bool__(self) -> bool:
+        return bool(self._by_tag)
+
+    def add(self, transfer_id: str, seen: Seen) -> None:
         tag = self._tags[transfer_id] = transfer_tag(transfer_id)
         self._by_tag[tag] = (transfer_id, seen)
-        self._fast_until = max(self._fast_until, until)
 
     def drop(self, transfer_id: str) -> None:
         tag = self._tags.pop(transfer_id, None)
         if tag is not None:
             self._by_tag.pop(tag, None)
-
-    def pace(self, now: float) -> float | None:
-        """How soon the next look is wanted: 0 (at the next turn) while a transfer is in
-        its first window, else `RECEIVE_LINGER_S`; None: nothing is watched."""
-        if not self._by_tag:
-            return None
-        return 0.0 if now <= self._fast_until else RECEIVE_LINGER_S
 
     def take(self, tag: bytes) -> tuple[str, Seen] | None:
         """The transfer watched with `tag` and what to call, no longer watched; None: none is."""
@@ -449,7 +427,10 @@ class Poller:
         self._cond = threading.Condition()
         self._waits: list[tuple[Any, _Ended]] = []
         self._carried: list[tuple[_Watch, _Ended]] = []  # watches this thread advances itself
-        self._probes: list[Callable[[], float | None]] = []  # looked at until they return None (`probe`)
+        # Looked at until they return None (`probe`), each with the bell that asks for a look.
+        self._probes: list[tuple[Callable[[], float | None], Bell | None]] = []
+        self._wake: tuple[int, int] | None = None  # a pipe: ends this thread's wait on bells (`_notify`)
+        self._listening = False  # this thread waits on bells (under `_cond`)
         self._look_at = 0.0  # when the probes want their next look (`time.monotonic()`)
         self._asked = 0  # counts the probes started and looks asked for (`look_soon`)
         self._thread: threading.Thread | None = None
@@ -468,7 +449,7 @@ class Poller:
             if not closed:
                 self._waits.append((op, ended))
                 self._start()
-                self._cond.notify()
+                self._notify()
         if closed:  # nobody polls any more: look again after a pause (ops end when aborted)
             time.sleep(min(max(timeout, 0.0), 1e-3))
             return time.monotonic() if op.done() else None
@@ -495,22 +476,23 @@ class Poller:
                 return None
             self._carried.append((watch, ended))
             self._start()
-            self._cond.notify()
+            self._notify()
         return ended
 
-    def probe(self, look: Callable[[], float | None]) -> bool:
+    def probe(self, look: Callable[[], float | None], bell: Bell | None = None) -> bool:
         """Call `look()` in this thread, between the polls of the ops, until it returns
         None; it must not block. Otherwise it returns how soon it wants the next look: 0
         at the next turn (at most `WAIT_PAUSE_S` away), more to be left alone that long
-        (the poller then sleeps on, if nothing else waits). False: the poller is closed,
-        and nothing will call it."""
+        (the poller then sleeps on, if nothing else waits), `math.inf` until `bell`
+        rings or `look_soon`. Only this thread drains `bell`, and it does so before each
+        look it asks for. False: the poller is closed, and nothing will call it."""
         with self._cond:
             if self._closed:
                 return False
-            self._probes.append(look)
+            self._probes.append((look, bell))
             self._asked += 1
             self._start()
-            self._cond.notify()
+            self._notify()
         return True
 
     def look_soon(self) -> None:
@@ -518,7 +500,16 @@ class Poller:
         they watch for changed)."""
         with self._cond:
             self._asked += 1
-            self._cond.notify()
+            self._notify()
+
+    def _notify(self) -> None:
+        """Wake this thread from its pause, or from its wait on bells (under `_cond`)."""
+        self._cond.notify()
+        if self._listening and self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\x01")
+            except BlockingIOError:  # full: it wakes anyway
+                pass
 
     def _start(self) -> None:
         if self._thread is None:
@@ -530,10 +521,15 @@ class Poller:
         look for themselves."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+        with self._cond:
+            if self._wake is not None and (thread is None or not thread.is_alive()):
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
 
     def _run(self) -> None:
         pause, progress, known = 0.0, time.monotonic(), 0
@@ -570,33 +566,79 @@ class Poller:
                 pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
                 with self._cond:
                     rest = pause
-                    if self._probes and not self._waits and not self._carried and self._asked == self._looked:
+                    idle = bool(self._probes) and not self._waits and not self._carried
+                    if idle and self._asked == self._looked:
                         rest = max(pause, self._look_at - time.monotonic())  # nothing to do before then
-                    self._cond.wait(rest)  # a new wait, probe or look asked for ends the pause
+                    bells = [b for _, b in self._probes if b is not None]
+                    # Only probes left, and none wants a look for a while: wait on their
+                    # bells (a `poll` in whole milliseconds); else pause as for an op.
+                    listen = idle and bool(bells) and rest >= 1e-3
+                    if not listen:
+                        # A new wait, probe or look asked for ends the pause.
+                        self._cond.wait(None if math.isinf(rest) else rest)
+                    elif self._wake is None:
+                        self._wake = os.pipe()
+                        for fd in self._wake:
+                            os.set_blocking(fd, False)
+                    self._listening = listen
+                if self._listening:
+                    self._listen(bells, rest)
+                elif bells and any([b.drain() for b in bells]):  # between the polls of ops
+                    with self._cond:
+                        self._asked += 1
             known = len(waits) - len(ended) + len(carried) - finished
 
-    def _look(self, probes: list[Callable[[], float | None]]) -> float:
+    def _listen(self, bells: list[Bell], rest: float) -> None:
+        """Wait up to `rest` seconds (`math.inf`: until woken) with the GIL released, for
+        a ring of `bells` (it asks the probes for a look) or `_notify`. A wait this long
+        only comes when nothing but probes is left, so `poll`'s milliseconds do."""
+        assert self._wake is not None
+        waiting = select.poll()
+        waiting.register(self._wake[0], select.POLLIN)
+        fds: dict[int, Bell] = {}
+        for bell in bells:
+            fd = bell.fileno()
+            if fd is not None:
+                fds[fd] = bell
+                waiting.register(fd, select.POLLIN)
+        try:
+            woken = {fd for fd, _ in waiting.poll(None if math.isinf(rest) else rest * 1e3)}
+        except OSError:  # a bell closed meanwhile (its link is closing): look at the others again
+            woken = set()
+        with self._cond:
+            self._listening = False
+            while True:
+                try:
+                    if not os.read(self._wake[0], 4096):
+                        break
+                except BlockingIOError:
+                    break
+        if any([fds[fd].drain() for fd in woken if fd in fds]):
+            with self._cond:
+                self._asked += 1
+
+    def _look(self, probes: list[tuple[Callable[[], float | None], Bell | None]]) -> float:
         """Call each probe once; forget those that are done, or that raised (a probe is
         a shortcut: what it watches for also comes another way). How soon the others
-        want the next look."""
+        want the next look (`math.inf`: when a bell rings or a look is asked for)."""
         done, pace = [], math.inf
-        for look in probes:
+        for probe in probes:
             try:
-                wants = look()
+                wants = probe[0]()
             except Exception as exc:
                 log.warning("nccl.probe_failed", error=repr(exc))
                 wants = None
             if wants is None:
-                done.append(look)
+                done.append(probe)
             else:
                 pace = min(pace, wants)
         if done:
             with self._cond:
                 # One entry for each that finished, the oldest: a look asked for again
                 # meanwhile (the same callable, appended while this one ended) stays.
-                for look in done:
-                    self._probes.remove(look)
-        return 0.0 if math.isinf(pace) else pace
+                for probe in done:
+                    self._probes.remove(probe)
+        return pace
 
     def _advance(self, carried: list[tuple[_Watch, _Ended]]) -> tuple[bool, int]:
         """Advance the carried watches whose next op ended (or whose deadline passed):
@@ -802,23 +844,24 @@ class NcclLink:
     # -- P: a send started by D's receive ---------------------------------------------------
 
     def watch_receive(self, transfer_id: str, seen: Seen) -> None:
-        """P: look (the poller, between its polls: at each turn for `RECEIVE_WATCH_S`, then
-        every `RECEIVE_LINGER_S` until `unwatch_receive`) for D's receive
-        of `transfer_id` straight into its blocks, on any communicator built with a D
-        that writes into blocks; once it is the next receive there, call `seen` (in the
-        poller's thread, or on the client's loop right after a send was posted: it must
-        not block). D posts such a receive before its Ready
-        (`posts_first`), so P may start the send then (`ticket_at`), without the
-        Ready's trip to the broker and the Go's back. Nothing to look for while no
-        communicator built writes into blocks (a peer's first transfer builds one on its Go)."""
-        if not any(comm.writes_into_blocks for comm in self.cache.built()):
+        """P: look (the poller, between its polls: now, then each time an ipc peer rings
+        this side's bell, until `unwatch_receive`) for D's receive of `transfer_id`
+        straight into its blocks, on any communicator built with a D that writes into
+        blocks; once it is the next receive there, call `seen` (in the poller's thread,
+        or on the client's loop right after a send was posted: it must not block). D
+        posts such a receive before its Ready (`posts_first`) and rings once it has, so
+        P may start the send then (`ticket_at`), without the Ready's trip to the broker
+        and the Go's back. Nothing to look for while no communicator built writes into
+        blocks (a peer's first transfer builds one on its Go)."""
+        bell = self.cache.bell
+        if bell is None or not any(comm.writes_into_blocks for comm in self.cache.built()):
             return
         with self._lock:
-            self._watch.add(transfer_id, time.monotonic() + RECEIVE_WATCH_S, seen)
+            self._watch.add(transfer_id, seen)
             start, self._probing = not self._probing, True
         if not start:
-            self.poller.look_soon()  # the running probe may be pacing lingering watches
-        elif not self.poller.probe(self._look):
+            self.poller.look_soon()  # D may have rung before this transfer was watched
+        elif not self.poller.probe(self._look, bell):
             with self._lock:
                 self._probing = False
 
@@ -829,15 +872,14 @@ class NcclLink:
 
     def _look(self) -> float | None:
         """The poller's probe: each built communicator's next receive, if it names a
-        watched transfer. How soon to look again; None once nothing is watched (the
-        probe ends)."""
+        watched transfer. How soon to look again: at the next ring of the bell, or soon
+        if a communicator was busy; None once nothing is watched (the probe ends)."""
+        busy = self._find_receives()
         with self._lock:
-            pace = self._watch.pace(time.monotonic())
-            if pace is None:
+            if not self._watch:  # a watch added after this ends it starts a probe of its own
                 self._probing = False
                 return None
-        self._find_receives()
-        return pace
+        return WAIT_PAUSE_S if busy else math.inf
 
     def _look_now(self) -> None:
         """P, on the client's loop, right after a send was posted: the probe's look, if
@@ -850,12 +892,17 @@ class NcclLink:
         except Exception as exc:  # a shortcut: the poller looks too, and the Go still comes
             log.warning("nccl.probe_failed", error=repr(exc))
 
-    def _find_receives(self) -> None:
+    def _find_receives(self) -> bool:
         """Call the watch of each built communicator's next receive that names a watched
-        transfer (`watch_receive`), once: the watch is taken under the lock."""
+        transfer (`watch_receive`), once: the watch is taken under the lock. Whether a
+        communicator was busy (a post held it), so it was not looked at."""
+        busy = False
         for comm in self.cache.built():
             try:
                 found = comm.next_block_receive() if comm.writes_into_blocks else None
+            except BlockingIOError:
+                busy = True
+                continue
             except Exception:  # closed meanwhile: its transfers go by their Go
                 continue
             if found is None:
@@ -866,6 +913,7 @@ class NcclLink:
             if watched is not None:
                 tid, seen = watched
                 seen(tid, comm.peer, comm.nonce, seq, nbytes)
+        return busy
 
     def ticket_at(self, decode: str, nonce: str, seq: int) -> Ticket | None:
         """P, on the client's loop: the ticket of the send that pairs with `decode`'s

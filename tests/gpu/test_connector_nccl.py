@@ -25,6 +25,7 @@ import torch
 
 from connector import consumer, nccl_link
 from workers import gpu_staging
+from workers.transports.bell import Ringer
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
@@ -525,18 +526,18 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
 
 
 @pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
-@pytest.mark.parametrize("lingers", [True, False], ids=["lingers", "twin_lapses"])
-def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
-    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, lingers: bool
+@pytest.mark.parametrize("rings", [True, False], ids=["rings", "twin_silent"])
+def test_over_ipc_a_claim_long_after_the_offer_still_sends_on_ds_receive(
+    broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, rings: bool
 ) -> None:
     """As under a proxy that sends the request to P first and to D with P's answer: each
-    transfer is staged and offered, P's first window of looks for D's receive ends, and
-    only then does D claim it. P still looks, at the slower pace, and the send starts on
-    D's receive, before the Go. Here idle, the broker relays D's Ready as the Go within a
-    millisecond, as fast as that pace: the Go is held 10 ms at P (injected), as a busy
-    broker or loop would hold it, so the test tells the two apart. The twin's look never
-    comes back after the window (a pace of an hour, injected too): every send waits for
-    its Go. Either way D's blocks hold what P saved."""
+    transfer is staged and offered, P's poller has looked for D's receive and waits on
+    its bell, and only then does D claim it. D rings once its receive is posted, and the
+    send starts on that receive, before the Go. Here idle, the broker relays D's Ready
+    as the Go within a millisecond: the Go is held 10 ms at P (injected), as a busy
+    broker or loop would hold it, so the test tells the two apart. The twin's D never
+    rings (injected too): P never looks again, and every send waits for its Go. Either
+    way D's blocks hold what P saved."""
     real_on_go = ConnectorWorker.on_go
 
     async def on_go_late(self: ConnectorWorker, msg: Go) -> None:
@@ -544,17 +545,13 @@ def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
         await real_on_go(self, msg)
 
     monkeypatch.setattr(ConnectorWorker, "on_go", on_go_late)
-    if not lingers:
-        monkeypatch.setattr(nccl_link, "RECEIVE_LINGER_S", 3600.0)
+    if not rings:
+        monkeypatch.setattr(Ringer, "ring", lambda self: None)
     pc, dc = gpu_caches(P_GPU, 21), gpu_caches(D_GPU, 22)
     p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl")
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl")
     link = p.nccl
     assert link is not None
-
-    def lingering() -> bool:
-        with link._lock:
-            return (link._watch.pace(time.monotonic()) or 0.0) > 0
 
     try:
         load(d, "warm", [60], cached=0)  # the first builds the pair's communicator, on its Go
@@ -569,15 +566,15 @@ def test_over_ipc_a_claim_after_ps_first_window_still_sends_on_ds_receive(
             stage(p, pc, f"c{i}", src, decode="d0")
             for t in pc.values():
                 t[:, src] = -7.0
-            wait_until(lambda: p.statistics()["offered"] == i + 2 and lingering(), 10,
-                       f"P's first window of looks for c{i}'s receive to end")
+            wait_until(lambda: p.statistics()["offered"] == i + 2 and link.poller._listening, 10,
+                       f"P's poller to wait on its bell for c{i}'s receive")
             load(d, f"c{i}", dst, cached=0)
             assert not run_steps(d, {f"req-c{i}"}, timeout=30)[1], f"transfer c{i} failed to load"
             torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 assert torch.equal(t[:, dst].cpu(), saved[n].cpu()), (i, n)
         on_receive = p.statistics().get("sent_on_receive", 0) - before
-        if lingers:
+        if rings:
             assert on_receive == 5, p.statistics()
         else:
             assert on_receive == 0, p.statistics()

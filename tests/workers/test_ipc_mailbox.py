@@ -125,8 +125,8 @@ def test_a_torn_layer_table_reads_as_not_yet_written() -> None:
 def test_an_abort_marks_the_page_dead_and_counters_are_found_where_published() -> None:
     box = page()
     assert box.flags_of(0) is None and box.flags_of(1) is None
-    box.publish_flags(1, Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000))
-    assert box.flags_of(1) == Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000) and box.flags_of(0) is None
+    box.publish_flags(1, Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000, 0x5EED))
+    assert box.flags_of(1) == Counters(handle(5), 4096, 4242, 1, 0x7F00_0000_0000, 0x5EED) and box.flags_of(0) is None
     assert not box.dead
     box.abort()
     assert box.dead
@@ -354,6 +354,7 @@ def test_the_sender_sees_its_next_block_receive_without_waiting_and_nothing_once
     box = page()
     comm = IpcCommunicator.__new__(IpcCommunicator)  # the host half only: no GPU, no peer
     comm.lock, comm.closed, comm.sent, comm.out, comm.page = threading.RLock(), False, 3, 0, SimpleNamespace(box=box)
+    comm.peer = "d0:0"
     assert comm.next_block_receive() is None  # nothing posted
     box.post(0, Descriptor(4, UNTAGGED, 0, 4096, 0x7F00_0000_0000))
     assert comm.next_block_receive() is None  # a receive of bytes: its Go sends it
@@ -374,7 +375,8 @@ def test_the_sender_sees_its_next_block_receive_without_waiting_and_nothing_once
     poster.start()
     try:
         assert held.wait(10)
-        assert comm.next_block_receive() is None  # busy: looked at again later, not waited for
+        with pytest.raises(BlockingIOError):  # busy: looked at again soon, not waited for
+            comm.next_block_receive()
     finally:
         release.set()
         poster.join(10)

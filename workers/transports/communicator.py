@@ -86,6 +86,10 @@ class Owner(Protocol):
 
     def tell_stale(self, comm: Communicator) -> None: ...
 
+    def bell_token(self) -> int:
+        """This side's bell (`workers.transports.bell`), made at the first call: its token."""
+        ...
+
 
 class PendingEnd:
     """The end of an op launched in parts, possibly by another thread than the one that
@@ -284,7 +288,8 @@ class Communicator:
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         """P: the peer's receive for the next send, if it is posted and goes straight into
-        its blocks: its number, the tag of its transfer, its bytes. Never waits."""
+        its blocks: its number, the tag of its transfer, its bytes. Never waits: raises
+        BlockingIOError while a post holds the communicator (look again soon)."""
         return None
 
     def send_blocks(self, seq: int, paged: PagedKv, src: int, num_blocks: int, *,

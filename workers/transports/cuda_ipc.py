@@ -104,6 +104,7 @@ from .ipc_mailbox import (
     pairing_error,
 )
 from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
+from .bell import Ringer
 from .cuda_driver import CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
@@ -503,9 +504,10 @@ class IpcCommunicator(Communicator):
 
     def __init__(self, *, peer: str, rank: int, device: torch.device, page: _Page, drv: CudaDriver, ctx: int,
                  counters: _Counters, peer_counters: tuple[bytes, int, int, bool], nonce: str,
-                 cache: Owner | None, op_timeout_s: float = 60.0) -> None:
+                 cache: Owner | None, ringer: Ringer, op_timeout_s: float = 60.0) -> None:
         super().__init__(peer=peer, rank=rank, device=device, nonce=nonce, cache=cache, mem_bytes=0)
         self.page, self.drv, self.ctx = page, drv, ctx
+        self.ringer = ringer  # the peer's bell: rung once a receive into blocks is posted
         self.out, self.into = rank, 1 - rank  # the directions of this side's sends and receives
         self.sent = self.received = 0  # ops posted so far, each way
         self.op_timeout_s = op_timeout_s
@@ -722,6 +724,7 @@ class IpcCommunicator(Communicator):
             slot = _Counters.arena(self.peer_arena, seq)
             self.drv.copy(self._sp, slot, held.data_ptr(), n * 8)
             box.post(self.into, Descriptor(seq, tag, version, n * paged.staged_block_nbytes, kind=BLOCKS, count=n))
+            self.ringer.ring()  # the sender may be waiting for it to start the send before its Go
             self.received = seq
             self.drv.write_value(self._sp, self.peer_ready, seq)
             self.drv.wait_value(self.arrivals.cuda_stream, self.my_arrived(seq), seq)  # the receive's end
@@ -766,9 +769,9 @@ class IpcCommunicator(Communicator):
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         # Under `lock`, which an abort holds to close the page; not waited for: a post
-        # holding it may wait on the host, and a caller that looks often looks again.
+        # holding it may wait on the host. The caller looks again soon.
         if not self.lock.acquire(blocking=False):
-            return None
+            raise BlockingIOError(f"the IPC communicator with {self.peer} is busy posting")
         try:
             if self.closed:
                 return None
@@ -908,6 +911,7 @@ class IpcCommunicator(Communicator):
                     log.warning("ipc.unmap_failed", peer=self.peer, error=str(exc))
             self._mapped.clear()
             self.page.close()
+            self.ringer.close()
             if not idle:  # a wait that never ended: keep the counters it waits on allocated
                 log.warning("ipc.stream_stuck", peer=self.peer)
                 _STUCK.append(self.counters)
@@ -971,8 +975,12 @@ def connect_ipc(cache: Owner, peer: str, info: dict[str, Any] | None,
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_device(device)
     ctx = drv.primary_context(ordinal)
+    try:
+        bell = cache.bell_token()
+    except OSError as exc:
+        raise RendezvousError(f"the ipc backend needs a FIFO in {SHM_DIR} ({exc}); use the direct backend.") from exc
     counters = _Counters(device, drv)
-    where = Counters(counters.handle, counters.offset, _PROCESS, ordinal, counters.base)
+    where = Counters(counters.handle, counters.offset, _PROCESS, ordinal, counters.base, bell)
     rank = 0 if info is None else 1
     if info is None:
         nonce = secrets.token_hex(8)
@@ -1007,13 +1015,18 @@ def connect_ipc(cache: Owner, peer: str, info: dict[str, Any] | None,
             peer_counters = (theirs.handle, theirs.base, theirs.offset, True)
         else:
             peer_counters = (theirs.handle, _map_peer(drv, theirs.handle, peer), theirs.offset, False)
+        try:
+            ringer = Ringer(SHM_DIR, theirs.bell)
+        except OSError as exc:
+            raise RendezvousError(f"cannot open {peer}'s bell in {SHM_DIR} ({exc}): both workers need the same "
+                                  f"{SHM_DIR} for the ipc backend, or use the direct backend.") from exc
     except BaseException as exc:
         page.close()
         if isinstance(exc, RendezvousError):
             raise
         raise RendezvousError(str(exc)) from exc
     comm = IpcCommunicator(peer=peer, rank=rank, device=device, page=page, drv=drv, ctx=ctx, counters=counters,
-                           peer_counters=peer_counters, nonce=nonce, cache=cache)
+                           peer_counters=peer_counters, nonce=nonce, cache=cache, ringer=ringer)
     try:
         comm._copy.check(counters.scratch, peer)
         comm._blocks.load(counters.scratch)

@@ -8,8 +8,9 @@ reading host memory here cost about 8 us a read (measured on an H200 pair in a V
 It holds:
 
 * for each rank, where its GPU counters are (`Counters`): the IPC handle of their
-  allocation, their offset in it, and the process and device they live in, written
-  before the rendezvous answer, read after it;
+  allocation, their offset in it, and the process and device they live in, and the
+  token of its bell (`workers.transports.bell`: the peer rings it once it posted a
+  receive straight into its blocks), written before the rendezvous answer, read after it;
 * a dead flag: set by a side that gave up, so the peer's host stops waiting for it;
 * for each direction (rank 0 to 1, rank 1 to 0):
   - a ring of receive descriptors the receiver's host writes: for receive number `seq`
@@ -44,7 +45,7 @@ __all__ = [
     "LayerTable", "Mailbox", "MailboxError", "Step", "group_steps", "pairing_error", "transfer_tag",
 ]
 
-MAGIC = 0x6B76_6270_6970_6333  # "kvbpipc3"
+MAGIC = 0x6B76_6270_6970_6334  # "kvbpipc4"
 SLOTS = 256
 HANDLE_BYTES = 64  # a CUipcMemHandle
 MAX_LAYERS = 512  # layers a layer table holds
@@ -58,7 +59,7 @@ _FIELDS_AT = 72  # a slot: the handle at 0, then `_FIELDS`, then the digest
 _TABLE_HEAD = struct.Struct("<QQQQQ")  # version, layers, cache blocks, rows a block, row bytes
 _TABLE_ENTRY = struct.Struct("<QQ")  # offset, base (after the handle)
 _TABLE_SIZE = _PAGE + MAX_LAYERS * (HANDLE_BYTES + _TABLE_ENTRY.size)
-_PEER = struct.Struct("<QQQQQ")  # offset, set, process token, device ordinal, base
+_PEER = struct.Struct("<QQQQQQ")  # offset, set, process token, device ordinal, base, bell token
 _DEAD_AT = 16  # the header's dead word
 _FLAGS_AT = 64  # where each rank's GPU counters are: a handle, then `_PEER`
 _FLAGS_SIZE = 128  # a rank's share of that
@@ -109,13 +110,15 @@ class LayerTable:
 class Counters:
     """Where a rank's GPU counters are: `offset` bytes into the allocation `handle`,
     which lies at `base` in the process named `process` (a random token, since process
-    ids repeat across containers), on its device `ordinal`."""
+    ids repeat across containers), on its device `ordinal`; and the token of the rank's
+    bell (`workers.transports.bell`), 0 for none."""
 
     handle: bytes
     offset: int
     process: int
     ordinal: int
     base: int
+    bell: int = 0
 
 
 UNTAGGED = bytes(HANDLE_BYTES)  # a BLOCKS receive or send that names no transfer
@@ -199,13 +202,16 @@ class Mailbox:
             raise ValueError(f"bad counters for rank {rank}")
         at = _FLAGS_AT + rank * _FLAGS_SIZE
         self.buf[at : at + HANDLE_BYTES] = where.handle
-        _PEER.pack_into(self.buf, at + HANDLE_BYTES, where.offset, 1, where.process, where.ordinal, where.base)
+        _PEER.pack_into(self.buf, at + HANDLE_BYTES, where.offset, 1, where.process, where.ordinal, where.base,
+                        where.bell)
 
     def flags_of(self, rank: int) -> Counters | None:
         """Where rank `rank`'s GPU counters are, once it said so."""
         at = _FLAGS_AT + rank * _FLAGS_SIZE
-        offset, is_set, process, ordinal, base = _PEER.unpack_from(self.buf, at + HANDLE_BYTES)
-        return Counters(bytes(self.buf[at : at + HANDLE_BYTES]), offset, process, ordinal, base) if is_set else None
+        offset, is_set, process, ordinal, base, bell = _PEER.unpack_from(self.buf, at + HANDLE_BYTES)
+        if not is_set:
+            return None
+        return Counters(bytes(self.buf[at : at + HANDLE_BYTES]), offset, process, ordinal, base, bell)
 
     # -- consumed ---------------------------------------------------------------------
 

@@ -90,9 +90,11 @@ from .communicator import (
     check_range,
     nbytes_of,
 )
+from .bell import Bell
 from .cuda_ipc import connect_ipc
 from .nccl_setup import (
     HIGH_PRIORITY,
+    SHM_DIR,
     IpcDeclined,
     await_join,
     init_direct,
@@ -388,6 +390,9 @@ class CommunicatorCache:
         self._dropped: dict[str, bytes] = {}  # peer -> a stale notice `usable` read, for `get` to act on
         self._lock = threading.Lock()
         self._created = self._evicted = self._aborted = 0
+        # Rung by ipc peers once they posted a receive straight into this side's sends'
+        # blocks (`bell_token`); the link's poller waits on it.
+        self.bell: Bell | None = None
 
     @staticmethod
     def key(initiator: str, acceptor: str) -> str:
@@ -502,12 +507,21 @@ class CommunicatorCache:
             return CacheStats(len(self._comms), self.capacity, self._created, self._evicted, self._aborted)
 
     def close(self) -> None:
-        """Abort every communicator; the cache stays usable."""
+        """Abort every communicator and remove the bell; the cache stays usable."""
         with self._lock:
             comms = list(self._comms.values())
             self._comms.clear()
+            bell, self.bell = self.bell, None
         for comm in comms:
             comm.abort()
+        if bell is not None:
+            bell.close()
+
+    def bell_token(self) -> int:
+        with self._lock:
+            if self.bell is None:
+                self.bell = Bell(SHM_DIR)
+            return self.bell.token
 
     # -- internals -------------------------------------------------------------------
 

@@ -31,8 +31,9 @@ SHM_DIR = "/dev/shm"
 IPC_PAGE_PREFIX = "kvbroker-ipc-"
 # The ipc build's version (its offer's "v"): both sides must lay the shared page and
 # counters out alike. 4: an arrival word per op in flight (`cuda_ipc._Counters`); 5: a
-# block receive's descriptor names its transfer (`ipc_mailbox.transfer_tag`).
-IPC_VERSION = 5
+# block receive's descriptor names its transfer (`ipc_mailbox.transfer_tag`); 6: each
+# side names its bell in the page (`workers.transports.bell`).
+IPC_VERSION = 6
 
 # The CUDA stream priority of the streams NCCL ops run on (lower is higher; compute and
 # copy streams keep the default 0). torch maps it into the device's range.

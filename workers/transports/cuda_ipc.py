@@ -41,7 +41,9 @@ How one op pairs:
   table once (where each layer of its cache lies) and a BLOCKS descriptor per transfer,
   which names the transfer (a digest of its id: P checks it, and the size, against its
   own send before it copies, so a fault in the order of posts fails the send instead of
-  landing one request's KV in the blocks of another of the same size);
+  landing one request's KV in the blocks of another of the same size), and rings P's
+  bell (`workers.transports.bell`, named in the page), which P's poller waits on to
+  start a send before its Go;
   D's GPU copies the block ids into P's arena (in P's counters' allocation), then writes
   P's `ready`, without waiting for its earlier block receives to land (only for the
   one whose arena slot it reuses), and waits for `arrived` on a stream of its own.

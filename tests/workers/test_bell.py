@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.transports.bell import BELL_PREFIX, Bell, Ringer, bell_path
+from workers.transports.bell import BELL_PREFIX, SWEEP_AFTER_S, Bell, Ringer, bell_path, sweep
 
 
 def _ready(bell: Bell, timeout_s: float) -> bool:
@@ -90,3 +90,26 @@ def test_another_process_rings_by_the_token_alone(bell: Bell) -> None:
     subprocess.run([sys.executable, "-c", code, os.path.dirname(bell.path), str(bell.token)], cwd=root, check=True,
                    timeout=60)
     assert _ready(bell, 10) and bell.drain()
+
+
+def test_a_bell_left_by_a_dead_worker_is_swept_once_old_and_a_live_one_never(tmp_path: Path) -> None:
+    """A worker that dies leaves its FIFO behind (nobody reads it). The next bell made in
+    that directory removes it once it is older than `SWEEP_AFTER_S` (a younger one may be
+    a worker between making its FIFO and opening it), and leaves a bell that is read."""
+    live, dead = Bell(str(tmp_path)), Bell(str(tmp_path))
+    os.close(dead.fd)  # as a crash leaves it: both ends closed, the FIFO still there
+    os.close(dead._writer)
+    (tmp_path / f"{BELL_PREFIX}0123").write_text("")  # not a FIFO: not ours to remove
+    made = os.stat(dead.path).st_ctime
+    try:
+        assert sweep(str(tmp_path), now=made + SWEEP_AFTER_S - 1) == 0  # too young
+        assert os.path.exists(dead.path)
+        assert sweep(str(tmp_path), now=made + SWEEP_AFTER_S + 1) == 1
+        assert not os.path.exists(dead.path) and os.path.exists(live.path)
+        assert (tmp_path / f"{BELL_PREFIX}0123").exists()
+        ringer = Ringer(str(tmp_path), live.token)  # the live bell still rings
+        ringer.ring()
+        ringer.close()
+        assert live.drain()
+    finally:
+        live.close()

@@ -11,7 +11,8 @@ comes after the drain wakes it again: no ring is lost between a look and the nex
 Each communicator cache owns one bell (`Bell`, made at its first ipc build), which lives
 as long as the cache's link; each ipc communicator holds a `Ringer` on its peer's,
 opened at the build. A bell is named by a random token, which each side writes into the
-ipc page beside its counters (`ipc_mailbox.Counters.bell`).
+ipc page beside its counters (`ipc_mailbox.Counters.bell`). A worker that dies leaves
+its FIFO behind; the next bell made in that directory removes such leftovers (`sweep`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,48 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import threading
+import time
 
-__all__ = ["BELL_PREFIX", "Bell", "Ringer", "bell_path"]
+__all__ = ["BELL_PREFIX", "Bell", "Ringer", "bell_path", "sweep"]
 
 BELL_PREFIX = "kvbroker-bell-"
+# A bell younger than this is never swept: its worker may be between making the FIFO and
+# opening its reading end.
+SWEEP_AFTER_S = 60.0
 
 
 def bell_path(directory: str, token: int) -> str:
     """Where the bell named `token` lies."""
     return os.path.join(directory, f"{BELL_PREFIX}{token:016x}")
+
+
+def sweep(directory: str, now: float | None = None) -> int:
+    """Remove the bells in `directory` that nobody reads any more (their worker died
+    without closing its link) and that are older than `SWEEP_AFTER_S` at `now` (wall
+    clock; None: the current time); how many."""
+    now = time.time() if now is None else now
+    swept = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(BELL_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISFIFO(st.st_mode) or now - st.st_ctime < SWEEP_AFTER_S:
+                continue
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # opens only while someone reads
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                try:
+                    os.unlink(path)
+                    swept += 1
+                except FileNotFoundError:
+                    pass
+    return swept
 
 
 class Bell:
@@ -39,6 +72,7 @@ class Bell:
     already name another file, so nothing reads through it once closed."""
 
     def __init__(self, directory: str) -> None:
+        sweep(directory)
         self.token = secrets.randbits(63) + 1  # 0 is "no bell" in the page
         self.path = bell_path(directory, self.token)
         os.mkfifo(self.path, 0o600)

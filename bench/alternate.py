@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for i, row in enumerate(runs["new"][0]):
         for col in columns:
-            if col not in row:
+            if row.get(col) is None:  # a column this benchmark's run does not fill
                 continue
             table.append({"tokens": row["tokens"], "inflight": row["inflight"], "column": col,
                           **{arm: [rows[i][col] for rows in runs[arm]] for arm in ("base", "new")}})
     print(f"\nmedians of each run, ms; base {base}, new {ROOT}; rounds alternate, base first")
     print(f"{'tokens':>7}{'inflight':>9}  {'column':<22}{'base':>28}  {'new':>28}")
     for t in table:
-        cells = [" / ".join(f"{v:.2f}" for v in t[arm]) for arm in ("base", "new")]
+        cells = [" / ".join("-" if v is None else f"{v:.2f}" for v in t[arm]) for arm in ("base", "new")]
         print(f"{t['tokens']:>7}{t['inflight']:>9}  {t['column']:<22}{cells[0]:>28}  {cells[1]:>28}")
     if args.json:
         Path(args.json).write_text(json.dumps({"base": str(base), "bench_args": bench_args, "rows": table}, indent=1))

@@ -420,6 +420,10 @@ class Poller:
     ms (docs/PERFORMANCE.md). A carried watch whose deadline passes is handed back to its
     waiter (`_Ended.expired`), which aborts the op: an abort blocks for up to a second,
     and done here it would stall every other watch.
+
+    A probe (`probe`: P's look for D's receives) comes with a bell that D rings: with
+    nothing but probes left, this thread waits on their bells in `poll()`, which holds no
+    GIL, rather than on a timer; while it polls ops, it drains them at each pause.
     """
 
     def __init__(self, name: str = "kvbroker-nccl-poller") -> None:

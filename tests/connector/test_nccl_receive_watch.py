@@ -258,3 +258,18 @@ def test_the_look_right_after_a_send_never_raises_into_that_send(made: Any) -> N
     link._probing = True
     link._look_now()  # no exception
     assert comm.looked == 1
+
+
+def test_closing_the_poller_ends_its_wait_on_the_bell(made: Any, seen: queue.Queue) -> None:
+    """The poller waits on the bell with no timeout while a watch lasts: closing it wakes
+    that wait (its pipe), the thread ends, and the pipe is closed; a bell closed first
+    (its link closing) leaves nothing to wait on but that pipe."""
+    comm = _Comm("d0", "c1")
+    link = made(comm)
+    link.watch_receive("t1", _recorder(seen))
+    wait_until(lambda: link.poller._listening, 10, "the poller to wait on its bell")
+    link.cache.bell.close()
+    thread = link.poller._thread
+    assert thread is not None
+    link.poller.close(timeout_s=10)
+    assert not thread.is_alive() and link.poller._wake is None and seen.empty()

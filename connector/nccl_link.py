@@ -93,7 +93,7 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
-from workers.transports.bell import Bell
+from workers.transports.bell import Bell, drain
 from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
@@ -611,12 +611,7 @@ class Poller:
             woken = set()
         with self._cond:
             self._listening = False
-            while True:
-                try:
-                    if not os.read(self._wake[0], 4096):
-                        break
-                except BlockingIOError:
-                    break
+            drain(self._wake[0])
         if any([fds[fd].drain() for fd in woken if fd in fds]):
             with self._cond:
                 self._asked += 1

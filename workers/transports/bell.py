@@ -25,7 +25,7 @@ import stat
 import threading
 import time
 
-__all__ = ["BELL_PREFIX", "Bell", "Ringer", "bell_path", "sweep"]
+__all__ = ["BELL_PREFIX", "Bell", "Ringer", "bell_path", "drain", "sweep"]
 
 BELL_PREFIX = "kvbroker-bell-"
 # A bell younger than this is never swept: its worker may be between making the FIFO and
@@ -36,6 +36,19 @@ SWEEP_AFTER_S = 60.0
 def bell_path(directory: str, token: int) -> str:
     """Where the bell named `token` lies."""
     return os.path.join(directory, f"{BELL_PREFIX}{token:016x}")
+
+
+def drain(fd: int) -> bool:
+    """Read everything a non-blocking pipe or FIFO holds; whether it held anything."""
+    got_any = False
+    while True:
+        try:
+            got = os.read(fd, 4096)
+        except BlockingIOError:
+            return got_any
+        got_any = got_any or bool(got)
+        if len(got) < 4096:
+            return got_any
 
 
 def sweep(directory: str, now: float | None = None) -> int:
@@ -95,17 +108,8 @@ class Bell:
 
     def drain(self) -> bool:
         """Take every ring so far; whether there was any. Never blocks."""
-        rung = False
         with self._lock:
-            while not self._closed:
-                try:
-                    got = os.read(self.fd, 4096)
-                except BlockingIOError:
-                    break
-                rung = rung or bool(got)
-                if len(got) < 4096:
-                    break
-        return rung
+            return not self._closed and drain(self.fd)
 
     def close(self) -> None:
         """Remove the FIFO and close both ends (a ringer's next ring is then dropped);

@@ -67,8 +67,9 @@ its Ready (`posts_first`) and rings P's bell (`workers.transports.bell`). P's po
 looks for it (`watch_receive`, from the Offer until the Go) at once and at each ring,
 waiting for the next ring without the GIL, so a transfer waiting for a late claim costs
 P's forward pass nothing; and P starts the send as the Go would when it is next in P's
-order there (`ticket_at`), a broker round trip (the Ready's hop and the Go's) earlier. The Go, when it comes, finds the send started and
-sends nothing; a transfer P did not see so goes on its Go as before.
+order there (`ticket_at`), a broker round trip (the Ready's hop and the Go's) earlier.
+The Go, when it comes, finds the send started and sends nothing; a transfer P did not
+see so goes on its Go as before.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ directory the ipc backend shares its pages through.
 Why: P looks for D's receives straight into its blocks (`connector.nccl_link`) so that it
 can send before the broker's Go. On a timer each look took the GIL from P's forward pass,
 and a late receive was seen up to one period late (docs/PERFORMANCE.md, "P waits on a
-bell for D's receive"). With a bell P's poller waits in
-`select`, which holds no GIL, and D rings once it has written such a receive's
-descriptor. The reader drains its bell before it looks at the mailbox, so a ring that
+bell for D's receive"). With a bell P's poller waits in `poll()`, which holds no GIL,
+and D rings once it has written such a receive's descriptor. The reader drains its bell before it looks at the mailbox, so a ring that
 comes after the drain wakes it again: no ring is lost between a look and the next wait.
 
 Each communicator cache owns one bell (`Bell`, made at its first ipc build), which lives
@@ -102,7 +101,7 @@ class Bell:
         self._closed = False
 
     def fileno(self) -> int | None:
-        """What to wait on for a ring (`select`); None once closed."""
+        """What to wait on for a ring (`poll()`); None once closed."""
         with self._lock:
             return None if self._closed else self.fd
 

@@ -45,12 +45,14 @@ ENV = "KVBROKER_CALL_TRACE"
 TARGETS: dict[str, dict[str, list[str]]] = {
     "connector.worker": {"ConnectorWorker": [
         "bind", "save_kv_layer", "wait_for_save", "start_load_kv", "get_finished", "on_prepare", "on_go", "spawn"]},
-    "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_receive_seen", "_go_on_receive", "on_go"]},
+    "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_receive_seen", "_sent_on_receive",
+                                            "_go_on_receive", "on_go"]},
     "connector.consumer": {"ConsumerSide": [
         "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received",
         "_receive", "_finish"]},
     "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait", "_carried", "_turn", "_post", "_postable_now",
-                                         "_post_blocks", "ticket_at", "posts_first", "watch_receive"]},
+                                         "_post_blocks", "ticket_at", "send_on_receive", "posts_first",
+                                         "watch_receive"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
     "workers.transports.tcp": {"TcpSender": ["_send", "_checkout"]},

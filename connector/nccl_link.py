@@ -2,8 +2,9 @@
 (in a few chunks), posted and waited for without blocking the broker client's loop.
 
 Threads: an op on a communicator this side already has is posted on the loop thread
-itself (it does not block, and a hop to a worker thread sat inside D's turn); building
-one, or aborting one the peer dropped, happens in a worker thread. Each transfer is
+itself (it does not block, and a hop to a worker thread sat inside D's turn), or, a send
+started on D's receive, in the poller's thread that saw it (below); building one, or
+aborting one the peer dropped, happens in a worker thread. Each transfer is
 then handed to the link's `Poller` (one thread, the only one polling CUDA events) as
 soon as it is posted (`Poller.carry`), and its task awaits the poller's report on the
 loop; no thread sleeps for it. For a receive the poller sets it up and lands each chunk
@@ -66,10 +67,13 @@ to know which send pairs with it: on a communicator already built, D posts it be
 its Ready (`posts_first`) and rings P's bell (`workers.transports.bell`). P's poller
 looks for it (`watch_receive`, from the Offer until the Go) at once and at each ring,
 waiting for the next ring without the GIL, so a transfer waiting for a late claim costs
-P's forward pass nothing; and P starts the send as the Go would when it is next in P's
-order there (`ticket_at`), a broker round trip (the Ready's hop and the Go's) earlier.
-The Go, when it comes, finds the send started and sends nothing; a transfer P did not
-see so goes on its Go as before.
+P's forward pass nothing. When that send is next in P's order there and needs no wait
+on the host, the poller posts it there and then (`send_on_receive`), a broker round
+trip (the Ready's hop and the Go's) earlier than the Go, and without a hop to the loop,
+which then only awaits its end; it then looks at once for D's next receive on that
+communicator, so a step's sends go back to back. Else the loop starts it as the Go
+would (`ticket_at`). The Go, when it comes, finds the send started and sends nothing;
+a transfer P did not see so goes on its Go as before.
 """
 
 from __future__ import annotations
@@ -247,7 +251,8 @@ class SendOrder:
 
 # A staged transfer's seen receive: (transfer id, decode peer, communicator nonce, the
 # receive's number on it, its bytes); called in the poller's thread (`NcclLink.watch_receive`).
-Seen = Callable[[str, str, str, int, int], None]
+# True: its send was posted there and then (`NcclLink.send_on_receive`).
+Seen = Callable[[str, str, str, int, int], bool | None]
 
 
 class ReceiveWatch:
@@ -731,7 +736,11 @@ class NcclLink:
         self.stream = torch.cuda.Stream(device)  # the stream the posts hang off (each communicator has its own)
         self._receiving: dict[str, anyio.Lock] = {}
         self._recv_order = RecvOrder()
-        self._send_order = SendOrder()  # touched on the client's loop thread only
+        # P's order of sends: the loop's Go tasks and the thread that sees D's receive
+        # (`send_on_receive`) take a turn in it; `_order_lock` makes that one step.
+        self._send_order = SendOrder()
+        self._order_lock = threading.Lock()
+        self._spawn = client.spawn  # on the client's loop, from any thread
         self._order_changed: dict[str, anyio.Event] = {}
         self._inflight: dict[str, dict[str, threading.Event]] = {}  # peer -> transfer id -> cancel flag
         # (peer, transfer id) cancelled before their op was posted: the post is refused (`cancel`)
@@ -819,7 +828,6 @@ class NcclLink:
                 value; the communicator is then aborted), no communicator, or it was aborted.
         """
         await self._turn(decode, transfer_id, ticket, deadline)
-        self._send_order.begin(decode)
         try:
             posted = await self._post(decode, "send", transfer_id, lease, lease.offset + offset, nbytes, after,
                                       deadline, block_nbytes, ticket, paged, streaming)
@@ -827,7 +835,8 @@ class NcclLink:
             built = self.cache.current(decode)
             await self._end_pair(decode, None if built is None else built.nonce)
             raise
-        self._send_order.posted(decode, ticket, posted.comm.nonce)
+        with self._order_lock:
+            self._send_order.posted(decode, ticket, posted.comm.nonce)
         self._changed(decode)
         # D posts a step's receives back to back: the next may be there already. Looked
         # for now, its send starts without waiting for the poller's next look.
@@ -838,7 +847,9 @@ class NcclLink:
         """P, on the client's loop: a Go whose send will not be posted (its copy is gone, or
         the send was refused). Later sends on that communicator would pair with D's
         receive for this one: they are not posted either (D, aborted, drops it)."""
-        if self._send_order.abandon(decode, ticket):
+        with self._order_lock:
+            abandoned = self._send_order.abandon(decode, ticket)
+        if abandoned:
             self._changed(decode)
 
     # -- P: a send started by D's receive ---------------------------------------------------
@@ -894,44 +905,111 @@ class NcclLink:
 
     def _find_receives(self) -> bool:
         """Call the watch of each built communicator's next receive that names a watched
-        transfer (`watch_receive`), once: the watch is taken under the lock. Whether a
-        communicator was busy (a post held it), so it was not looked at."""
+        transfer (`watch_receive`), once: the watch is taken under the lock; while the
+        watch posts the send there and then, look at that communicator's next receive too.
+        Whether a communicator was busy (a post held it), so it was not looked at."""
         busy = False
         for comm in self.cache.built():
-            try:
-                found = comm.next_block_receive() if comm.writes_into_blocks else None
-            except BlockingIOError:
-                busy = True
-                continue
-            except Exception:  # closed meanwhile: its transfers go by their Go
-                continue
-            if found is None:
-                continue
-            seq, tag, nbytes = found
-            with self._lock:
-                watched = self._watch.take(tag)
-            if watched is not None:
-                tid, seen = watched
-                seen(tid, comm.peer, comm.nonce, seq, nbytes)
+            while comm.writes_into_blocks:
+                try:
+                    found = comm.next_block_receive()
+                except BlockingIOError:
+                    busy = True
+                    break
+                except Exception:  # closed meanwhile: its transfers go by their Go
+                    break
+                if found is None:
+                    break
+                seq, tag, nbytes = found
+                with self._lock:
+                    watched = self._watch.take(tag)
+                # Sent there and then: D's next receive may be posted already (a step's
+                # come back to back), and its send goes right behind this one.
+                if watched is None or not watched[1](watched[0], comm.peer, comm.nonce, seq, nbytes):
+                    break
         return busy
+
+    def send_on_receive(self, decode: str, transfer_id: str, nonce: str, seq: int, lease: Lease, offset: int,
+                        nbytes: int, *, block_nbytes: int, paged: Any, streaming: Streaming,
+                        claim: Callable[[], bool]) -> Posted | None:
+        """P, in the thread that saw D's receive `seq` of `transfer_id` straight into its
+        blocks on communicator `nonce` (the poller's, or the loop's right after a send):
+        post the send of bytes ``[offset, offset + nbytes)`` of the staged `lease` into
+        them there and then, as `send` would on its Go. Only when it is next in this
+        side's order there and nothing needs a wait on the host (D's descriptor is
+        written, the send whose counters it reuses is launched whole); `claim()`, called
+        in that same step, says whether the transfer is still this side's to send, and
+        takes it. None: nothing posted or claimed (the caller leaves it to its Go).
+        The caller awaits `wait` on the loop.
+
+        Raises:
+            TransferFailed: claimed, but not posted; nothing more goes on that communicator.
+        """
+        with self._order_lock:
+            ticket = self._send_order.next_on(decode, nonce)
+            comm = self.cache.current(decode) if ticket is not None else None
+            if (comm is None or comm.nonce != nonce or not comm.writes_into_blocks or comm.next_send != seq
+                    or block_nbytes <= 0 or nbytes % block_nbytes or not comm.send_ready() or not claim()):
+                return None
+            self._send_order.begin(decode)
+        flag: threading.Event | None = None
+        try:
+            flag = self._track(decode, "send", transfer_id)
+            with torch.cuda.device(self.device):
+                posted = self._post_blocks(comm, decode, "send", transfer_id, lease, lease.offset + offset,
+                                           nbytes // block_nbytes, None, flag, paged, streaming)
+            if posted is None:  # `next_send`'s receive was D's blocks' a moment ago: it cannot change
+                raise RuntimeError(f"{decode}'s receive {seq} no longer takes blocks")
+        except BaseException as exc:
+            if flag is not None:
+                self._untrack(decode, transfer_id, flag)
+            with self._order_lock:
+                self._send_order.given_up(decode)
+            self._spawn(self._dropped, decode)
+            if isinstance(exc, TransferFailed) or not isinstance(exc, Exception):
+                raise
+            raise TransferFailed(transfer_id, f"NCCL send with {decode} failed: {exc}") from exc
+        with self._order_lock:
+            self._send_order.posted(decode, ticket, comm.nonce)
+        self._spawn(self._changed_soon, decode)
+        return posted
+
+    async def _dropped(self, decode: str) -> None:
+        """On the loop: a send on receive failed to post; its communicator goes."""
+        with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
+            await anyio.to_thread.run_sync(self.cache.discard, decode)
+        self._changed(decode)
+
+    async def _changed_soon(self, decode: str) -> None:
+        """On the loop: the poller ended a turn in `decode`'s order; sends waiting for it look again."""
+        self._changed(decode)
 
     def ticket_at(self, decode: str, nonce: str, seq: int) -> Ticket | None:
         """P, on the client's loop: the ticket of the send that pairs with `decode`'s
         receive number `seq` on communicator `nonce`, when that send is next in this
         side's order and may be posted now; None: leave it to the Go."""
-        ticket = self._send_order.next_on(decode, nonce)
+        with self._order_lock:
+            ticket = self._send_order.next_on(decode, nonce)
         comm = self.cache.current(decode) if ticket is not None else None
         if comm is None or comm.nonce != nonce or not comm.writes_into_blocks or comm.next_send != seq:
             return None
         return ticket
 
     async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
+        """Until the send of `ticket` is next in the pair's order; it then holds the turn
+        (`SendOrder.begin`) until it is posted or given up."""
         with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
-            while (verdict := self._send_order.verdict(decode, ticket)) == "wait":
+            while True:
+                with self._order_lock:  # the poller may take a turn too (`send_on_receive`)
+                    verdict = self._send_order.verdict(decode, ticket)
+                    if verdict == "post":
+                        self._send_order.begin(decode)
+                        return
+                if verdict != "wait":
+                    break
+                # A turn the poller ends is told here on the loop, after it (`_changed_soon`).
                 event = self._order_changed.setdefault(decode, anyio.Event())
                 await event.wait()
-            if verdict == "post":
-                return
             raise TransferFailed(
                 transfer_id, f"its Go names communicator {ticket[0] or '(new)'} place {ticket[1]} with {decode}, "
                 "but that communicator is gone or the place passed: D's receive cannot be paired in order")
@@ -943,7 +1021,8 @@ class NcclLink:
     async def _end_pair(self, decode: str, also: str | None = None) -> None:
         """P: nothing more goes on this pair's communicator (nor on `also`); drop it, and
         let the sends waiting for their turn see that."""
-        self._send_order.given_up(decode, also)
+        with self._order_lock:
+            self._send_order.given_up(decode, also)
         with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
             await anyio.to_thread.run_sync(self.cache.discard, decode)
         self._changed(decode)
@@ -1039,12 +1118,7 @@ class NcclLink:
         # In a worker thread: building a communicator blocks (its rendezvous goes through
         # this loop). Not abandoned on cancellation: whether the ops were posted must be
         # known before the caller lets the next transfer post; `cancel` ends it early.
-        flag = threading.Event()
-        with self._lock:
-            if (peer, transfer_id) in self._cancelled:
-                del self._cancelled[(peer, transfer_id)]
-                raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
-            self._inflight.setdefault(peer, {})[transfer_id] = flag
+        flag = self._track(peer, op, transfer_id)
         try:
             comm = self._postable_now(peer, op, ticket, flag, streaming)
             if comm is not None:
@@ -1059,6 +1133,20 @@ class NcclLink:
                 # no communicator (rendezvous, NCCL init), or a refused post
                 raise TransferFailed(transfer_id, f"NCCL {op} with {peer} failed: {exc}") from exc
             raise
+
+    def _track(self, peer: str, op: str, transfer_id: str) -> threading.Event:
+        """The flag `cancel` sets for `transfer_id`'s op about to be posted.
+
+        Raises:
+            TransferFailed: it was cancelled already.
+        """
+        flag = threading.Event()
+        with self._lock:
+            if (peer, transfer_id) in self._cancelled:
+                del self._cancelled[(peer, transfer_id)]
+                raise TransferFailed(transfer_id, f"the NCCL {op} with {peer} was cancelled before it was posted")
+            self._inflight.setdefault(peer, {})[transfer_id] = flag
+        return flag
 
     def _untrack(self, peer: str, transfer_id: str, flag: threading.Event) -> None:
         with self._lock:

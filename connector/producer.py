@@ -34,8 +34,8 @@
    (returns once D acknowledged all of it), or over NCCL on the communicator the Go
    names, when it is next there in D's order (returns once the send has ended on the
    GPU). Over ipc into D's blocks the send may start before its Go: D posts that receive
-   before its Ready, naming the transfer, and P starts on it as soon as its link sees it
-   (`_go_on_receive`); the Go then sends nothing. On Release (D has it) or Abort: free
+   before its Ready, naming the transfer, and the thread of P's link that sees it posts
+   the send there and then (`_receive_seen`); the Go then sends nothing. On Release (D has it) or Abort: free
    the lease, after any send still reading it; an Abort also ends an NCCL send still
    under way. A staged copy the broker never settles is
    freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
@@ -68,7 +68,7 @@ from .lanes import Part, cut_lane, cut_read, lane_key, lane_nbytes, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
 
 if TYPE_CHECKING:
-    from .nccl_link import Waited
+    from .nccl_link import Posted, Waited
     from .worker import ConnectorWorker
 
 __all__ = ["ProducerSide"]
@@ -522,11 +522,80 @@ class ProducerSide:
     async def _wake(waiter: anyio.Event) -> None:
         waiter.set()
 
-    def _receive_seen(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:
+    def _receive_seen(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> bool:
         """D's receive of `tid` straight into its blocks is posted (the link's poller
-        thread saw it, or the loop as it posted the send before): on to the loop, which
-        may start the send (`_go_on_receive`)."""
-        self.w.spawn(self._go_on_receive, tid, decode, nonce, seq, nbytes)
+        thread saw it, or the loop as it posted the send before): post the send into it
+        here and now, when it is next in this side's order and nothing needs a wait
+        (`NcclLink.send_on_receive`); the loop then only waits for its end
+        (`_sent_on_receive`). Else on to the loop, which may start the send as a Go would
+        (`_go_on_receive`). Whether the send was posted here. Never raises (the
+        poller's thread)."""
+        w = self.w
+        try:
+            sent = self._send_on_receive(tid, decode, nonce, seq, nbytes)
+        except Exception as exc:  # before its claim (`NcclLink.send_on_receive` raises only after)
+            w.log.warning("transfer.send_on_receive_failed", transfer_id=tid, phase="send", error=repr(exc))
+            sent = None
+        if sent is None:
+            w.spawn(self._go_on_receive, tid, decode, nonce, seq, nbytes)
+        return bool(sent)
+
+    def _send_on_receive(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> bool | None:
+        """Whether the send was posted (False: claimed, but its post failed, which the loop
+        reports); None: not claimed."""
+        w = self.w
+        assert w.nccl is not None
+        if self._refused(tid):
+            return None
+        with w.lock:
+            staged = self._staged.get(tid)
+            if staged is None or staged.feed is None or w.paged is None:
+                return None
+            total = staged.shape[0] * staged.shape[1] * staged.shape[2]
+        row = len(w.layers) * w.block_nbytes
+        if not 0 < nbytes <= total or (total - nbytes) % row:
+            return None
+
+        def claim() -> bool:  # in the link's turn: the send is this one's, not its Go's
+            with w.lock:
+                if staged.dead or staged.started is not None or staged.sends:
+                    return False
+                staged.started, staged.sending_to = (decode, nonce), decode
+                staged.sends += 1
+                return True
+
+        t0 = time.monotonic()
+        deadline = t0 + w.config.load_timeout_s
+        offset = total - nbytes
+        try:
+            posted = w.nccl.send_on_receive(decode, tid, nonce, seq, staged.lease, offset, nbytes,
+                                            block_nbytes=w.chunk_nbytes, paged=w.paged, claim=claim,
+                                            streaming=_Streaming(self, tid, staged, deadline))
+        except TransferFailed as exc:  # claimed, not posted
+            w.spawn(self._sent_on_receive, tid, decode, staged, offset, nbytes, t0, exc)
+            return False
+        if posted is None:
+            return None
+        w.spawn(self._sent_on_receive, tid, decode, staged, offset, nbytes, t0, posted)
+        return True
+
+    async def _sent_on_receive(self, tid: str, decode: str, staged: _Staged, offset: int, nbytes: int, t0: float,
+                               posted: Posted | TransferFailed) -> None:
+        """On the loop: the end of a send posted where D's receive was seen (`_receive_seen`)."""
+        w, waited = self.w, None
+        assert w.nccl is not None
+        try:
+            if isinstance(posted, TransferFailed):  # claimed, but not posted
+                raise posted
+            waited = await w.nccl.wait(posted, t0 + w.config.load_timeout_s)
+        except TransferFailed as exc:
+            w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=decode, reason=exc.reason)
+            if not staged.dead:
+                await self._end(tid, exc.reason)
+        else:
+            self._sent(tid, decode, offset, nbytes, t0, waited, on_receive=True)
+        finally:
+            self._send_ended(staged)
 
     async def _go_on_receive(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> None:
         """Send `tid` into the receive D posted for it (receive `seq` on communicator
@@ -593,7 +662,7 @@ class ProducerSide:
                     await waiter.wait()
                 if not staged.complete or staged.dead:
                     raise TransferFailed(tid, "its copy was dropped or not complete within load_timeout_s")
-            if w.config.fault_injection == "refuse_send" and tid.startswith(w.config.fault_injection_prefix):
+            if self._refused(tid):
                 ours = f"the transport refused the send (fault_injection {w.config.fault_injection!r})"
                 raise TransferFailed(tid, ours)
             if w.nccl is not None:
@@ -659,31 +728,47 @@ class ProducerSide:
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
             await self._end(tid, reason)
         else:
-            w.count("sent")
-            w.count("bytes", msg.nbytes)
-            if on_receive:
-                w.count("sent_on_receive")
-            now = time.monotonic()
-            w.log.info(
-                "transfer.sent",
-                transfer_id=tid,
-                phase="send",
-                decode=msg.decode,
-                offset=msg.offset,
-                nbytes=msg.nbytes,
-                ms=round((now - t0) * 1e3, 3),
-                on_receive=on_receive,
-                **(waited.log_fields(now) if waited is not None else {}),
-            )
+            self._sent(tid, msg.decode, msg.offset, msg.nbytes, t0, waited, on_receive=on_receive)
         finally:
             await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
-            with w.lock:
-                staged.sends -= 1
-                free_now = staged.dead and staged.sends == 0 and let_go
-                if not let_go:
-                    staged.sends += 1  # never reaches 0: the lease is never released
-            if free_now:
-                staged.lease.release()
+            self._send_ended(staged, let_go=let_go)
+
+    def _refused(self, tid: str) -> bool:
+        """A send the tests' fault injection refuses."""
+        config = self.w.config
+        return config.fault_injection == "refuse_send" and tid.startswith(config.fault_injection_prefix)
+
+    def _sent(self, tid: str, decode: str, offset: int, nbytes: int, t0: float, waited: Waited | None, *,
+              on_receive: bool) -> None:
+        w = self.w
+        w.count("sent")
+        w.count("bytes", nbytes)
+        if on_receive:
+            w.count("sent_on_receive")
+        now = time.monotonic()
+        w.log.info(
+            "transfer.sent",
+            transfer_id=tid,
+            phase="send",
+            decode=decode,
+            offset=offset,
+            nbytes=nbytes,
+            ms=round((now - t0) * 1e3, 3),
+            on_receive=on_receive,
+            **(waited.log_fields(now) if waited is not None else {}),
+        )
+
+    def _send_ended(self, staged: _Staged, *, let_go: bool = True) -> None:
+        """A send of `staged` is over: free its lease if it was the last of a dead one.
+        `let_go` False: a cancelled send's thread may still read the staging, which is
+        then never released."""
+        with self.w.lock:
+            staged.sends -= 1
+            free_now = staged.dead and staged.sends == 0 and let_go
+            if not let_go:
+                staged.sends += 1  # never reaches 0: the lease is never released
+        if free_now:
+            staged.lease.release()
 
     def _layer_parts(self, tid: str, staged: _Staged, offset: int, nbytes: int, stopped: threading.Event,
                      deadline: float) -> Iterator[list[memoryview]]:

@@ -998,18 +998,17 @@ class NcclLink:
     async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
         """Until the send of `ticket` is next in the pair's order; it then holds the turn
         (`SendOrder.begin`) until it is posted or given up."""
+        verdict = self._take_turn(decode, ticket)
+        if verdict == "post":  # the usual case: no deadline to set up (a cancel scope costs the loop)
+            return
         with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
-            while True:
-                with self._order_lock:  # the poller may take a turn too (`send_on_receive`)
-                    verdict = self._send_order.verdict(decode, ticket)
-                    if verdict == "post":
-                        self._send_order.begin(decode)
-                        return
-                if verdict != "wait":
-                    break
+            while verdict == "wait":
                 # A turn the poller ends is told here on the loop, after it (`_changed_soon`).
                 event = self._order_changed.setdefault(decode, anyio.Event())
                 await event.wait()
+                verdict = self._take_turn(decode, ticket)
+            if verdict == "post":
+                return
             raise TransferFailed(
                 transfer_id, f"its Go names communicator {ticket[0] or '(new)'} place {ticket[1]} with {decode}, "
                 "but that communicator is gone or the place passed: D's receive cannot be paired in order")
@@ -1017,6 +1016,15 @@ class NcclLink:
         # may go on this communicator either.
         await self._end_pair(decode)
         raise TransferFailed(transfer_id, f"its turn to send to {decode} did not come by the load deadline")
+
+    def _take_turn(self, decode: str, ticket: Ticket) -> Literal["post", "wait", "stale"]:
+        """`ticket`'s verdict in the pair's order, and the turn taken if it is "post" (the
+        poller may take a turn too: `send_on_receive`)."""
+        with self._order_lock:
+            verdict = self._send_order.verdict(decode, ticket)
+            if verdict == "post":
+                self._send_order.begin(decode)
+            return verdict
 
     async def _end_pair(self, decode: str, also: str | None = None) -> None:
         """P: nothing more goes on this pair's communicator (nor on `also`); drop it, and

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import random
+import sys
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 import torch
 
@@ -24,6 +29,7 @@ from protocols.errors import TransferFailed
 from tests.support import wait_until
 from workers.transports.bell import Bell, Ringer
 from workers.transports.ipc_mailbox import transfer_tag
+from workers.waker import Spawner, make_waker
 
 PEER, NONCE, BLOCK = "d0", "c1", 4096
 
@@ -66,8 +72,18 @@ class _Comm:
         self.sends.append((seq, tag, count, threading.current_thread().name))
         return object()
 
-    def completion(self, works: list[Any], stream: Any, op: str, tid: str) -> object:
-        return works[0]
+    def completion(self, works: list[Any], stream: Any, op: str, tid: str) -> _Ended:
+        return _Ended()
+
+
+class _Ended:
+    """An op that has ended (nothing runs on a GPU here)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, deadline: float) -> None:
+        pass
 
 
 class _Cache:
@@ -80,6 +96,12 @@ class _Cache:
 
     def current(self, peer: str) -> _Comm | None:
         return self.comm if peer == PEER else None
+
+    def usable(self, peer: str, nonce: str, *, initiator: bool) -> _Comm | None:
+        return self.comm if peer == PEER and nonce == NONCE else None
+
+    def discard(self, peer: str) -> None:
+        self.discarded.append(peer)
 
 
 class _Lease:
@@ -96,7 +118,7 @@ def link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     made = NcclLink.__new__(NcclLink)
     made._lock, made._watch, made._probing = threading.Lock(), ReceiveWatch(), False
     made._send_order, made._order_lock = SendOrder(), threading.Lock()
-    made._inflight, made._cancelled = {}, OrderedDict()
+    made._inflight, made._cancelled, made._order_changed = {}, OrderedDict(), {}
     made.device, made.stream = None, None
     made.cache, made.poller = _Cache(tmp_path, _Comm()), Poller()  # type: ignore[assignment]
     made.spawned = queue.Queue()  # what the link hands to the client's loop
@@ -224,3 +246,76 @@ def test_a_send_that_fails_to_post_ends_the_pairs_order(link: Any) -> None:
     assert link._send_order.verdict(PEER, (NONCE, 2)) == "stale"
     assert PEER not in link._inflight or "t1" not in link._inflight[PEER]
     assert link.cache.comm.sends == []
+
+
+@pytest.mark.anyio
+async def test_gos_on_the_loop_and_sends_on_receive_keep_ds_order_each_sent_once(link: Any) -> None:
+    """Forty transfers of one pair, D's receives posted (and rung) one by one from a
+    thread of their own, while their Gos come on the loop in random turns: a third only
+    by their Go (not watched), the rest also watched. Whichever path takes a transfer
+    (the Go's `send`, or `send_on_receive` in the poller's thread or on the loop right
+    after a send), each is sent once, in D's order, and both paths do send."""
+    spawner = Spawner(lambda name, exc: failures.append((name, exc)))
+    failures: list[tuple[str, Exception]] = []
+    link._spawn = spawner.spawn
+    comm, n = link.cache.comm, 40
+    tids = [f"t{k}" for k in range(1, n + 1)]
+    taken: dict[str, str] = {}  # transfer -> who sent it: the producer's claim
+    claims = threading.Lock()
+    rng = random.Random(5)
+
+    def seen(tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> bool:
+        def claim() -> bool:
+            with claims:
+                return taken.setdefault(tid, "receive") == "receive"
+
+        posted = link.send_on_receive(decode, tid, nonce, seq, _Lease(), 0, nbytes, block_nbytes=BLOCK,  # type: ignore[arg-type]
+                                      paged=object(), streaming=_Streaming(), claim=claim)
+        if posted is not None:
+            spawner.spawn(link.wait, posted, time.monotonic() + 30)
+        return posted is not None
+
+    async def go(k: int, tid: str) -> None:
+        await ready_sent[tid].wait()  # a Go follows D's Ready, which D sends once its receive is posted
+        for _ in range(rng.randrange(40)):
+            await anyio.sleep(0)  # the Gos come in random turns between the loop's other work
+        with claims:
+            if taken.setdefault(tid, "go") != "go":
+                return  # its send started on D's receive: this Go sends nothing
+        await link.send(PEER, tid, _Lease(), 0, 2 * BLOCK, None, time.monotonic() + 30,  # type: ignore[arg-type]
+                        block_nbytes=BLOCK, ticket=(NONCE, k), paged=object(), streaming=_Streaming())
+
+    def decode() -> None:  # D posts each receive straight into its blocks, rings, and sends its Ready
+        for k, tid in enumerate(tids, start=2):
+            _receive(link, k, tid)
+            _ring(link)
+            readies[tid]()
+
+    ready_sent = {tid: anyio.Event() for tid in tids}
+    readies = {tid: make_waker(event) for tid, event in ready_sent.items()}
+    for k, tid in enumerate(tids, start=1):
+        if k % 3:
+            link.watch_receive(tid, seen)
+    d = threading.Thread(target=decode, name="decode")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns at once: the windows between two steps are hit
+    try:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                await tg.start(spawner.run)
+                d.start()
+                async with anyio.create_task_group() as gos:
+                    for k, tid in enumerate(tids, start=1):
+                        gos.start_soon(go, k, tid)
+                await anyio.to_thread.run_sync(d.join)
+                while len(comm.sends) < n or link._inflight.get(PEER):  # the waits spawned last end too
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not failures
+    assert [(seq, tag) for seq, tag, _, _ in comm.sends] == [(k, transfer_tag(t)) for k, t in enumerate(tids, 2)]
+    ways = [taken[t] for t in tids]
+    assert all(ways[k - 1] == "go" for k in range(3, n + 1, 3))  # not watched: only by their Go
+    assert ways.count("receive") >= 1 and ways.count("go") > n // 3
+    assert link._send_order.verdict(PEER, (NONCE, n + 1)) == "post"  # the order is past all forty

@@ -35,9 +35,9 @@
    names, when it is next there in D's order (returns once the send has ended on the
    GPU). Over ipc into D's blocks the send may start before its Go: D posts that receive
    before its Ready, naming the transfer, and the thread of P's link that sees it posts
-   the send there and then (`_receive_seen`); the Go then sends nothing. On Release (D has it) or Abort: free
-   the lease, after any send still reading it; an Abort also ends an NCCL send still
-   under way. A staged copy the broker never settles is
+   the send there and then (`_receive_seen`); the Go then sends nothing. On Release (D
+   has it) or Abort: free the lease, after any send still reading it; an Abort also ends
+   an NCCL send still under way. A staged copy the broker never settles is
    freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
    names no endpoint for the transport, or a malformed one) aborts the transfer at the
    broker, so D's load fails at once instead of at its deadline; other failures (no

@@ -224,11 +224,6 @@ class SendOrder:
     def begin(self, peer: str) -> None:
         self.pairs.setdefault(peer, _Pair()).posting = True
 
-    def posting(self, peer: str) -> bool:
-        """Whether a post holds the pair's turn now (`begin` without its `posted`)."""
-        pair = self.pairs.get(peer)
-        return pair is not None and pair.posting
-
     def posted(self, peer: str, ticket: Ticket, nonce: str) -> None:
         pair = self.pairs.setdefault(peer, _Pair())
         if pair.nonce is not None and pair.nonce != nonce:
@@ -926,13 +921,8 @@ class NcclLink:
                 if found is None:
                     break
                 seq, tag, nbytes = found
-                with self._order_lock:
-                    held = self._send_order.posting(comm.peer)
                 with self._lock:
-                    # A post under way on this pair holds its turn: the watch stays, and
-                    # that post looks again once it is done (`_look_now`), where its Go
-                    # would cost this transfer a broker round trip.
-                    watched = None if held else self._watch.take(tag)
+                    watched = self._watch.take(tag)
                 # Sent there and then: D's next receive may be posted already (a step's
                 # come back to back), and its send goes right behind this one.
                 if watched is None or not watched[1](watched[0], comm.peer, comm.nonce, seq, nbytes):

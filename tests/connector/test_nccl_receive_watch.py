@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from connector import nccl_link
-from connector.nccl_link import NcclLink, Poller, ReceiveWatch, SendOrder
+from connector.nccl_link import NcclLink, Poller, ReceiveWatch
 from tests.support import wait_until
 from workers.transports.bell import Bell, Ringer
 from workers.transports.ipc_mailbox import transfer_tag
@@ -56,7 +56,6 @@ def made(tmp_path: Path) -> Any:
     def make(*comms: _Comm) -> NcclLink:
         link = NcclLink.__new__(NcclLink)
         link._lock, link._watch, link._probing = threading.Lock(), ReceiveWatch(), False
-        link._send_order, link._order_lock = SendOrder(), threading.Lock()
         link.cache, link.poller = _Cache(tmp_path, *comms), Poller()  # type: ignore[assignment]
         links.append(link)
         return link

@@ -593,9 +593,8 @@ class Poller:
                     self._listening = listen
                 if self._listening:
                     self._listen(bells, rest)
-                elif bells and any([b.drain() for b in bells]):  # between the polls of ops
-                    with self._cond:
-                        self._asked += 1
+                elif bells:  # between the polls of ops
+                    self._rung(bells)
             known = len(waits) - len(ended) + len(carried) - finished
 
     def _listen(self, bells: list[Bell], rest: float) -> None:
@@ -618,7 +617,12 @@ class Poller:
         with self._cond:
             self._listening = False
             drain(self._wake[0])
-        if any([fds[fd].drain() for fd in woken if fd in fds]):
+        self._rung([fds[fd] for fd in woken if fd in fds])
+
+    def _rung(self, bells: list[Bell]) -> None:
+        """Drain `bells` (every one: a ring left in one would wake the next wait at once);
+        if any rang, the probes are asked for a look."""
+        if any([bell.drain() for bell in bells]):
             with self._cond:
                 self._asked += 1
 
@@ -946,11 +950,11 @@ class NcclLink:
             TransferFailed: claimed, but not posted; nothing more goes on that communicator.
         """
         with self._order_lock:
-            ticket = self._send_order.next_on(decode, nonce)
-            comm = self.cache.current(decode) if ticket is not None else None
-            if (comm is None or comm.nonce != nonce or not comm.writes_into_blocks or comm.next_send != seq
-                    or block_nbytes <= 0 or nbytes % block_nbytes or not comm.send_ready() or not claim()):
+            found = self._next_at(decode, nonce, seq)
+            whole = block_nbytes > 0 and nbytes % block_nbytes == 0
+            if found is None or not whole or not found[1].send_ready() or not claim():
                 return None
+            ticket, comm = found
             self._send_order.begin(decode)
         flag: threading.Event | None = None
         try:
@@ -975,7 +979,9 @@ class NcclLink:
         return posted
 
     async def _dropped(self, decode: str) -> None:
-        """On the loop: a send on receive failed to post; its communicator goes."""
+        """On the loop, once the pair's order is given up (`_end_pair`, or a send on
+        receive that failed to post): its communicator goes, and the sends waiting for
+        their turn see that."""
         with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
             await anyio.to_thread.run_sync(self.cache.discard, decode)
         self._changed(decode)
@@ -989,11 +995,18 @@ class NcclLink:
         receive number `seq` on communicator `nonce`, when that send is next in this
         side's order and may be posted now; None: leave it to the Go."""
         with self._order_lock:
-            ticket = self._send_order.next_on(decode, nonce)
+            found = self._next_at(decode, nonce, seq)
+        return None if found is None else found[0]
+
+    def _next_at(self, decode: str, nonce: str, seq: int) -> tuple[Ticket, Communicator] | None:
+        """Under `_order_lock`: the ticket of the send next in this side's order on
+        communicator `nonce` with `decode`, and that communicator, when it is built,
+        writes into blocks and numbers that send `seq`; None otherwise."""
+        ticket = self._send_order.next_on(decode, nonce)
         comm = self.cache.current(decode) if ticket is not None else None
-        if comm is None or comm.nonce != nonce or not comm.writes_into_blocks or comm.next_send != seq:
+        if ticket is None or comm is None or comm.nonce != nonce or not comm.writes_into_blocks:
             return None
-        return ticket
+        return (ticket, comm) if comm.next_send == seq else None
 
     async def _turn(self, decode: str, transfer_id: str, ticket: Ticket, deadline: float) -> None:
         """Until the send of `ticket` is next in the pair's order; it then holds the turn
@@ -1031,9 +1044,7 @@ class NcclLink:
         let the sends waiting for their turn see that."""
         with self._order_lock:
             self._send_order.given_up(decode, also)
-        with anyio.CancelScope(shield=True):  # an abort blocks: off the loop
-            await anyio.to_thread.run_sync(self.cache.discard, decode)
-        self._changed(decode)
+        await self._dropped(decode)
 
     def _changed(self, peer: str) -> None:
         event = self._order_changed.pop(peer, None)

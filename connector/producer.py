@@ -549,11 +549,10 @@ class ProducerSide:
             return None
         with w.lock:
             staged = self._staged.get(tid)
-            if staged is None or staged.feed is None or w.paged is None:
-                return None
-            total = staged.shape[0] * staged.shape[1] * staged.shape[2]
-        row = len(w.layers) * w.block_nbytes
-        if not 0 < nbytes <= total or (total - nbytes) % row:
+        if staged is None or staged.feed is None or w.paged is None:
+            return None
+        offset = self._tail_at(staged, nbytes)
+        if offset is None:
             return None
 
         def claim() -> bool:  # in the link's turn: the send is this one's, not its Go's
@@ -566,7 +565,6 @@ class ProducerSide:
 
         t0 = time.monotonic()
         deadline = t0 + w.config.load_timeout_s
-        offset = total - nbytes
         try:
             posted = w.nccl.send_on_receive(decode, tid, nonce, seq, staged.lease, offset, nbytes,
                                             block_nbytes=w.chunk_nbytes, paged=w.paged, claim=claim,
@@ -609,13 +607,19 @@ class ProducerSide:
             staged = self._staged.get(tid)
             if staged is None or staged.dead or staged.started is not None or staged.sends:
                 return
-            total = staged.shape[0] * staged.shape[1] * staged.shape[2]
-        row = len(w.layers) * w.block_nbytes
+        offset = self._tail_at(staged, nbytes)
         ticket = w.nccl.ticket_at(decode, nonce, seq)
-        if ticket is None or not 0 < nbytes <= total or (total - nbytes) % row:
+        if ticket is None or offset is None:
             return
-        await self.on_go(Go(transfer_id=tid, decode=decode, endpoints={}, offset=total - nbytes, nbytes=nbytes,
+        await self.on_go(Go(transfer_id=tid, decode=decode, endpoints={}, offset=offset, nbytes=nbytes,
                             comm=nonce, seq=ticket[1]), on_receive=True)
+
+    def _tail_at(self, staged: _Staged, nbytes: int) -> int | None:
+        """Where the last `nbytes` of `staged` start, when they are whole staged blocks (what
+        a receive D posted into its blocks takes, after its prefix hit); None otherwise."""
+        total = staged.shape[0] * staged.shape[1] * staged.shape[2]
+        row = len(self.w.layers) * self.w.block_nbytes
+        return total - nbytes if 0 < nbytes <= total and (total - nbytes) % row == 0 else None
 
     async def on_go(self, msg: Go, *, on_receive: bool = False) -> None:
         """Send what `msg` names. `on_receive`: not the broker's Go, but one made from D's

@@ -5,8 +5,9 @@ Why: P looks for D's receives straight into its blocks (`connector.nccl_link`) s
 can send before the broker's Go. On a timer each look took the GIL from P's forward pass,
 and a late receive was seen up to one period late (docs/PERFORMANCE.md, "P waits on a
 bell for D's receive"). With a bell P's poller waits in `poll()`, which holds no GIL,
-and D rings once it has written such a receive's descriptor. The reader drains its bell before it looks at the mailbox, so a ring that
-comes after the drain wakes it again: no ring is lost between a look and the next wait.
+and D rings once it has written such a receive's descriptor. The reader drains its bell
+before it looks at the mailbox, so a ring that comes after the drain wakes it again: no
+ring is lost between a look and the next wait.
 
 Each communicator cache owns one bell (`Bell`, made at its first ipc build), which lives
 as long as the cache's link; each ipc communicator holds a `Ringer` on its peer's,

@@ -173,9 +173,9 @@ class _Load:
 
 @dataclass
 class _Early:
-    """A load whose producer told this side it staged it (`NcclLink.watch_staged`), so its
-    receive straight into its blocks was posted before its Prepare: the Prepare, handed
-    over by `on_prepare` once it comes."""
+    """A load whose producer had told this side it staged it (`NcclLink.staged_note`) by
+    the time its engine took the request, so its receive straight into its blocks went
+    before its Prepare: the Prepare, handed over by `on_prepare` once it comes."""
 
     prepared: anyio.Event = field(default_factory=anyio.Event)
     msg: Prepare | None = None
@@ -457,9 +457,6 @@ class ConsumerSide:
                 _keep(self._ended, load.transfer_id, load.state == "received")
             done += self._rejected
             self._rejected = []
-        if w.nccl is not None:
-            for load in done:  # one that ended without its Prepare still waits for its producer's note
-                w.nccl.unwatch_staged(load.transfer_id)
         return done
 
     def _give_up_stuck(self, load: _Load) -> None:
@@ -645,11 +642,13 @@ class ConsumerSide:
                 await client.expect(tid, load.spec.prefill, nbytes=nbytes, into_blocks=into_blocks, announce=False)
                 parked.set()
                 continue
-            if into_blocks and self.receiver is None:
-                # Its producer may tell us it staged it before the broker's Prepare comes:
-                # the receive then goes at once (`_receive_early`).
-                assert w.nccl is not None
-                w.nccl.watch_staged(tid, f"{load.spec.prefill}:{w.info.rank}", partial(self._noted, load))
+            if (into_blocks and self.receiver is None and nbytes
+                    and w.nccl is not None and w.nccl.staged_note(tid, f"{load.spec.prefill}:{w.info.rank}") == nbytes):
+                # Its producer staged it before this engine took the request (a proxy that
+                # sends it to P first, then here with P's answer): the receive goes now,
+                # before the broker's Prepare (`_receive_early`). Another size staged is a
+                # producer of another TP size, whose Prepare decides.
+                w.spawn(self._receive_early, load)
             # Tracked by the client, so a broker restart gets it again (with the route it
             # carries) until the load's Done or Abort. One that crosses our own Prepare is
             # accepted by the broker; one for a transfer granted to another decode peer
@@ -725,8 +724,6 @@ class ConsumerSide:
             load = await self._wait_for_request(tid)
             if load is None:
                 return
-        if w.nccl is not None:
-            w.nccl.unwatch_staged(tid)
         with w.lock:
             early = load.early if load.state == "receiving" else None
             hand = early is not None and early.msg is None
@@ -959,23 +956,11 @@ class ConsumerSide:
                 raise
         return posted
 
-    def _noted(self, load: _Load, nonce: str, nbytes: int) -> None:
-        """`load`'s producer told this side, over communicator `nonce`, that it staged
-        `nbytes` for it (`NcclLink.watch_staged`; in the link's poller thread, or the
-        loop's): when that is the size this request takes whole, its receive goes now
-        (`_receive_early`). Another size is a producer of another TP size or layout,
-        whose Prepare decides. Never blocks or raises (the poller's thread)."""
-        try:
-            if nbytes == self._staged_nbytes(load.spec):
-                self.w.spawn(self._receive_early, load, nonce)
-        except Exception as exc:  # the loop is gone: the Prepare would not come either
-            self.w.log.warning("transfer.early_receive_not_started", transfer_id=load.transfer_id, error=repr(exc))
-
-    async def _receive_early(self, load: _Load, nonce: str) -> None:
-        """Post `load`'s receive straight into its blocks before its Prepare, on the
-        communicator `nonce` its producer told us over, which sends as soon as it sees
-        it; the Prepare, when it comes, is checked against it and answered with the
-        Ready (`_receive_first`). Nothing if the Prepare came first, or the load ended."""
+    async def _receive_early(self, load: _Load) -> None:
+        """Post `load`'s receive straight into its blocks before its Prepare (its producer
+        staged it already, and sends as soon as it sees the receive); the Prepare, when
+        it comes, is checked against it and answered with the Ready (`_receive_first`).
+        Nothing if the Prepare came first, or the load ended."""
         w = self.w
         with w.lock:
             start = load.state == "waiting" and self._loads.get(load.transfer_id) is load
@@ -983,9 +968,9 @@ class ConsumerSide:
                 load.state, load.prepared_at = "receiving", time.monotonic()
                 load.scope, load.early = anyio.CancelScope(), _Early()
         if start:
-            await self._receiving(load, partial(self._receive_first, load, nonce))
+            await self._receiving(load, partial(self._receive_first, load))
 
-    async def _receive_first(self, load: _Load, nonce: str) -> str:
+    async def _receive_first(self, load: _Load) -> str:
         """`_receive_early`'s receive: post, wait for the Prepare, check it, Ready, wait
         for the bytes. The load is reported only after its Prepare was checked (its KV
         may be for another prompt under the same transfer_id, a proxy's bug) and its
@@ -1004,9 +989,9 @@ class ConsumerSide:
                 async with w.nccl.receiving(source):
                     turn = time.monotonic()
                     ticket = w.nccl.ticket(source)
-                    # Only on the communicator the note came over, next in this side's order
-                    # there (no Ready has named the ticket: nothing to give up if not)
-                    if (ticket[0] == nonce and w.nccl.posts_first(source, ticket)
+                    # Next in this side's order on the communicator built with the producer
+                    # (no Ready has named the ticket: nothing to give up if not)
+                    if (w.nccl.posts_first(source, ticket)
                             and w.nccl.receives_into_blocks(source, w.paged, len(into[1]))):
                         posted = await w.nccl.post_recv(source, tid, None, nbytes, load.deadline, ticket,
                                                         block_nbytes=w.chunk_nbytes, into=into)

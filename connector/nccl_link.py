@@ -86,7 +86,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.to_thread
@@ -253,42 +253,30 @@ class SendOrder:
 # receive's number on it, its bytes); called in the poller's thread (`NcclLink.watch_receive`).
 # True: its send was posted there and then (`NcclLink.send_on_receive`).
 Seen = Callable[[str, str, str, int, int], bool | None]
-# A load's producer staged it: (communicator nonce the note came over, the bytes it staged);
-# called in the poller's thread, or the watcher's when the note came first
-# (`NcclLink.watch_staged`).
-Noted = Callable[[str, int], None]
-
-_V = TypeVar("_V")
 
 
-class TagWatch(Generic[_V]):
-    """Transfers watched for by the tag D's receive straight into its blocks names them
-    with (`transfer_tag`), each with what to call once it shows up, until dropped (no
-    IO): P's staged transfers whose receive D may post before their Go (`Seen`), D's
-    loads whose producer may tell it staged them before their Prepare (`Noted`)."""
+class ReceiveWatch:
+    """P's staged transfers whose receive D may post before their Go reaches P (no IO),
+    each by the tag such a receive names it with (`transfer_tag`), until dropped."""
 
     def __init__(self) -> None:
-        self._by_tag: dict[bytes, tuple[str, _V]] = {}
+        self._by_tag: dict[bytes, tuple[str, Seen]] = {}
         self._tags: dict[str, bytes] = {}
 
     def __bool__(self) -> bool:
         return bool(self._by_tag)
 
-    def add(self, transfer_id: str, value: _V) -> None:
+    def add(self, transfer_id: str, seen: Seen) -> None:
         tag = self._tags[transfer_id] = transfer_tag(transfer_id)
-        self._by_tag[tag] = (transfer_id, value)
+        self._by_tag[tag] = (transfer_id, seen)
 
     def drop(self, transfer_id: str) -> None:
         tag = self._tags.pop(transfer_id, None)
         if tag is not None:
             self._by_tag.pop(tag, None)
 
-    def get(self, tag: bytes) -> tuple[str, _V] | None:
-        """The transfer watched with `tag` and its value; None: none is."""
-        return self._by_tag.get(tag)
-
-    def take(self, tag: bytes) -> tuple[str, _V] | None:
-        """The transfer watched with `tag` and its value, no longer watched; None: none is."""
+    def take(self, tag: bytes) -> tuple[str, Seen] | None:
+        """The transfer watched with `tag` and what to call, no longer watched; None: none is."""
         watched = self._by_tag.pop(tag, None)
         if watched is None:
             return None
@@ -763,9 +751,8 @@ class NcclLink:
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         self.poller = Poller()
-        self._watch: TagWatch[Seen] = TagWatch()  # P: under `_lock`
-        self._staged: TagWatch[tuple[str, Noted]] = TagWatch()  # D: with each load's producer; under `_lock`
-        # D: notes no load watched for yet (its request may reach this engine after P staged it)
+        self._watch = ReceiveWatch()  # P: under `_lock`
+        # D: the producers' notes of transfers they staged, by tag, until a request takes one (under `_lock`)
         self._notes: OrderedDict[bytes, Note] = OrderedDict()
         self._probing = False  # `_look` is the poller's probe (under `_lock`)
 
@@ -819,55 +806,34 @@ class NcclLink:
         comm = self.cache.current(producer) if ticket[0] else None
         return comm is not None and comm.nonce == ticket[0] and comm.writes_into_blocks
 
-    def watch_staged(self, transfer_id: str, producer: str, noted: Noted) -> None:
-        """D: call `noted(nonce, nbytes)` once `producer` tells this side, over the
-        communicator built with it now (one that writes into blocks), that it staged
-        `transfer_id` (`nbytes` in all; `IpcCommunicator.tell_staged`, at its first
-        save). D may then post the receive straight into its blocks before the broker's
-        Prepare comes, and P, watching for it (`watch_receive`), sends at once. Called
-        once, in the poller's thread at a ring of this side's bell, or in this one when
-        the note came first; it must not block. Until `unwatch_staged`."""
+    def staged_note(self, transfer_id: str, producer: str) -> int | None:
+        """D, as its engine takes a request: the bytes `producer` staged for
+        `transfer_id`, when it has told this side so already (`tell_staged`, at its
+        first save), over the communicator built with it now, which writes into blocks;
+        None otherwise. The receive may then be posted straight into the blocks at once,
+        without waiting for the broker's Prepare (the producer sends on it as soon as it
+        sees it). Takes the notes rung on this side's bell so far: the others are kept
+        for a later request (the latest `NOTES_KEPT`)."""
         bell = self.cache.bell
         comm = self.cache.current(producer)
         if bell is None or comm is None or not comm.writes_into_blocks:
-            return
+            return None
+        # Drained here, not by the poller (which drains this bell only while it watches for
+        # receives, as P): a ring meant for that watch is made up for by a look.
+        bell.drain()
+        notes = bell.take_notes()
         with self._lock:
+            for note in notes:
+                self._notes[note.tag] = note
+                self._notes.move_to_end(note.tag)
+            while len(self._notes) > NOTES_KEPT:
+                self._notes.popitem(last=False)
             note = self._notes.pop(transfer_tag(transfer_id), None)
-            heard = note is not None and note.nonce == comm.nonce
-            if not heard:
-                self._staged.add(transfer_id, (producer, noted))
-        if heard:
-            assert note is not None
-            noted(note.nonce, note.nbytes)
-        else:
-            self._probe(bell)
-
-    def unwatch_staged(self, transfer_id: str) -> None:
-        """D: stop waiting for `transfer_id`'s note (its Prepare came, or the load ended)."""
-        with self._lock:
-            self._staged.drop(transfer_id)
-
-    def _take_notes(self, bell: Bell) -> None:
-        """The poller's look, D's part: hand each note of the bell to its load's watch when
-        it came over the communicator with that load's producer (a receive on another
-        would not pair with its send), or keep it for a load yet to watch (the latest
-        `NOTES_KEPT`)."""
-        bell.drain()  # rings since the poller's last drain: their notes too
-        for note in bell.take_notes():
-            with self._lock:
-                watched = self._staged.get(note.tag)
-            comm = None if watched is None else self.cache.current(watched[1][0])
-            if watched is not None and (comm is None or comm.nonce != note.nonce):
-                continue
-            with self._lock:
-                watched = self._staged.take(note.tag)
-                if watched is None:
-                    self._notes[note.tag] = note
-                    self._notes.move_to_end(note.tag)
-                    while len(self._notes) > NOTES_KEPT:
-                        self._notes.popitem(last=False)
-            if watched is not None:
-                watched[1][1](note.nonce, note.nbytes)
+            probing = self._probing
+        if probing:
+            self.poller.look_soon()
+        # Only a note that came over this communicator: a receive on another would not pair with its send.
+        return note.nbytes if note is not None and note.nonce == comm.nonce else None
 
     async def give_up(self, producer: str) -> None:
         """D: a ticket whose Ready may have gone out is given up before its receive was
@@ -926,14 +892,19 @@ class NcclLink:
     def tell_staged(self, decode: str, transfer_id: str, nbytes: int) -> None:
         """P, as it stages `transfer_id` for `decode` (`nbytes`): tell D, over the
         communicator built with it, when that one writes into blocks, so D may post its
-        receive before the broker's Prepare (`watch_staged`). A hint: never raises."""
-        comm = self.cache.current(decode)
-        if comm is None or not comm.writes_into_blocks:
-            return
-        try:
-            comm.tell_staged(transfer_tag(transfer_id), nbytes)
-        except Exception as exc:  # the Prepare still comes
-            log.warning("nccl.tell_staged_failed", peer=decode, transfer_id=transfer_id, error=repr(exc))
+        receive as its engine takes the request, before the broker's Prepare
+        (`staged_note`). `decode` "": the request names none (a router that sends it to
+        D only with P's answer), so every D this side has such a communicator with is
+        told. A hint: never raises."""
+        current = self.cache.current(decode) if decode else None
+        comms = [current] if current is not None else [] if decode else self.cache.built()
+        tag = transfer_tag(transfer_id)
+        for comm in comms:
+            if comm.writes_into_blocks:
+                try:
+                    comm.tell_staged(tag, nbytes)
+                except Exception as exc:  # the Prepare still comes
+                    log.warning("nccl.tell_staged_failed", peer=comm.peer, transfer_id=transfer_id, error=repr(exc))
 
     def watch_receive(self, transfer_id: str, seen: Seen) -> None:
         """P: look (the poller, between its polls: now, then each time an ipc peer rings
@@ -950,16 +921,9 @@ class NcclLink:
             return
         with self._lock:
             self._watch.add(transfer_id, seen)
-        self._probe(bell)
-
-    def _probe(self, bell: Bell) -> None:
-        """Have the poller look (`_look`) now, and at each ring of `bell` while anything
-        is watched: its probe starts if none runs, else it looks soon (the peer may have
-        rung before the transfer was watched)."""
-        with self._lock:
             start, self._probing = not self._probing, True
         if not start:
-            self.poller.look_soon()
+            self.poller.look_soon()  # D may have rung before this transfer was watched
         elif not self.poller.probe(self._look, bell):
             with self._lock:
                 self._probing = False
@@ -970,16 +934,12 @@ class NcclLink:
             self._watch.drop(transfer_id)
 
     def _look(self) -> float | None:
-        """The poller's probe: D's notes of staged loads (`watch_staged`), then each built
-        communicator's next receive, if it names a watched transfer (`watch_receive`).
-        How soon to look again: at the next ring of the bell, or soon if a communicator
-        was busy; None once nothing is watched (the probe ends)."""
-        bell = self.cache.bell
-        if bell is not None:
-            self._take_notes(bell)
+        """The poller's probe: each built communicator's next receive, if it names a
+        watched transfer. How soon to look again: at the next ring of the bell, or soon
+        if a communicator was busy; None once nothing is watched (the probe ends)."""
         busy = self._find_receives()
         with self._lock:
-            if not self._watch and not self._staged:  # a watch added after this ends it starts a probe of its own
+            if not self._watch:  # a watch added after this ends it starts a probe of its own
                 self._probing = False
                 return None
         return WAIT_PAUSE_S if busy else math.inf

@@ -200,19 +200,6 @@ class ProducerSide:
         # GPU would wait for the first layer's copy to be launched.
         self._offers += offers
 
-    def _watch_decode(self, tid: str, staged: _Staged) -> None:
-        """As `tid` is staged: look for D's receive straight into its blocks from now on
-        (the send starts on it, `_receive_seen`), and tell the decode rank the request
-        names that it is staged, so it may post that receive before the broker's Prepare
-        (`NcclLink.tell_staged`). Both before the Offer, which leaves once the loop gets
-        the GIL from the forward pass: D's receive, and so the send, may then start half
-        a millisecond earlier, and two hops through the broker earlier."""
-        w = self.w
-        assert w.nccl is not None
-        w.nccl.watch_receive(tid, self._receive_seen)
-        if staged.spec.decode:
-            w.nccl.tell_staged(f"{staged.spec.decode}:{w.info.rank}", tid, staged.lease.nbytes)
-
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
         `save_kv_layer` gathers each layer for all of them with one copy: a step of N
@@ -385,15 +372,19 @@ class ProducerSide:
 
     def _send_offers(self) -> None:
         """Hand the step's Offers to the client's loop (not awaited: a step never waits on
-        it); first, from this thread, watch for D's receive of those that may go into D's
-        blocks, and tell D they are staged (`_watch_decode`)."""
+        it); first, from this thread, tell the decode rank each request names (every one,
+        if it names none) that its transfer is staged, when it may go into D's blocks
+        (`NcclLink.tell_staged`): a D whose engine takes the request only later (a proxy
+        that sends it to P first, then to D with P's answer) then posts its receive as it
+        takes it, before the broker's Prepare."""
         if self._offers:
             offers, self._offers = self._offers, []
             w = self.w
             if w.nccl is not None and w.groups is None:
                 for tid, staged in offers:
                     if staged.feed is not None:
-                        self._watch_decode(tid, staged)
+                        decode = f"{staged.spec.decode}:{w.info.rank}" if staged.spec.decode else ""
+                        w.nccl.tell_staged(decode, tid, staged.lease.nbytes)
             w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
@@ -466,6 +457,8 @@ class ProducerSide:
         if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
+        if w.nccl is not None and staged.feed is not None and w.groups is None:  # it may go into D's blocks
+            w.nccl.watch_receive(tid, self._receive_seen)
         w.log.info(
             "transfer.offered",
             transfer_id=tid,

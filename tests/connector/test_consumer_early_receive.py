@@ -1,6 +1,6 @@
 """D's receive posted before its Prepare, with no GPU (`ConsumerSide._receive_early`): the
-producer told D it staged the load's transfer (`NcclLink.watch_staged`), so D posts the
-receive straight into its blocks at once. The Prepare, when it comes, is checked against
+producer had told D it staged the load's transfer (`NcclLink.staged_note`) by the time
+D's engine took the request, so D posts the receive straight into its blocks at once. The Prepare, when it comes, is checked against
 that receive and answered with the Ready naming it; only then is the load reported and its
 Done sent, whenever its bytes landed. A Prepare that does not fit, an Abort, or no Prepare
 by the deadline end the posted receive (its communicator goes). The link and the broker
@@ -39,13 +39,10 @@ class _Link:
         self.events = events
         self.turn = anyio.Lock()
         self.nonce, self.next = "c1", 0
-        self.watched: dict[str, tuple[str, Any]] = {}
+        self.notes: dict[str, int] = {}  # what the producer told of: transfer -> bytes staged
 
-    def watch_staged(self, transfer_id: str, producer: str, noted: Any) -> None:
-        self.watched[transfer_id] = (producer, noted)
-
-    def unwatch_staged(self, transfer_id: str) -> None:
-        self.watched.pop(transfer_id, None)
+    def staged_note(self, transfer_id: str, producer: str) -> int | None:
+        return self.notes.pop(transfer_id, None) if producer == "p0:0" else None
 
     def receiving(self, producer: str) -> anyio.Lock:
         return self.turn
@@ -79,6 +76,9 @@ class _Link:
 class _Client:
     def __init__(self, events: list[tuple[Any, ...]]) -> None:
         self.events = events
+
+    async def expect(self, transfer_id: str, prefill: str, **kw: Any) -> None:
+        self.events.append(("expect", transfer_id))
 
     async def ready(self, transfer_id: str, nbytes: int, offset: int, **kw: Any) -> None:
         self.events.append(("ready", transfer_id, kw["comm"], kw["seq"]))
@@ -114,7 +114,8 @@ class _D:
             lock=threading.Lock(), nccl=self.link, paged=object(), groups=None, pool=_Pool(),
             layers={f"l{i}": i for i in range(LAYERS)}, block_nbytes=BLOCK_NBYTES, chunk_nbytes=BLOCK_NBYTES,
             info=SimpleNamespace(rank=0), client=SimpleNamespace(client=client), log=structlog.get_logger(),
-            config=SimpleNamespace(transport="nccl", load_timeout_s=load_timeout_s, instance_id="d0"),
+            config=SimpleNamespace(transport="nccl", load_timeout_s=load_timeout_s, instance_id="d0",
+                                   fault_injection="", fault_injection_prefix=""),
             spawn=lambda fn, *args: tg.start_soon(fn, *args), send_bounded=send_bounded,
             counters=counts, count=lambda key, n=1: counts.__setitem__(key, counts[key] + n),
         )
@@ -126,12 +127,15 @@ class _D:
                         prefill="p0", tokens=prompt)
         load = _Load(transfer_id=tid, spec=spec, deadline=time.monotonic() + self.side.w.config.load_timeout_s)
         self.side._loads[tid] = load
-        self.link.watch_staged(tid, "p0:0", lambda nonce, nbytes: self.side._noted(load, nonce, nbytes))
         return load
 
-    def noted(self, tid: str, nonce: str = "c1", nbytes: int = STAGED) -> None:
-        """The producer's note, as D's poller hands it over."""
-        self.link.watched.pop(tid)[1](nonce, nbytes)
+    async def claim(self, *loads: _Load, staged: int | None = STAGED) -> None:
+        """The engine takes the requests (`start_load_kv`'s Expects), their producer
+        having told of each (`staged` bytes) before, or not (None)."""
+        for load in loads:
+            if staged is not None:
+                self.link.notes[load.transfer_id] = staged
+        await self.side._announce(list(loads))
 
 
 def _prepare(tid: str, *, prompt: str = "abc", source: str = "p0:0", blocks: int = BLOCKS) -> Prepare:
@@ -140,30 +144,30 @@ def _prepare(tid: str, *, prompt: str = "abc", source: str = "p0:0", blocks: int
                    prompt=prompt)
 
 
-async def test_the_receive_goes_at_the_note_and_the_load_is_reported_only_after_its_prepare() -> None:
-    """Posted at the note, with no pool room; nothing is waited for, reported or told
-    until the Prepare: then the Ready names the receive's ticket, and the landing and
-    the Done follow. Two loads' receives take the producer's turn one after the other
-    (in the order their tasks run), and each Ready names its own place."""
+async def test_the_receive_goes_at_the_claim_and_the_load_is_reported_only_after_its_prepare() -> None:
+    """Posted as the engine takes the request, with no pool room; nothing is waited for,
+    reported or told until the Prepare: then the Ready names the receive's ticket, and
+    the landing and the Done follow. Two loads' receives take the producer's turn one
+    after the other (in the order their tasks run), and each Ready names its own place."""
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             d = _D(tg)
             t1, t2 = d.load("t1"), d.load("t2")
-            d.noted("t1")
-            d.noted("t2")
+            await d.claim(t1, t2)
             await anyio.wait_all_tasks_blocked()
-            order = [e[1] for e in d.events]
-            assert sorted(order) == ["t1", "t2"]
-            assert d.events == [("post", tid, "p0:0", STAGED, True) for tid in order]
+            posts = [e for e in d.events if e[0] == "post"]
+            order = [e[1] for e in posts]
+            assert sorted(order) == ["t1", "t2"] and posts == [("post", tid, "p0:0", STAGED, True) for tid in order]
+            assert [e for e in d.events if e[0] != "post"] == [("expect", "t1"), ("expect", "t2")]
             assert t1.state == t2.state == "receiving" and d.side.get_finished(set()) is None
             await d.side.on_prepare(_prepare("t2"))
             await d.side.on_prepare(_prepare("t1"))
             await anyio.wait_all_tasks_blocked()
     for tid in ("t1", "t2"):
-        assert [e for e in d.events[2:] if e[1] == tid] == [("ready", tid, "c1", order.index(tid)), ("wait", tid),
+        assert [e for e in d.events[4:] if e[1] == tid] == [("ready", tid, "c1", order.index(tid)), ("wait", tid),
                                                             ("done", tid)]
     assert d.side.get_finished(set()) == {"req-t1", "req-t2"}
-    assert not d.side.get_block_ids_with_load_errors()
+    assert d.counts["posted_before_prepare"] == 2 and not d.side.get_block_ids_with_load_errors()
 
 
 @pytest.mark.parametrize("why", ["another prompt", "another producer", "another size"])
@@ -174,11 +178,12 @@ async def test_a_prepare_that_does_not_fit_the_posted_receive_ends_it_and_fails_
         async with anyio.create_task_group() as tg:
             d = _D(tg)
             load = d.load("t1")
-            d.noted("t1")
+            await d.claim(load)
             await anyio.wait_all_tasks_blocked()
             await d.side.on_prepare(prepare)
             await anyio.wait_all_tasks_blocked()
-    assert d.events == [("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0"), ("abort", "t1")]
+    assert d.events == [("expect", "t1"), ("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0"),
+                        ("abort", "t1")]
     assert load.state == "failed" and load.reason
     assert d.side.get_finished(set()) == {"req-t1"}
     assert d.side.get_block_ids_with_load_errors() == set(range(1, BLOCKS + 1))
@@ -189,11 +194,11 @@ async def test_an_abort_before_the_prepare_ends_the_posted_receive() -> None:
         async with anyio.create_task_group() as tg:
             d = _D(tg)
             load = d.load("t1")
-            d.noted("t1")
+            await d.claim(load)
             await anyio.wait_all_tasks_blocked()
             await d.side.on_abort(Abort(transfer_id="t1", reason="the producer died"))
             await anyio.wait_all_tasks_blocked()
-    assert d.events == [("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0")]
+    assert d.events == [("expect", "t1"), ("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0")]
     assert load.state == "failed" and "the producer died" in load.reason
 
 
@@ -202,35 +207,30 @@ async def test_no_prepare_by_the_deadline_ends_the_posted_receive() -> None:
         async with anyio.create_task_group() as tg:
             d = _D(tg, load_timeout_s=0.2)
             load = d.load("t1")
-            d.noted("t1")
-    assert d.events == [("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0"), ("abort", "t1")]
+            await d.claim(load)
+    assert d.events == [("expect", "t1"), ("post", "t1", "p0:0", STAGED, True), ("cancel", "t1", "p0:0"),
+                        ("abort", "t1")]
     assert load.state == "failed" and "no Prepare" in load.reason
 
 
-@pytest.mark.parametrize("case", ["prepare first", "another communicator", "another size"])
+@pytest.mark.parametrize("case", ["not told", "another size", "another communicator"])
 async def test_without_an_early_post_the_receive_goes_on_its_prepare_as_usual(case: str) -> None:
-    """The Prepare came before the note's task ran; the note came over a communicator
-    other than the producer's now (nothing posted before the Prepare); or the producer
-    staged another size (another TP size). Each is posted once, after its Prepare."""
+    """The producer had not told D (it stages after D's engine took the request, the
+    usual case), it staged another size (another TP size), or the communicator changed
+    before the post (nothing is posted before the Prepare then): each is posted once,
+    after its Prepare."""
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             d = _D(tg)
-            d.load("t1")
-            if case == "prepare first":
-                noted = d.link.watched["t1"][1]
-                await d.side.on_prepare(_prepare("t1"))
-                noted("c1", STAGED)
-            elif case == "another communicator":
-                d.noted("t1", nonce="c0")
-                await anyio.wait_all_tasks_blocked()
-                assert d.events == []
-                await d.side.on_prepare(_prepare("t1"))
-            else:
-                d.noted("t1", nbytes=STAGED // 2)
-                await anyio.wait_all_tasks_blocked()
-                assert d.events == []
-                await d.side.on_prepare(_prepare("t1"))
+            load = d.load("t1")
+            if case == "another communicator":
+                d.link.nonce = ""  # the ticket names none: a new one is built on the Go
+            await d.claim(load, staged={"not told": None, "another size": STAGED // 2}.get(case, STAGED))
             await anyio.wait_all_tasks_blocked()
-    posts = [e for e in d.events if e[0] == "post"]
-    assert len(posts) == 1 and [e[0] for e in d.events].index("post") < [e[0] for e in d.events].index("done")
+            assert d.events == [("expect", "t1")]
+            d.link.nonce = "c1"
+            await d.side.on_prepare(_prepare("t1"))
+            await anyio.wait_all_tasks_blocked()
+    assert [e[0] for e in d.events] == ["expect", "post", "ready", "wait", "done"]
     assert d.side.get_finished(set()) == {"req-t1"}
+    assert d.counts["posted_before_prepare"] == 0

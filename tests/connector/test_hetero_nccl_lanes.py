@@ -147,10 +147,7 @@ class WireLink:
     def tell_staged(self, decode: str, transfer_id: str, nbytes: int) -> None:
         return None
 
-    def watch_staged(self, transfer_id: str, producer: str, noted: Any) -> None:
-        return None
-
-    def unwatch_staged(self, transfer_id: str) -> None:
+    def staged_note(self, transfer_id: str, producer: str) -> int | None:
         return None
 
     # -- P --------------------------------------------------------------------------------

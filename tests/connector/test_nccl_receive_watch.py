@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from connector import nccl_link
-from connector.nccl_link import NcclLink, Poller, TagWatch
+from connector.nccl_link import NcclLink, Poller, ReceiveWatch
 from tests.support import wait_until
 from workers.transports.bell import Bell, Note, Ringer
 from workers.transports.ipc_mailbox import transfer_tag
@@ -73,8 +73,8 @@ def made(tmp_path: Path) -> Any:
 
     def make(*comms: _Comm) -> NcclLink:
         link = NcclLink.__new__(NcclLink)
-        link._lock, link._watch, link._probing = threading.Lock(), TagWatch(), False
-        link._staged, link._notes = TagWatch(), OrderedDict()
+        link._lock, link._watch, link._probing = threading.Lock(), ReceiveWatch(), False
+        link._notes = OrderedDict()
         link.cache, link.poller = _Cache(tmp_path, *comms), Poller()  # type: ignore[assignment]
         links.append(link)
         return link
@@ -294,66 +294,70 @@ def test_closing_the_poller_ends_its_wait_on_the_bell(made: Any, seen: queue.Que
     assert not thread.is_alive() and link.poller._wake is None and seen.empty()
 
 
-# -- D: the producer's note that it staged a load's transfer ------------------------------------
+# -- D: the producer's note that it staged a transfer ---------------------------------------
 
 
-def _noted(seen: queue.Queue[tuple[str, tuple[Any, ...]]], transfer_id: str) -> nccl_link.Noted:
-    return lambda *args: seen.put((threading.current_thread().name, (transfer_id, *args)))
-
-
-def test_p_tells_d_over_their_communicator_and_d_hears_it_once_for_a_watched_load(
-    made: Any, seen: queue.Queue,
-) -> None:
-    """P's link tells D's (`tell_staged`, over the communicator with D); D's poller hands
-    the note to the load watching for it, in its own thread, with the bytes P staged.
-    A load no longer watched hears nothing, and once nothing is watched the probe ends."""
-    d_comm = _Comm("p0:0", "c1")
-    d = made(d_comm)
-    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    d.watch_staged("t2", "p0:0", _noted(seen, "t2"))
-    d.unwatch_staged("t2")
-    p.tell_staged("d0:0", "t2", 8192)
-    p.tell_staged("d0:0", "t1", 4096)
-    p.tell_staged("d9:0", "t1", 4096)  # no communicator with that one: nothing told
-    assert seen.get(timeout=10) == (d.poller.name, ("t1", "c1", 4096))
-    wait_until(lambda: not d._probing, 10, "D's probe to end once nothing is watched")
-    assert seen.empty() and not d._staged
-
-
-def test_a_note_over_another_communicator_than_the_producers_is_not_heard(made: Any, seen: queue.Queue) -> None:
-    """A receive pairs with P's send only on the communicator P sends on: a note that came
-    over another (one D has since replaced, or another P rank's) starts nothing."""
-    d = made(_Comm("p0:0", "c2"))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    old = _Comm("d0:0", "c1", bell=d.cache.bell)  # P's side of a communicator D no longer has
-    old.tell_staged(transfer_tag("t1"), 4096)
-    with pytest.raises(queue.Empty):
-        seen.get(timeout=0.3)
-    _Comm("d0:0", "c2", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
-    assert seen.get(timeout=10)[1] == ("t1", "c2", 4096)
-
-
-def test_a_note_that_came_before_its_load_watched_is_kept_for_it(made: Any, seen: queue.Queue) -> None:
-    """P may stage before D's engine takes the request: the note waits (in the FIFO, then
-    among the notes kept) and the watch hears it as it starts, even after other loads'
-    notes were taken meanwhile."""
+def test_d_takes_a_note_p_rang_over_their_communicator_as_its_engine_takes_the_request(made: Any) -> None:
+    """P's link tells D's (`tell_staged`, over the communicator with D, at its first save);
+    D, taking the request later, finds the note (`staged_note`): the bytes P staged, once.
+    A transfer P never told of, or a producer D has no communicator with, finds none."""
     d = made(_Comm("p0:0", "c1"))
     p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    p.tell_staged("d0:0", "early", 2048)
     p.tell_staged("d0:0", "t1", 4096)
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    assert seen.get(timeout=10)[1] == ("t1", "c1", 4096)
-    wait_until(lambda: not d._probing, 10, "D's probe to end")
-    d.watch_staged("early", "p0:0", _noted(seen, "early"))
-    assert seen.get(timeout=10) == (threading.current_thread().name, ("early", "c1", 2048))  # kept: at once
-    assert not d._staged
+    p.tell_staged("d0:0", "t2", 8192)
+    p.tell_staged("d9:0", "t3", 4096)  # no communicator with that one: nothing told
+    assert d.staged_note("t2", "p0:0") == 8192
+    assert d.staged_note("t1", "p0:0") == 4096  # kept from the drain before
+    assert d.staged_note("t1", "p0:0") is None  # taken
+    assert d.staged_note("t3", "p0:0") is None
+    p.tell_staged("d0:0", "t4", 4096)
+    assert d.staged_note("t4", "p1:0") is None  # no communicator with p1
 
 
-def test_d_watches_nothing_without_a_communicator_with_the_producer_that_writes_into_blocks(
-    made: Any, seen: queue.Queue,
-) -> None:
-    d = made(_Comm("p0:0", "c1", into_blocks=False))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    d.watch_staged("t2", "p1:0", _noted(seen, "t2"))
-    assert not d._probing and not d._staged
+def test_a_note_over_another_communicator_than_the_producers_is_not_taken(made: Any) -> None:
+    """A receive pairs with P's send only on the communicator P sends on: a note that came
+    over another (one D has since replaced) starts nothing."""
+    d = made(_Comm("p0:0", "c2"))
+    _Comm("d0:0", "c1", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
+    assert d.staged_note("t1", "p0:0") is None
+    _Comm("d0:0", "c2", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
+    assert d.staged_note("t1", "p0:0") == 4096
+
+
+def test_a_request_that_names_no_decode_peer_is_told_to_every_d_that_takes_blocks(made: Any) -> None:
+    """Under a router that sends the request to D only with P's answer, P does not know
+    D: every D it has a communicator with that writes into blocks hears of it."""
+    d0, d1, d2 = made(_Comm("p0:0", "c1")), made(_Comm("p0:0", "c2")), made(_Comm("p0:0", "c3"))
+    p = made(_Comm("d0:0", "c1", bell=d0.cache.bell), _Comm("d1:0", "c2", bell=d1.cache.bell),
+             _Comm("d2:0", "c3", bell=d2.cache.bell, into_blocks=False))
+    p.tell_staged("", "t1", 4096)
+    assert d0.staged_note("t1", "p0:0") == 4096 and d1.staged_note("t1", "p0:0") == 4096
+    assert d2.staged_note("t1", "p0:0") is None
+
+
+def test_notes_kept_are_the_latest(made: Any) -> None:
+    d = made(_Comm("p0:0", "c1"))
+    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
+    for i in range(nccl_link.NOTES_KEPT + 5):
+        p.tell_staged("d0:0", f"t{i}", 4096)
+        if i % 100 == 0:
+            assert d.staged_note("none", "p0:0") is None  # a drain now and then, as requests come
+    assert d.staged_note("t0", "p0:0") is None  # forgotten
+    assert d.staged_note("t5", "p0:0") == 4096 and d.staged_note(f"t{nccl_link.NOTES_KEPT + 4}", "p0:0") == 4096
+
+
+def test_a_ring_for_ps_watch_that_ds_drain_takes_is_made_up_for_by_a_look(made: Any, seen: queue.Queue) -> None:
+    """One worker both P and D: its bell carries D's rings for P's watch and P's notes for
+    D. Taking the notes drains the bell, maybe before the poller heard a ring; the
+    poller then looks anyway, so the watched receive is still reported."""
+    comm = _Comm("x0:0", "c1")
+    link = made(comm)
+    link.watch_receive("t1", _recorder(seen))
+    wait_until(lambda: link.poller._listening, 10, "the poller to wait on its bell")
+    for _ in range(20):  # the drain and the poller race: each way, the receive is reported
+        comm.receive = (1, transfer_tag("t1"), 4096)
+        _post(link, comm, (1, transfer_tag("t1"), 4096))
+        assert link.staged_note("t9", "x0:0") is None
+        assert seen.get(timeout=10)[1] == ("t1", "x0:0", "c1", 1, 4096)
+        comm.receive = None
+        link.watch_receive("t1", _recorder(seen))

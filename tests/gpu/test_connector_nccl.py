@@ -519,9 +519,6 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
         # its Ready, and P started the send on it rather than on the Go (a prefix hit
         # every other time: the receive's size says which tail of the staging to send).
         assert p.statistics().get("sent_on_receive", 0) >= 5, p.statistics()
-        # D claimed each before P staged it: P's note at its first save had D post the
-        # receive before the broker's Prepare (the first transfer built the communicator).
-        assert d.statistics().get("posted_before_prepare", 0) >= 5, d.statistics()
         leases_come_back(p, d)
     finally:
         p.close()
@@ -538,9 +535,11 @@ def test_over_ipc_a_claim_long_after_the_offer_still_sends_on_ds_receive(
     its bell, and only then does D claim it. D rings once its receive is posted, and the
     send starts on that receive, before the Go. Here idle, the broker relays D's Ready
     as the Go within a millisecond: the Go is held 10 ms at P (injected), as a busy
-    broker or loop would hold it, so the test tells the two apart. The twin's D never
-    rings (injected too): P never looks again, and every send waits for its Go. Either
-    way D's blocks hold what P saved."""
+    broker or loop would hold it, so the test tells the two apart. P rang D's bell with
+    a note of each transfer as it staged it, so D posts each receive as it claims it,
+    before its Prepare. The twin's D and P never ring (injected too): D posts on the
+    Prepare, P never looks again, and every send waits for its Go. Either way D's
+    blocks hold what P saved."""
     real_on_go = ConnectorWorker.on_go
 
     async def on_go_late(self: ConnectorWorker, msg: Go) -> None:
@@ -571,14 +570,14 @@ def test_over_ipc_a_claim_long_after_the_offer_still_sends_on_ds_receive(
                 t[:, src] = -7.0
             wait_until(lambda: p.statistics()["offered"] == i + 2 and link.poller._listening, 10,
                        f"P's poller to wait on its bell for c{i}'s receive")
-            load(d, f"c{i}", dst, cached=0)
+            load(d, f"c{i}", dst, cached=0, prefill="p0")
             assert not run_steps(d, {f"req-c{i}"}, timeout=30)[1], f"transfer c{i} failed to load"
             torch.cuda.synchronize(D_GPU)
             for n, t in dc.items():
                 assert torch.equal(t[:, dst].cpu(), saved[n].cpu()), (i, n)
         on_receive = p.statistics().get("sent_on_receive", 0) - before
-        # P's ring at its first save told D it staged each: D, claiming later, found the
-        # note and posted the receive before the Prepare came.
+        # P's ring at its first save told D it staged each: D, claiming later, took the
+        # note and posted the receive before the Prepare came (the twin's rings carry none).
         early = d.statistics().get("posted_before_prepare", 0)
         if rings:
             assert on_receive == 5 and early == 5, (p.statistics(), d.statistics())

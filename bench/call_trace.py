@@ -46,13 +46,13 @@ TARGETS: dict[str, dict[str, list[str]]] = {
     "connector.worker": {"ConnectorWorker": [
         "bind", "save_kv_layer", "wait_for_save", "start_load_kv", "get_finished", "on_prepare", "on_go", "spawn"]},
     "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_receive_seen", "_sent_on_receive",
-                                            "_go_on_receive", "on_go", "_watch_decode"]},
+                                            "_go_on_receive", "on_go"]},
     "connector.consumer": {"ConsumerSide": [
         "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received",
-        "_receive", "_finish", "_noted", "_receive_early", "_receive_first", "_ready", "_in"]},
+        "_receive", "_finish"]},
     "connector.nccl_link": {"NcclLink": ["send", "post_recv", "wait", "_carried", "_turn", "_post", "_postable_now",
                                          "_post_blocks", "ticket_at", "send_on_receive", "posts_first",
-                                         "watch_receive", "tell_staged", "watch_staged", "_take_notes"]},
+                                         "watch_receive"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
     "workers.transports.tcp": {"TcpSender": ["_send", "_checkout"]},
@@ -60,7 +60,7 @@ TARGETS: dict[str, dict[str, list[str]]] = {
     "workers.transports.cuda_ipc": {
         "IpcCommunicator": ["post_blocks", "send_blocks", "_posted", "_publish_layers", "_wait_room", "_descriptor",
                             "_layers_of", "_send_stream", "send_ready", "next_receive_takes_blocks",
-                            "next_block_receive", "tell_staged"],
+                            "next_block_receive"],
         "_BlockSend": ["launch"], "_BlockCopier": ["__call__"]},
     "workers.transports.cuda_driver": {"CudaDriver": ["make_current", "wait_value", "write_value", "copy"]},
     "workers.transports.ipc_mailbox": {"Mailbox": ["post", "take", "consume"]},

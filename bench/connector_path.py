@@ -17,8 +17,7 @@ compares with two GPUs).
 * raw          the transfer's bytes moved once with nothing else: one NCCL send/recv over
                the communicators the connector built (D's receive posted first), or one
                `sendall` over a loopback TCP socket into a buffer D reads into.
-* connector    D's request is bound (start_load_kv) naming P as its prefill instance, and P
-               names D as its decode peer, as the gateway sends them;
+* connector    D's request is bound (start_load_kv) and P names D as its decode peer;
                the clock runs from P's bind to D's get_finished reporting the request,
                with D's scatter done. With `--inflight N`, N requests at once: P saves
                all N in one step, D loads all N, and the clock runs until D has reported
@@ -587,8 +586,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             free = torch.randperm(cfg["num_blocks"], generator=g)[: k * n].tolist()  # no two loads share a block
             dsts = [free[j * n : (j + 1) * n] for j in range(k)]
             loads = KvBrokerMetadata(loads={
-                tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1,
-                              prefill="p0")
+                tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1)
                 for tid, dst in zip(tids, dsts)})
             started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
             claimed = 0.0  # with --claim-after-ms: when D's engine took the requests

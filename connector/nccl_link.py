@@ -98,7 +98,7 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
-from workers.transports.bell import NOTES_KEPT, Bell, Note, drain
+from workers.transports.bell import Bell, drain
 from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
@@ -751,9 +751,7 @@ class NcclLink:
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         self.poller = Poller()
-        self._watch = ReceiveWatch()  # P: under `_lock`
-        # D: the producers' notes of transfers they staged, by tag, until a request takes one (under `_lock`)
-        self._notes: OrderedDict[bytes, Note] = OrderedDict()
+        self._watch = ReceiveWatch()  # under `_lock`
         self._probing = False  # `_look` is the poller's probe (under `_lock`)
 
     # -- D ---------------------------------------------------------------------------------
@@ -805,35 +803,6 @@ class NcclLink:
         the post would only delay it (and a new communicator is built on the Go)."""
         comm = self.cache.current(producer) if ticket[0] else None
         return comm is not None and comm.nonce == ticket[0] and comm.writes_into_blocks
-
-    def staged_note(self, transfer_id: str, producer: str) -> int | None:
-        """D, as its engine takes a request: the bytes `producer` staged for
-        `transfer_id`, when it has told this side so already (`tell_staged`, at its
-        first save), over the communicator built with it now, which writes into blocks;
-        None otherwise. The receive may then be posted straight into the blocks at once,
-        without waiting for the broker's Prepare (the producer sends on it as soon as it
-        sees it). Takes the notes rung on this side's bell so far: the others are kept
-        for a later request (the latest `NOTES_KEPT`)."""
-        bell = self.cache.bell
-        comm = self.cache.current(producer)
-        if bell is None or comm is None or not comm.writes_into_blocks:
-            return None
-        # Drained here, not by the poller (which drains this bell only while it watches for
-        # receives, as P): a ring meant for that watch is made up for by a look.
-        bell.drain()
-        notes = bell.take_notes()
-        with self._lock:
-            for note in notes:
-                self._notes[note.tag] = note
-                self._notes.move_to_end(note.tag)
-            while len(self._notes) > NOTES_KEPT:
-                self._notes.popitem(last=False)
-            note = self._notes.pop(transfer_tag(transfer_id), None)
-            probing = self._probing
-        if probing:
-            self.poller.look_soon()
-        # Only a note that came over this communicator: a receive on another would not pair with its send.
-        return note.nbytes if note is not None and note.nonce == comm.nonce else None
 
     async def give_up(self, producer: str) -> None:
         """D: a ticket whose Ready may have gone out is given up before its receive was
@@ -888,23 +857,6 @@ class NcclLink:
             self._changed(decode)
 
     # -- P: a send started by D's receive ---------------------------------------------------
-
-    def tell_staged(self, decode: str, transfer_id: str, nbytes: int) -> None:
-        """P, as it stages `transfer_id` for `decode` (`nbytes`): tell D, over the
-        communicator built with it, when that one writes into blocks, so D may post its
-        receive as its engine takes the request, before the broker's Prepare
-        (`staged_note`). `decode` "": the request names none (a router that sends it to
-        D only with P's answer), so every D this side has such a communicator with is
-        told. A hint: never raises."""
-        current = self.cache.current(decode) if decode else None
-        comms = [current] if current is not None else [] if decode else self.cache.built()
-        tag = transfer_tag(transfer_id)
-        for comm in comms:
-            if comm.writes_into_blocks:
-                try:
-                    comm.tell_staged(tag, nbytes)
-                except Exception as exc:  # the Prepare still comes
-                    log.warning("nccl.tell_staged_failed", peer=comm.peer, transfer_id=transfer_id, error=repr(exc))
 
     def watch_receive(self, transfer_id: str, seen: Seen) -> None:
         """P: look (the poller, between its polls: now, then each time an ipc peer rings

@@ -371,21 +371,10 @@ class ProducerSide:
             self._layers.copied(idx)  # its send never takes this layer
 
     def _send_offers(self) -> None:
-        """Hand the step's Offers to the client's loop (not awaited: a step never waits on
-        it); first, from this thread, tell the decode rank each request names (every one,
-        if it names none) that its transfer is staged, when it may go into D's blocks
-        (`NcclLink.tell_staged`): a D whose engine takes the request only later (a proxy
-        that sends it to P first, then to D with P's answer) then posts its receive as it
-        takes it, before the broker's Prepare."""
+        """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
         if self._offers:
             offers, self._offers = self._offers, []
-            w = self.w
-            if w.nccl is not None and w.groups is None:
-                for tid, staged in offers:
-                    if staged.feed is not None:
-                        decode = f"{staged.spec.decode}:{w.info.rank}" if staged.spec.decode else ""
-                        w.nccl.tell_staged(decode, tid, staged.lease.nbytes)
-            w.spawn(self._offer_all, offers)
+            self.w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer

@@ -3,17 +3,12 @@ GPU: the link's real poller thread looks at each communicator's next receive, he
 communicators that stand in for the ipc backend's (their `next_block_receive` is what
 D's mailbox holds; the GPU tests run the real one), and calls back for a watched
 transfer only, once, in the poller's thread: when the watch starts, then each time D
-rings P's bell (a real FIFO), and in between it waits without looking.
-
-And D's side of the same bell (`NcclLink.watch_staged`): P's ring carries a note of the
-transfer it staged, and D's poller hands it to the load waiting for it, once, when it
-came over the communicator D has with that load's producer."""
+rings P's bell (a real FIFO), and in between it waits without looking."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +17,7 @@ import pytest
 from connector import nccl_link
 from connector.nccl_link import NcclLink, Poller, ReceiveWatch
 from tests.support import wait_until
-from workers.transports.bell import Bell, Note, Ringer
+from workers.transports.bell import Bell, Ringer
 from workers.transports.ipc_mailbox import transfer_tag
 
 
@@ -30,22 +25,12 @@ class _Comm:
     """A communicator with D; `receive`: D's next receive, as its mailbox shows it;
     `busy`: looks refused (a post holds it) before the mailbox is read."""
 
-    def __init__(self, peer: str, nonce: str, *, into_blocks: bool = True, bell: Bell | None = None) -> None:
+    def __init__(self, peer: str, nonce: str, *, into_blocks: bool = True) -> None:
         self.peer, self.nonce, self.writes_into_blocks = peer, nonce, into_blocks
         self.closed = self.broken = False
         self.receive: tuple[int, bytes, int] | None = None
         self.looked = 0
         self.busy = 0
-        self.peer_bell = bell  # the peer's, which `tell_staged` rings
-
-    def tell_staged(self, tag: bytes, nbytes: int) -> None:
-        """As `IpcCommunicator.tell_staged`: a note on the peer's bell."""
-        assert self.peer_bell is not None
-        ringer = Ringer(str(Path(self.peer_bell.path).parent), self.peer_bell.token)
-        try:
-            ringer.ring(Note(tag, nbytes, self.nonce))
-        finally:
-            ringer.close()
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         self.looked += 1
@@ -63,9 +48,6 @@ class _Cache:
     def built(self) -> list[_Comm]:
         return [c for c in self.comms if not (c.closed or c.broken)]
 
-    def current(self, peer: str) -> _Comm | None:
-        return next((c for c in self.built() if c.peer == peer), None)
-
 
 @pytest.fixture
 def made(tmp_path: Path) -> Any:
@@ -74,7 +56,6 @@ def made(tmp_path: Path) -> Any:
     def make(*comms: _Comm) -> NcclLink:
         link = NcclLink.__new__(NcclLink)
         link._lock, link._watch, link._probing = threading.Lock(), ReceiveWatch(), False
-        link._notes = OrderedDict()
         link.cache, link.poller = _Cache(tmp_path, *comms), Poller()  # type: ignore[assignment]
         links.append(link)
         return link
@@ -292,72 +273,3 @@ def test_closing_the_poller_ends_its_wait_on_the_bell(made: Any, seen: queue.Que
     assert thread is not None
     link.poller.close(timeout_s=10)
     assert not thread.is_alive() and link.poller._wake is None and seen.empty()
-
-
-# -- D: the producer's note that it staged a transfer ---------------------------------------
-
-
-def test_d_takes_a_note_p_rang_over_their_communicator_as_its_engine_takes_the_request(made: Any) -> None:
-    """P's link tells D's (`tell_staged`, over the communicator with D, at its first save);
-    D, taking the request later, finds the note (`staged_note`): the bytes P staged, once.
-    A transfer P never told of, or a producer D has no communicator with, finds none."""
-    d = made(_Comm("p0:0", "c1"))
-    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    p.tell_staged("d0:0", "t1", 4096)
-    p.tell_staged("d0:0", "t2", 8192)
-    p.tell_staged("d9:0", "t3", 4096)  # no communicator with that one: nothing told
-    assert d.staged_note("t2", "p0:0") == 8192
-    assert d.staged_note("t1", "p0:0") == 4096  # kept from the drain before
-    assert d.staged_note("t1", "p0:0") is None  # taken
-    assert d.staged_note("t3", "p0:0") is None
-    p.tell_staged("d0:0", "t4", 4096)
-    assert d.staged_note("t4", "p1:0") is None  # no communicator with p1
-
-
-def test_a_note_over_another_communicator_than_the_producers_is_not_taken(made: Any) -> None:
-    """A receive pairs with P's send only on the communicator P sends on: a note that came
-    over another (one D has since replaced) starts nothing."""
-    d = made(_Comm("p0:0", "c2"))
-    _Comm("d0:0", "c1", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
-    assert d.staged_note("t1", "p0:0") is None
-    _Comm("d0:0", "c2", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
-    assert d.staged_note("t1", "p0:0") == 4096
-
-
-def test_a_request_that_names_no_decode_peer_is_told_to_every_d_that_takes_blocks(made: Any) -> None:
-    """Under a router that sends the request to D only with P's answer, P does not know
-    D: every D it has a communicator with that writes into blocks hears of it."""
-    d0, d1, d2 = made(_Comm("p0:0", "c1")), made(_Comm("p0:0", "c2")), made(_Comm("p0:0", "c3"))
-    p = made(_Comm("d0:0", "c1", bell=d0.cache.bell), _Comm("d1:0", "c2", bell=d1.cache.bell),
-             _Comm("d2:0", "c3", bell=d2.cache.bell, into_blocks=False))
-    p.tell_staged("", "t1", 4096)
-    assert d0.staged_note("t1", "p0:0") == 4096 and d1.staged_note("t1", "p0:0") == 4096
-    assert d2.staged_note("t1", "p0:0") is None
-
-
-def test_notes_kept_are_the_latest(made: Any) -> None:
-    d = made(_Comm("p0:0", "c1"))
-    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    for i in range(nccl_link.NOTES_KEPT + 5):
-        p.tell_staged("d0:0", f"t{i}", 4096)
-        if i % 100 == 0:
-            assert d.staged_note("none", "p0:0") is None  # a drain now and then, as requests come
-    assert d.staged_note("t0", "p0:0") is None  # forgotten
-    assert d.staged_note("t5", "p0:0") == 4096 and d.staged_note(f"t{nccl_link.NOTES_KEPT + 4}", "p0:0") == 4096
-
-
-def test_a_ring_for_ps_watch_that_ds_drain_takes_is_made_up_for_by_a_look(made: Any, seen: queue.Queue) -> None:
-    """One worker both P and D: its bell carries D's rings for P's watch and P's notes for
-    D. Taking the notes drains the bell, maybe before the poller heard a ring; the
-    poller then looks anyway, so the watched receive is still reported."""
-    comm = _Comm("x0:0", "c1")
-    link = made(comm)
-    link.watch_receive("t1", _recorder(seen))
-    wait_until(lambda: link.poller._listening, 10, "the poller to wait on its bell")
-    for _ in range(20):  # the drain and the poller race: each way, the receive is reported
-        comm.receive = (1, transfer_tag("t1"), 4096)
-        _post(link, comm, (1, transfer_tag("t1"), 4096))
-        assert link.staged_note("t9", "x0:0") is None
-        assert seen.get(timeout=10)[1] == ("t1", "x0:0", "c1", 1, 4096)
-        comm.receive = None
-        link.watch_receive("t1", _recorder(seen))

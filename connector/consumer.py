@@ -113,7 +113,7 @@ RECEIVE_GRACE_S = 1.0
 # request arriving meanwhile is scheduled at most this much later.
 IDLE_WAIT_S = 4e-3
 # Once one load of an idle step has landed, the step waits for the others while they keep
-# landing, one at least within each this long: a step's eight loads landed within 0.1 ms
+# landing, each within this long of the last: a step's eight loads landed within 0.1 ms
 # of one another on an H200, and reporting the first alone left the rest for the next step.
 LANDING_GAP_S = 2e-4
 
@@ -192,9 +192,8 @@ class ConsumerSide:
         self.landed = threading.Condition(worker.lock)
         self.idle_wait_s, self.landing_gap_s = IDLE_WAIT_S, LANDING_GAP_S
         # An idle step's get_finished is waiting for a landing (`_await_landing`, under
-        # the worker's lock): it reports what lands and sends the Done itself. `_gap`:
-        # one has landed, and it waits for the others, woken only once none is left.
-        self._awaiting = self._gap = False
+        # the worker's lock): it reports what lands and sends the Done itself.
+        self._awaiting = False
         self._endings = 0  # loads ended (received or failed) so far
         # The Dones, and their `transfer.loaded` lines, of the loads a step that ran no
         # model reported: sent by the next step's get_finished (or `send_held` at close). The
@@ -352,10 +351,10 @@ class ConsumerSide:
 
     def _await_landing(self, timeout_s: float) -> None:
         """Wait, at most `timeout_s`, while a load is being received: until one ends
-        (received or failed), then while the others keep landing, one at least within
-        each `landing_gap_s`, until none is left, so a step's loads, which land together,
-        are reported together. At once when none is being received (nothing can land),
-        or when one ended before (it waited through the engine's sleep already)."""
+        (received or failed), then while the others keep landing, each within
+        `landing_gap_s` of the last, so a step's loads, which land together, are reported
+        together. At once when none is being received (nothing can land), or when one
+        ended before (it waited through the engine's sleep already)."""
         deadline = time.monotonic() + timeout_s
         left, woken = timeout_s, False
         with self.landed:
@@ -365,16 +364,14 @@ class ConsumerSide:
                     if "receiving" not in states or (not woken and states & {"received", "failed"}):
                         return
                     seen = self._endings
-                    self._awaiting, self._gap = True, woken
-                    # In a gap, woken only once none is left (`_ended_now`); else when it
-                    # ends, having counted the endings meanwhile.
+                    self._awaiting = True
                     if not self.landed.wait_for(lambda: self._endings != seen, left):
                         return
                     if not woken:
                         self.w.counters["seen_waiting"] += 1  # the worker's lock is held: `landed`'s
                     left, woken = min(deadline - time.monotonic(), self.landing_gap_s), True
             finally:
-                self._awaiting = self._gap = False
+                self._awaiting = False
 
     def _received(self, load: _Load) -> None:
         """Mark `load` received (the worker's lock held) and wake an idle step waiting for it."""
@@ -382,13 +379,9 @@ class ConsumerSide:
         self._ended_now()
 
     def _ended_now(self) -> None:
-        """A load ended (the worker's lock held): wake an idle step waiting for it, at the
-        first ending and, once one has landed, when none is left being received. Not at
-        each landing between: each wake took the worker's lock back from the poller's
-        thread, which was landing the step's next load."""
+        """A load ended (the worker's lock held): wake an idle step waiting for it."""
         self._endings += 1
-        if not self._gap or not any(load.state == "receiving" for load in self._loads.values()):
-            self.landed.notify_all()
+        self.landed.notify_all()
 
     def _give_back(self, lease: Lease, scattered: bool, landed: torch.cuda.Event | None) -> None:
         """Return `lease` to the pool; on a GPU after the scatter that reads it has run:

@@ -34,11 +34,6 @@ class _SaysWaiting(threading.Condition):
         super().__init__(lock)
         self.waits = [threading.Event() for _ in range(4)]
         self.count = 0
-        self.notified = 0  # wakes asked for
-
-    def notify_all(self) -> None:
-        self.notified += 1
-        super().notify_all()
 
     @property
     def waiting(self) -> threading.Event:
@@ -124,26 +119,6 @@ def test_an_idle_step_reports_together_the_loads_that_keep_landing(side: Any) ->
     assert side.get_finished(set(), idle=True) == {"req-first", "req-second"}
     assert side.landed.count == 2
     assert side.w.counters["seen_waiting"] == 1  # one step saw them: counted once
-    t.join(5)
-
-
-def test_between_the_first_landing_and_the_last_the_step_is_woken_only_by_the_last(side: Any) -> None:
-    """Each wake took the worker's lock, and the GIL, from the thread landing the step's
-    next load: once the first has landed, a landing wakes the waiting step only when
-    none is left being received. All three are reported together."""
-    loads = [_load(side, name) for name in ("first", "second", "third")]
-
-    def land(*which: _Load) -> Callable[[], None]:
-        def act() -> None:
-            for load in which:
-                with side.w.lock:
-                    side._received(load)
-        return act
-
-    t = _once_waiting(side, land(loads[0]), land(loads[1], loads[2]))
-    assert side.get_finished(set(), idle=True) == {"req-first", "req-second", "req-third"}
-    assert side.landed.notified == 2  # the first landing and the last
-    assert side.landed.count == 2
     t.join(5)
 
 

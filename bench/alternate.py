@@ -10,13 +10,14 @@ turned around every round (base, new; new, base; ...).
     python bench/alternate.py --base /tmp/base --rounds 3 -- --transport tcp --tokens 16,512 --prefill-ms 20
 
 Each run's JSON goes to `--out` (`ARM-ROUND.json`); the table gives, for every row of the
-benchmark, each round's median of the chosen columns in both trees, and `--json` writes
-the same.
+benchmark, each round's median of the chosen columns in both trees, each tree named by
+the sha1 of its sources (`sources_sha1`, not its path), and `--json` writes the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -25,6 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ("connector_ms", "after_prefill_ms", "forward_stretch_ms", "after_forward_end_ms")
+SOURCES = ("broker", "connector", "protocols", "workers", "bench")
+
+
+def sources_sha1(tree: Path) -> str:
+    """What names a tree's code where it travels without its history (a `git archive`,
+    a copy whose HEAD may be stale): the sha1 of its Python sources, the first 12 hex
+    digits, as `bench/run_gpu.sh` prints it (`find ... -name '*.py' | sort | xargs cat`)."""
+    paths = sorted(p.relative_to(tree).as_posix() for d in SOURCES for p in (tree / d).rglob("*.py"))
+    digest = hashlib.sha1()
+    for path in paths:
+        digest.update((tree / path).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def run(tree: Path, args: list[str], out: Path, timeout_s: float) -> list[dict]:
@@ -70,13 +83,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             table.append({"tokens": row["tokens"], "inflight": row["inflight"], "column": col,
                           **{arm: [rows[i][col] for rows in runs[arm]] for arm in ("base", "new")}})
-    print(f"\nmedians of each run, ms; base {base}, new {ROOT}; rounds alternate, base first")
+    named = {arm: sources_sha1(tree) for arm, tree in trees.items()}
+    print(f"\nmedians of each run, ms; base: sources sha1 {named['base']}, new: {named['new']}; "
+          "rounds alternate, base first")
     print(f"{'tokens':>7}{'inflight':>9}  {'column':<22}{'base':>28}  {'new':>28}")
     for t in table:
         cells = [" / ".join("-" if v is None else f"{v:.2f}" for v in t[arm]) for arm in ("base", "new")]
         print(f"{t['tokens']:>7}{t['inflight']:>9}  {t['column']:<22}{cells[0]:>28}  {cells[1]:>28}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"base": str(base), "bench_args": bench_args, "rows": table}, indent=1))
+        Path(args.json).write_text(json.dumps({"base": named["base"], "new": named["new"], "bench_args": bench_args,
+                                               "rows": table}, indent=1))
     return 0
 
 

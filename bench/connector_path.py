@@ -85,9 +85,13 @@ Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--
        [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--claim-after-ms MS] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
        [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
-`--thread-cpu` (Linux) adds, per prompt length, the CPU time each of D's threads used
-while a request was timed, and how long each sat runnable without a CPU: what D's host
-spends on a request besides waiting for its GPU.
+`--thread-cpu` (Linux) adds, per prompt length, the CPU time each of P's and D's threads
+used while a request was timed, and how long each sat runnable without a CPU: what each
+host spends on a request besides waiting for its GPU. D's window is the clock's; P's runs
+from its bind until D has reported the requests and taken its next step (whose Dones
+release P's staging), so P's Offer, send, Go and Release are in it, and with
+`--claim-after-ms` and a forward pass, P's next pass too. P's threads share one GIL: their
+CPU time together bounds how soon a request can end when nothing else overlaps it.
 
 `--profile DIR` writes, per prompt length, P's GPU timeline of its last warm-up request
 (torch's profiler, chrome format, `p-TOKENSxN.json`: which kernel ran on which stream
@@ -475,6 +479,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
         # --claim-after-ms with a forward pass: P's next one, run while the transfers wait for D
         beside: dict[int, tuple[list[float], list[float]]] = {tok: ([], []) for tok in cfg["tokens"]}  # and alone
         goes_on = cfg["claim_after_ms"] is not None and engine.prefill_ms > 0
+        cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in P used the CPU meanwhile
         for tok in cfg["tokens"]:
             n = tok // BLOCK
             loop = _LoopProfile(p, cfg, f"p-loop-{tok}x{k}.txt")
@@ -494,6 +499,8 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 # The last warm-up request's GPU timeline (`--profile`): the timed ones run unprofiled.
                 profile = _profiler(cfg, it)
                 log.info("bench.step_start", transfer_id=tids[-1])
+                if cfg["thread_cpu"] and it >= cfg["warmup"]:
+                    cpu[tok].start()
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
                     tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
@@ -527,6 +534,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                         beside[tok][0].append(took_beside)
                         beside[tok][1].append(alone)
                 assert conn.recv() == "done"
+                cpu[tok].stop()  # D reported the requests, and its next step released P's staging
                 # raw: the same bytes once, D's receive ready first
                 assert p.pool is not None
                 total = k * n * BLOCK_BYTES
@@ -546,7 +554,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
             now = p.statistics()
             sends[tok] = (now["sent"] - counted["sent"], now["sent_on_receive"] - counted["sent_on_receive"])
         conn.send(None)
-        conn.send((sends, beside))
+        conn.send((sends, beside, {t: c.table() for t, c in cpu.items()} if cfg["thread_cpu"] else {}))
     finally:
         p.close()
 
@@ -679,7 +687,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 # later step (the landing fell in the engine's sleep between steps)
                 waited = d.statistics()["seen_waiting"] > seen_waiting
                 by_step[tok][waited].append(took * 1e3 - forward_ms)
-        p_sends, beside = conn.recv()
+        p_sends, beside, p_threads = conn.recv()
         for tok, (conn_s, raw_s) in times.items():
             r, c = statistics.median(raw_s) * 1e3, statistics.median(conn_s) * 1e3
             prefill_ms = statistics.median(alone[tok])
@@ -717,7 +725,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                          "seen_waiting": len(by_step[tok][1]),
                          "after_prefill_seen_waiting_ms": _median_ms(by_step[tok][1]),
                          "after_prefill_next_step_ms": _median_ms(by_step[tok][0]),
-                         **({"d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})
+                         **({"p_threads": p_threads[tok], "d_threads": cpu[tok].table()} if cfg["thread_cpu"] else {})})
         results.put(rows)
     except BaseException as exc:
         results.put(repr(exc))
@@ -813,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the broker's log level (debug: also when it sent each Prepare and relayed each Go, "
                          "for `kvbroker phases`)")
     ap.add_argument("--thread-cpu", action="store_true",
-                    help="also print the CPU time each of D's threads used while a request was timed (Linux)")
+                    help="also print the CPU time each of P's and D's threads used while a request was timed (Linux)")
     ap.add_argument("--profile", default="",
                     help="a folder: P writes a torch profiler trace (chrome format) of its last warm-up request "
                          "of each size there, p-TOKENSxINFLIGHT.json (needs --warmup 1 or more), and each worker "
@@ -878,10 +886,12 @@ def main(argv: list[str] | None = None) -> int:
         print("P's next forward pass, while the transfers waited for D's claim, against alone (ms): "
               + ", ".join(f"{r['forward_beside_ms']:.3f} / {r['forward_alone_ms']:.3f} at {r['tokens']}" for r in rows))
     for r in rows:
-        if "d_threads" in r:
-            print(f"\nD's threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")
+        for side, key in (("P", "p_threads"), ("D", "d_threads")):
+            if key not in r:
+                continue
+            print(f"\n{side}'s threads while {r['tokens']} tokens x {r['inflight']} were timed (median ms a request):")
             print(f"{'thread':<40}{'CPU':>9}{'runnable':>10}")
-            for name, t in r["d_threads"].items():
+            for name, t in r[key].items():
                 if t["cpu_ms"] >= 0.01:
                     print(f"{name:<40}{t['cpu_ms']:>9.3f}{t['runnable_ms']:>10.3f}")
     if args.json:

@@ -95,7 +95,7 @@ class _Staged:
     gather: StepGather | None = None  # not grouped, without the copy kernel: from the registered caches
     sending_to: str = ""  # nccl: the decode peer of the send under way, for `NcclLink.cancel`
     # nccl: the decode peer and communicator of a send started on D's receive, seen before
-    # the Go came (`_go_on_receive`): that Go, when it comes, sends nothing again
+    # the Go came (`_receive_seen`): that Go, when it comes, sends nothing again
     started: tuple[str, str] | None = None
     # nccl with the copy kernel: its step's layers, which a send posted during the forward pass follows
     feed: StepLayers | None = None
@@ -103,6 +103,12 @@ class _Staged:
     # streams them as they are copied (`_Layers`)
     layers: _Layers | None = None
     settled: threading.Event = field(default_factory=threading.Event)  # complete or dead: `_Streaming.wait`
+
+    @property
+    def untouched(self) -> bool:
+        """Alive, and no send of it started or under way: a send on D's receive may still
+        take it (read under the worker's lock)."""
+        return not self.dead and self.started is None and not self.sends
 
     @cached_property
     def staging(self) -> torch.Tensor:
@@ -557,7 +563,7 @@ class ProducerSide:
 
         def claim() -> bool:  # in the link's turn: the send is this one's, not its Go's
             with w.lock:
-                if staged.dead or staged.started is not None or staged.sends:
+                if not staged.untouched:
                     return False
                 staged.started, staged.sending_to = (decode, nonce), decode
                 staged.sends += 1
@@ -605,7 +611,7 @@ class ProducerSide:
         assert w.nccl is not None
         with w.lock:
             staged = self._staged.get(tid)
-            if staged is None or staged.dead or staged.started is not None or staged.sends:
+            if staged is None or not staged.untouched:
                 return
         offset = self._tail_at(staged, nbytes)
         ticket = w.nccl.ticket_at(decode, nonce, seq)

@@ -73,11 +73,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ProducerSide"]
 
-# How long a step's thread on a GPU waits at its first save for the loop to send the
-# step's Offers (`ProducerSide._send_offers`): about what one Offer takes there, so the
-# layers already queued keep the GPU busy; one of a step of many goes on without it.
-OFFER_HANDOFF_S = 5e-4
-
 
 @dataclass
 class _Staged:
@@ -382,18 +377,10 @@ class ProducerSide:
             self._layers.copied(idx)  # its send never takes this layer
 
     def _send_offers(self) -> None:
-        """Hand the step's Offers to the client's loop. On a GPU, wait (at most
-        `OFFER_HANDOFF_S`) until the loop has sent them: the loop needs the GIL, and a
-        main thread that goes straight on launching layers keeps it, so the Offer left
-        0.5-0.7 ms after it was handed over (traced on one H100), and with it D's
-        Prepare, its receive and the send. The GPU has the layers queued so far to run
-        meanwhile. On the CPU the forward pass is this thread's own work: no wait."""
+        """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
         if self._offers:
             offers, self._offers = self._offers, []
-            sent = threading.Event() if self.w.nccl is not None else None
-            self.w.spawn(self._offer_all, offers, sent)
-            if sent is not None:
-                sent.wait(OFFER_HANDOFF_S)
+            self.w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -440,20 +427,15 @@ class ProducerSide:
             feed.end()
         self._expire()
 
-    async def _offer_all(self, ready: list[tuple[str, _Staged]], sent: threading.Event | None = None) -> None:
+    async def _offer_all(self, ready: list[tuple[str, _Staged]]) -> None:
         """Offer every transfer of the step at once; at most SEND_TIMEOUT_S while reconnecting.
-        `sent` is set once they are out (or failed), for the step's thread waiting on it.
 
         `BrokerClient.offer` records an offer before sending it, so one that cannot go
         out now is re-sent when the client registers again.
         """
-        try:
-            async with anyio.create_task_group() as tg:
-                for tid, staged in ready:
-                    tg.start_soon(self._offer, tid, staged)
-        finally:
-            if sent is not None:
-                sent.set()
+        async with anyio.create_task_group() as tg:
+            for tid, staged in ready:
+                tg.start_soon(self._offer, tid, staged)
 
     async def _offer(self, tid: str, staged: _Staged) -> None:
         w = self.w

@@ -573,9 +573,9 @@ class StepLayers:
             followers = list(self._followers)
             if end >= self.num_layers:
                 self._followers = []
-        for send in followers:  # all of them behind one event: they start together
+        for send in followers:
             try:
-                send.launch(end, event, len(followers))
+                send.launch(end, event)
             except Exception as exc:  # never into vLLM's forward pass
                 log.error("transfer.launch_failed", layers=end, error=repr(exc))
 

@@ -43,17 +43,15 @@ class Send:
 
     def __init__(self, fail: bool = False) -> None:
         self.launches: list[tuple[int, frozenset[int] | None]] = []
-        self.shares: list[int] = []  # how many sends each launch was told start beside it
         self.launched = 0
         self.fail = fail
 
-    def launch(self, layers: int, after: frozenset[int] | None, share: int = 1) -> None:
+    def launch(self, layers: int, after: frozenset[int] | None) -> None:
         if self.fail:
             raise RuntimeError("the launch failed")
         if layers <= self.launched:
             return
         self.launches.append((layers, after))
-        self.shares.append(share)
         self.launched = layers
 
 
@@ -134,30 +132,6 @@ def test_a_send_that_follows_once_the_gpu_ran_the_gathers_is_one_launch() -> Non
     step.follow(send)
     assert [(layers, len(after or ())) for layers, after in send.launches] == [
         (24, 24), (28, 28), (30, 30), (31, 31), (32, 32)]
-
-
-def test_sends_launched_behind_one_event_share_one_sends_programs() -> None:
-    """Eight requests of a step, their sends following from before the first group's
-    end: at each group's end all eight start behind the same event, on their streams,
-    so each is told it shares the copy's programs with the seven others (eight sends
-    of 32 programs each took every SM from the forward pass's matrix multiplies). A send
-    that starts following later launches the groups reached so far by itself."""
-    step, stream = step_on(32)
-    gather(step, stream, 0)
-    sends = [Send() for _ in range(8)]
-    for send in sends:
-        step.follow(send)
-    for layer in range(1, 20):
-        gather(step, stream, layer)
-    late = Send()
-    step.follow(late)
-    for layer in range(20, 32):
-        gather(step, stream, layer)
-    for send in sends:
-        assert [layers for layers, _ in send.launches] == [16, 24, 28, 30, 31, 32]
-        assert send.shares == [8, 9, 9, 9, 9, 9]
-    assert [layers for layers, _ in late.launches] == [16, 24, 28, 30, 31, 32]
-    assert late.shares == [1, 9, 9, 9, 9, 9]
 
 
 def test_a_step_that_missed_a_layer_never_launches_its_sends_whole() -> None:

@@ -134,12 +134,10 @@ class PendingEnd:
 class LayerSend(Protocol):
     """A posted block send, launched in parts as the producer's layers are gathered."""
 
-    def launch(self, layers: int, after: torch.cuda.Event | None, share: int = 1) -> None:
+    def launch(self, layers: int, after: torch.cuda.Event | None) -> None:
         """Copy the layers up to `layers` (those not launched yet) once `after`, an
         event recorded after their gathers, completed; the launch of the last layer
-        also tells the receiver. `share`: how many sends of the step are launched
-        behind the same event, this one among them; together they take the SMs one
-        send would. Never waits on the host."""
+        also tells the receiver. Never waits on the host."""
 
 
 class LayerFeed(Protocol):

@@ -407,10 +407,7 @@ class _BlockSend:
         self.launched = 0  # layers [0, launched) are launched
         self._lock = threading.Lock()  # launches come from two threads; they go in layer order
 
-    def launch(self, layers: int, after: torch.cuda.Event | None, share: int = 1) -> None:
-        # Sends launched behind one event start together: each on its part of the
-        # programs, so that together they hold the SMs of one send, not `share` times
-        # as many, from the forward pass's matrix multiplies beside them.
+    def launch(self, layers: int, after: torch.cuda.Event | None) -> None:
         with self._lock:
             if self.end.recorded or layers <= self.launched:  # given up, or launched already
                 return
@@ -421,7 +418,7 @@ class _BlockSend:
             per_layer = self.args[4] // self.num_layers
             last = layers >= self.num_layers
             args = (*self.args[:12], self.launched * per_layer, layers * per_layer, int(last))
-            comm._blocks(self.stream, args, programs=max(1, self.programs // max(share, 1)), fast=comm._copy.fast)
+            comm._blocks(self.stream, args, programs=self.programs, fast=comm._copy.fast)
             self.launched = layers
             if last:
                 self.end.record(self.stream)

@@ -416,7 +416,10 @@ class Poller:
     each time; with eight transfers in flight that is eight threads waking 10,000 times
     a second beside the engine. Here only this thread polls: it spins `WAIT_SPIN_S` after
     each end it saw or wait it was given, then pauses in steps that double up to
-    `WAIT_PAUSE_S` (a new wait ends the pause).
+    `WAIT_PAUSE_S` (a new wait ends the pause). A send that follows a forward pass
+    cannot end before its last layers are launched (`Completion.until_launched`): while
+    every op carried is such a send, this thread sleeps until a launch wakes it
+    (`_launched`), instead of taking the GIL from the forward pass's thread at each pause.
 
     A transfer's watch is `carry`-ed: this thread sets a receive up, lands each chunk
     itself as it sees its op end, and wakes the transfer's waiter (its task, on the
@@ -446,6 +449,7 @@ class Poller:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._looked = 0  # `_asked` at the last look (this thread's own)
+        self._launches = 0  # counts the last parts of carried ops launched (`_launched`)
 
     def wait(self, op: Any, timeout: float) -> float | None:
         """Block the calling thread until `op` (a completion: ``done()``) has ended, or
@@ -541,8 +545,24 @@ class Poller:
                     os.close(fd)
                 self._wake = None
 
+    def _launched(self) -> None:
+        """The last part of a carried op was launched (`Completion.until_launched`): its
+        end may come now."""
+        with self._cond:
+            self._launches += 1
+            self._notify()
+
+    def _await_launches(self, carried: list[tuple[_Watch, _Ended]]) -> bool:
+        """Whether every carried watch waits for an op whose last part is still to be
+        launched (a send following the forward pass): none can end before `_launched`."""
+        for watch, _ in carried:
+            until = getattr(watch.pending(), "until_launched", None) if watch.started else None
+            if until is None or not until(self._launched):
+                return False
+        return bool(carried)
+
     def _run(self) -> None:
-        pause, progress, known = 0.0, time.monotonic(), 0
+        pause, progress, known, launches = 0.0, time.monotonic(), 0, 0
         while True:
             with self._cond:
                 if self._closed:  # a probe is a shortcut: nobody needs it once the link closes
@@ -554,6 +574,8 @@ class Poller:
                     pause, progress = 0.0, time.monotonic()
                 waits, carried, probes = list(self._waits), list(self._carried), list(self._probes)
                 asked, look_at = self._asked, self._look_at
+                if self._launches != launches:  # an op's end may come any moment now: spin again
+                    launches, pause, progress = self._launches, 0.0, time.monotonic()
             if probes and (asked != self._looked or time.monotonic() >= look_at):
                 self._looked = asked
                 pace = self._look(probes)
@@ -574,13 +596,21 @@ class Poller:
                 # No sleep(0) while spinning: it gives up the GIL and the CPU, and on a busy
                 # host an end was then seen 20-50 us late (measured on an H200 pair).
                 pause = min(max(pause * 2, 1e-5), WAIT_PAUSE_S)
+                # Sends that follow a forward pass cannot end before their last launch:
+                # polling them every pause took the GIL from the forward pass's thread
+                # 10,000 times a second, for the whole pass.
+                held = not waits and self._await_launches(carried)
                 with self._cond:
                     rest = pause
-                    idle = bool(self._probes) and not self._waits and not self._carried
-                    if idle and self._asked == self._looked:
-                        rest = max(pause, self._look_at - time.monotonic())  # nothing to do before then
+                    idle = not self._waits and (not self._carried or held and len(self._carried) == len(carried)
+                                                and self._launches == launches)
+                    if idle and not (self._probes and self._asked != self._looked):
+                        until = self._look_at if self._probes else math.inf
+                        if self._carried:  # until a last launch (`_launched` wakes this), or a deadline
+                            until = min(until, *(watch.deadline for watch, _ in carried))
+                        rest = max(pause, until - time.monotonic())  # nothing to do before then
                     bells = [b for _, b in self._probes if b is not None]
-                    # Only probes left, and none wants a look for a while: wait on their
+                    # Nothing to poll, and no probe wants a look for a while: wait on their
                     # bells (a `poll` in whole milliseconds); else pause as for an op.
                     listen = idle and bool(bells) and rest >= 1e-3
                     if not listen:
@@ -600,7 +630,8 @@ class Poller:
     def _listen(self, bells: list[Bell], rest: float) -> None:
         """Wait up to `rest` seconds (`math.inf`: until woken) with the GIL released, for
         a ring of `bells` (it asks the probes for a look) or `_notify`. A wait this long
-        only comes when nothing but probes is left, so `poll`'s milliseconds do."""
+        only comes when no op can end before a notify (nothing but probes is left, or
+        sends waiting for their last launch), so `poll`'s milliseconds do."""
         assert self._wake is not None
         waiting = select.poll()
         waiting.register(self._wake[0], select.POLLIN)

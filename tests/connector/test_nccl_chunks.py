@@ -680,6 +680,65 @@ def test_after_close_pending_waits_still_end_and_later_waits_look_for_themselves
     assert poller.wait(_Op(), 0.01) is None
 
 
+class _Following:
+    """A block send that follows a forward pass: its end (`done`) cannot come before its
+    last part is launched (`launch`), which calls the hook `until_launched` was given,
+    as `PendingEnd.record` does; counts its polls."""
+
+    def __init__(self) -> None:
+        self.launched = self.ended = False
+        self.polls = 0
+        self.hook: Any = None
+
+    def done(self) -> bool:
+        self.polls += 1
+        return self.ended
+
+    def wait(self, deadline: float, *, spin_s: float = 0.0) -> None:
+        assert self.ended
+
+    def until_launched(self, hook: Any) -> bool:
+        if self.launched:
+            return False
+        self.hook = hook
+        return True
+
+    def launch(self) -> None:
+        self.launched = True
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+
+
+def test_a_send_whose_last_part_is_still_to_be_launched_is_not_polled_until_it_is() -> None:
+    """Eight sends follow P's forward pass: the poller carries them from their post, but
+    none can end before its last layers are launched, so it leaves them (and the GIL, to
+    the forward pass's thread) alone until then, rather than polling every pause. Each
+    launch wakes it, and each send is then seen to end as promptly as before."""
+    ops = [_Following() for _ in range(8)]
+    poller = Poller()
+    carried = []
+    try:
+        for op in ops:
+            posted = Posted(peer="d0:0", op="send", transfer_id="t", comm=SimpleNamespace(closed=False, broken=False),
+                            completions=[op], parts=[(0, 1)], flag=threading.Event())
+            ended = poller.carry(_watch(posted, [], landed=None, at_once=True))
+            assert ended is not None
+            carried.append(ended)
+        wait_until(lambda: all(op.hook is not None for op in ops), 5, "the poller left the sends to their launches")
+        polls = sum(op.polls for op in ops)
+        time.sleep(0.05)  # what must not happen needs a window: a poll every pause is ~500 a send
+        assert sum(op.polls for op in ops) - polls <= 2 * len(ops), "the poller polled sends that could not end"
+        for k, op in enumerate(ops):
+            op.launch()
+            op.ended = True  # the last layers' copy, done
+            assert carried[k].wait(5), f"send {k} was not seen to end once launched"
+            assert all(not e.is_set() for e in carried[k + 1:])
+        assert poller._carried == []
+    finally:
+        poller.close()
+
+
 class _BrokenOp(_Op):
     """An op whose poll raises, as a CUDA error makes an event query raise."""
 

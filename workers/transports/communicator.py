@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import structlog
@@ -99,20 +99,39 @@ class PendingEnd:
     communicator was aborted) reads as done: its waiter then finds the communicator
     closed."""
 
-    __slots__ = ("event", "given_up", "_set")
+    __slots__ = ("event", "given_up", "_set", "_lock", "_hook")
 
     def __init__(self) -> None:
         self.event = torch.cuda.Event()
         self.given_up = False
         self._set = threading.Event()
+        self._lock = threading.Lock()
+        self._hook: Callable[[], None] | None = None
 
     def record(self, stream: torch.cuda.Stream) -> None:
         self.event.record(stream)
-        self._set.set()
+        self._mark()
 
     def give_up(self) -> None:
         self.given_up = True
-        self._set.set()
+        self._mark()
+
+    def on_recorded(self, hook: Callable[[], None]) -> bool:
+        """Have `hook` (it must not block) called once the last part is launched or the
+        op given up, unless that happened already: then False, and no call. One hook (a
+        later call replaces it): the one poller that watches the op."""
+        with self._lock:
+            if self._set.is_set():
+                return False
+            self._hook = hook
+            return True
+
+    def _mark(self) -> None:
+        with self._lock:
+            self._set.set()
+            hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
 
     @property
     def recorded(self) -> bool:
@@ -164,6 +183,13 @@ class Completion:
     def done(self) -> bool:
         """True once the op finished on the GPU; never blocks."""
         return self.event.query()
+
+    def until_launched(self, hook: Callable[[], None]) -> bool:
+        """Whether the op's last part is still to be launched (a block send that follows
+        a forward pass): it cannot end before that, and `hook` (which must not block) is
+        called once it is launched."""
+        end = self.event
+        return isinstance(end, PendingEnd) and end.on_recorded(hook)
 
     def wait(self, deadline: float, *, spin_s: float = 0.001, max_pause_s: float = 1e-4) -> None:
         """Block until done or `deadline` (a `time.monotonic()` value) passes.

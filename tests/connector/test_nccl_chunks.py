@@ -718,6 +718,12 @@ def test_a_send_whose_last_part_is_still_to_be_launched_is_not_polled_until_it_i
     ops = [_Following() for _ in range(8)]
     poller = Poller()
     carried = []
+    looks = [0]
+
+    def look() -> float:  # P's look for D's receives, which wants one every 10 ms: the poller's clock here
+        looks[0] += 1
+        return 0.01
+
     try:
         for op in ops:
             posted = Posted(peer="d0:0", op="send", transfer_id="t", comm=SimpleNamespace(closed=False, broken=False),
@@ -726,9 +732,14 @@ def test_a_send_whose_last_part_is_still_to_be_launched_is_not_polled_until_it_i
             assert ended is not None
             carried.append(ended)
         wait_until(lambda: all(op.hook is not None for op in ops), 5, "the poller left the sends to their launches")
-        polls = sum(op.polls for op in ops)
-        time.sleep(0.05)  # what must not happen needs a window: a poll every pause is ~500 a send
-        assert sum(op.polls for op in ops) - polls <= 2 * len(ops), "the poller polled sends that could not end"
+        assert poller.probe(look)
+        polls, seen = [op.polls for op in ops], looks[0]
+        # Five looks are 40 ms or more of the poller's turns: a poll every pause would be
+        # about 400 a send; left alone, a send is polled once a turn at most.
+        wait_until(lambda: looks[0] >= seen + 5, 5, "five of the probe's looks")
+        turns = looks[0] - seen + 2
+        assert all(op.polls - before <= turns for op, before in zip(ops, polls)), \
+            "the poller polled sends that could not end"
         for k, op in enumerate(ops):
             op.launch()
             op.ended = True  # the last layers' copy, done

@@ -38,6 +38,16 @@ class GatewayCollector:
                     usable.add_metric([role, u.instance_id], int(u.instance_id in ok))
         yield in_flight
         yield usable
+        # What the router ranks by beside its own requests: the broker's count, as of its
+        # last status (none while that status is stale).
+        seen = GaugeMetricFamily("kvbroker_gateway_broker_transfers",
+                                 "Transfers the broker has in flight on the instance, from any gateway, as of the "
+                                 "router's last fresh status", labels=["role", "instance"])
+        view = self.router.fresh_view(self.now)
+        if view is not None:
+            for u in self.router.upstreams:
+                seen.add_metric([u.role, u.instance_id], view.transfers.get(u.instance_id, 0))
+        yield seen
         yield GaugeMetricFamily("kvbroker_gateway_degraded", "1 while the broker is silent or lists no instance of a "
                                 "role: requests then go to every instance given", value=int(self.router.degraded(self.now) is not None))
 

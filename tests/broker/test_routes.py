@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.metrics import gateway_metrics
 from gateway.routes import Router, Upstream
 from protocols.messages import PeerInfo, PoolInfo, Status
 
@@ -143,6 +146,17 @@ def test_transfers_another_gateway_sent_count_against_an_instance_while_the_stat
     fresh = router("p0", "d0", "d1", stale_s=5)
     fresh.observe(status("p0", "d0", "d1", transfers={"d0": 3}), now=0)
     assert fresh.pick("decode", now=10).instance_id == "d0"  # type: ignore[union-attr]  # stale: turns only
+
+
+def test_the_metrics_show_the_brokers_transfers_the_router_ranks_by_only_while_its_status_is_fresh() -> None:
+    r = router("p0", "d0", "d1", stale_s=5)
+    r.observe(status("p0", "d0", "d1", transfers={"d0": 3, "p0": 1}), now=0)
+    text = gateway_metrics(Counter(), Counter(), r, now=1)[0].decode()
+    for sample in ('kvbroker_gateway_broker_transfers{instance="d0",role="decode"} 3.0',
+                   'kvbroker_gateway_broker_transfers{instance="d1",role="decode"} 0.0',
+                   'kvbroker_gateway_broker_transfers{instance="p0",role="prefill"} 1.0'):
+        assert sample in text, text
+    assert "kvbroker_gateway_broker_transfers{" not in gateway_metrics(Counter(), Counter(), r, now=10)[0].decode()
 
 
 def test_an_instance_that_failed_is_passed_over_for_a_while_unless_it_is_the_only_one() -> None:

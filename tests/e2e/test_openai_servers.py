@@ -332,6 +332,15 @@ def test_a_decode_server_killed_behind_the_gateway_loses_no_request_and_costs_no
     """decode-1 dies (SIGKILL to the process group this test started) while the broker
     still holds its registration: the gateway's request to it is refused, goes to decode-0
     under the same transfer_id, and decode-0 loads the KV P staged once."""
+    # The router ranks the decode instances by the broker's count of their transfers as
+    # well as its own: until a status taken after the last test's transfers ended has
+    # come, it may count one there still, and send both requests to decode-0 at once.
+    def idle() -> bool:
+        text = httpx.get(f"{gateway['url']}/metrics", timeout=5).text
+        return all(f'kvbroker_gateway_{gauge}{{instance="{d}",role="decode"}} 0.0' in text
+                   for gauge in ("broker_transfers", "in_flight") for d in DECODES)
+
+    wait_until(idle, 30, "the gateway to see no transfer in flight on either decode instance")
     os.killpg(cluster["decode-1"].pid, signal.SIGKILL)
     prompts = make_prompts([110, 90], salt=97)
     before = set(gateway_transfers(gateway["log"]))

@@ -1,5 +1,5 @@
 """The health probe the demo and the end-to-end tests poll while vLLM servers start,
-and how a server's port is told to be its own."""
+how a server's port is told to be its own, and how an engine gives way to the broker."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from demo import servers
-from demo.servers import ServerError, ServerProcess, free_port, http_status, listens, wait_all_healthy
+from demo.servers import ServerError, ServerProcess, free_port, http_status, listens, wait_all_healthy, yielding
 from tests.support import wait_until
 
 
@@ -188,3 +188,15 @@ def test_a_server_that_finds_another_program_on_every_port_it_is_given_fails_say
             stand_in.healthy()
     finally:
         stand_in.stop()
+
+
+def test_an_engines_command_runs_as_the_same_process_with_its_session_and_itself_at_nice_10() -> None:
+    probe = ("import os; g = '/proc/self/autogroup'; "
+             "print(os.getpid(), os.getpriority(os.PRIO_PROCESS, 0), open(g).read().split()[-1] if os.path.exists(g) else '-')")
+    child = subprocess.Popen(yielding([sys.executable, "-c", probe]), stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)  # a session of its own, as every engine here
+    out, _ = child.communicate(timeout=30)
+    pid, nice, session_nice = out.split()
+    # The same PID: the engine is stopped by it, and its process group is led by it.
+    assert (int(pid), int(nice), child.returncode) == (child.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10), 0)
+    assert session_nice in ("10", "-")  # "-": a kernel without autogroups

@@ -64,7 +64,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from demo.servers import BASE_ENV
+from demo.servers import BASE_ENV, yielding
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -136,7 +136,7 @@ class EngineProcess:
             self._log_file = open(self.log_path, "wb")  # noqa: SIM115 (lives with the child)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [self.python, str(HERE / "engine_runner.py"), json.dumps(self.config)],
+            yielding([self.python, str(HERE / "engine_runner.py"), json.dumps(self.config)]),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log_file if self._log_file else subprocess.DEVNULL,

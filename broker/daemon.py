@@ -205,7 +205,8 @@ class BrokerDaemon:
         log.warning(
             "broker.stalled", stalled_s=round(away, 3),
             reason="the broker did not run for that long (a stopped process, a starved host or a "
-            "blocking call); nothing ends until its peers have had a heartbeat to be heard",
+            "blocking call); nothing ends until its peers have had a heartbeat to be heard. On a host "
+            "shared with vLLM engines, start them under nice or give the broker a core of its own",
         )
         self.core.resume(now)
 

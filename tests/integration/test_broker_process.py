@@ -488,6 +488,7 @@ def test_a_broker_stopped_past_every_lease_keeps_the_peers_that_kept_heartbeatin
         assert status.counters["evicted"] == 0
         stalled = [json.loads(line) for line in broker.log_path.read_text().splitlines() if '"broker.stalled"' in line]
         assert stalled[0]["stalled_s"] >= 1.5, stalled
+        assert "start them under nice or give the broker a core of its own" in stalled[0]["reason"]  # what to do
     finally:
         ctx.destroy(linger=0)
         assert broker.stop() == 0

@@ -268,10 +268,24 @@ def new_transfers(log: Path, before: set[str], n: int) -> dict[str, dict[str, An
     return wait_until(seen, 10, f"{n} new gateway.decoded lines")
 
 
+def wait_for_an_idle_view(gateway: dict[str, Any]) -> None:
+    """Until the gateway's router sees no transfer on either decode instance. It ranks them
+    by the broker's count of their transfers as well as by its own requests, and a status
+    taken while an earlier test's transfer was in flight counts that transfer until the
+    next one (a second later): a test of where requests go waits for a fresh, idle view."""
+    def idle() -> bool:
+        text = httpx.get(f"{gateway['url']}/metrics", timeout=5).text
+        return all(f'kvbroker_gateway_{gauge}{{instance="{d}",role="decode"}} 0.0' in text
+                   for gauge in ("broker_transfers", "in_flight") for d in DECODES)
+
+    wait_until(idle, 30, "the gateway to see no transfer in flight on either decode instance")
+
+
 def test_a_client_of_the_gateway_gets_the_decode_servers_answer_from_the_prefill_servers_kv(
     cluster: dict[str, Any], gateway: dict[str, Any]
 ) -> None:
     lengths = [120, 70, 180]
+    wait_for_an_idle_view(gateway)  # the requests are to go to both decode instances
     prompts = make_prompts(lengths, salt=83)
     before = set(gateway_transfers(gateway["log"]))
 
@@ -332,15 +346,7 @@ def test_a_decode_server_killed_behind_the_gateway_loses_no_request_and_costs_no
     """decode-1 dies (SIGKILL to the process group this test started) while the broker
     still holds its registration: the gateway's request to it is refused, goes to decode-0
     under the same transfer_id, and decode-0 loads the KV P staged once."""
-    # The router ranks the decode instances by the broker's count of their transfers as
-    # well as its own: until a status taken after the last test's transfers ended has
-    # come, it may count one there still, and send both requests to decode-0 at once.
-    def idle() -> bool:
-        text = httpx.get(f"{gateway['url']}/metrics", timeout=5).text
-        return all(f'kvbroker_gateway_{gauge}{{instance="{d}",role="decode"}} 0.0' in text
-                   for gauge in ("broker_transfers", "in_flight") for d in DECODES)
-
-    wait_until(idle, 30, "the gateway to see no transfer in flight on either decode instance")
+    wait_for_an_idle_view(gateway)  # else both requests may go to decode-0 at once
     os.killpg(cluster["decode-1"].pid, signal.SIGKILL)
     prompts = make_prompts([110, 90], salt=97)
     before = set(gateway_transfers(gateway["log"]))

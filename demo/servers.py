@@ -66,7 +66,8 @@ BASE_ENV = {
 # session of its own, then got no CPU at all for 23 to 77 s at a time in 4 of 15 runs of the
 # hetero-TP test (its peers took it for dead). So each engine lowers its session's
 # weight (nice 10) and its own: when the broker or the gateway has work, it runs.
-YIELD_CPU = ("/bin/sh", "-c", '{ echo 10 > /proc/self/autogroup; } 2>/dev/null; exec nice -n 10 "$0" "$@"')
+YIELD_CPU = ("/bin/sh", "-c", '{ echo 10 > /proc/self/autogroup; } 2>/dev/null; '
+             'if command -v nice >/dev/null; then exec nice -n 10 "$0" "$@"; fi; exec "$0" "$@"')
 
 
 def yielding(cmd: Sequence[str]) -> list[str]:

@@ -59,7 +59,8 @@ def cpus() -> tuple[set[int], set[int]]:
 
 
 def start_server(cmd: list[str], core: set[int], endpoint_from: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # The project first, then whatever the caller set (its dependencies may live there).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=open(tmp / "server.log", "wb"), env=env, preexec_fn=lambda: os.sched_setaffinity(0, core)
     )

@@ -59,8 +59,8 @@ the Triton copies (`into`) posts a transfer as one receive straight into its blo
 (`post_blocks`), after the point its blocks may be written (`start_load_kv`); P sees
 that kind of receive (`next_receive_takes_blocks`) and sends its staged blocks whole
 into them (`send_blocks`). One op each way, nothing to land: the
-receive's end is the load's. The lease is still taken (it is the broker's credit) but
-not written.
+receive's end is the load's. D leases room only while the pair's communicator is not
+built yet, never writes it, and gives it back as the bytes land.
 
 Such a receive names its transfer (a digest of its id), so P need not wait for the Go
 to know which send pairs with it: on a communicator already built, D posts it before

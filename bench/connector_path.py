@@ -22,7 +22,9 @@ compares with two GPUs).
                with D's scatter done. With `--inflight N`, N requests at once: P saves
                all N in one step, D loads all N, and the clock runs until D has reported
                the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along,
-               from a random point of its cycle (`_Engine.out_of_step`): each step is
+               from a random point of its cycle (`_Engine.out_of_step`; `--d-cycle
+               wakes`: from its claim, as an engine that had nothing to run wakes on
+               the request, vLLM's engine core waiting on its input queue): each step is
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
@@ -82,7 +84,7 @@ Once per prompt length, D's blocks are compared with P's. Prints a table, and ho
 P's sends started on D's receive rather than on their Go; `--json PATH` writes the rows.
 
 Usage: python bench/connector_path.py [--transport nccl|tcp] [--backend ipc] [--tokens 512,2048,8192]
-       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--claim-after-ms MS] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
+       [--iters 20] [--inflight 1] [--step-ms 1] [--step-on gpu|host] [--prefill-ms 0] [--forward sleep|gemm|launches] [--d-cycle running|wakes] [--claim-after-ms MS] [--p-cpus LIST] [--thread-cpus auto|inherit|LIST]
        [--log-format json|console] [--thread-cpu] [--profile DIR] [--json PATH]
 
 `--thread-cpu` (Linux) adds, per prompt length, the CPU time each of P's and D's threads
@@ -612,7 +614,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             d.clear()
             if claim_after is None:
                 conn.send("bound")
-                engine.out_of_step(phase)
+                if cfg["d_cycle"] == "running":
+                    engine.out_of_step(phase)
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
             seen_waiting = d.statistics()["seen_waiting"]
@@ -693,6 +696,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             prefill_ms = statistics.median(alone[tok])
             after = c - prefill_ms  # what the transfer adds once P's forward pass is done
             rows.append({"tokens": tok, "inflight": cfg["inflight"], "claim_after_ms": claim_after,
+                         "d_cycle": cfg["d_cycle"],
                          "prefill_ms": round(prefill_ms, 3),
                          "after_prefill_ms": round(after, 3),
                          "after_prefill_vs_raw": round(r / after, 3) if after > 0 else None,
@@ -802,6 +806,12 @@ def main(argv: list[str] | None = None) -> int:
                          "on P's intra-op threads on tcp); or launches, Python between calls that release the "
                          "GIL for a moment, as a GPU prefill's host thread runs (on nccl tiny kernels, launched "
                          "so: a forward pass bound by its host thread)")
+    ap.add_argument("--d-cycle", default="running", choices=("running", "wakes"),
+                    help="where D's engine is when P's request starts: already stepping, at a random point of "
+                         "its cycle (running: an engine that steps for other requests meanwhile), or waking on "
+                         "the request, so that its first step, the claim and then get_finished, starts at once "
+                         "(wakes: an engine that had nothing to run, which vLLM's engine core waits for on its "
+                         "input queue)")
     ap.add_argument("--claim-after-ms", type=float, default=None, metavar="MS",
                     help="D gets the requests only MS after P's forward pass ended (0: at once), as a proxy that "
                          "sends the prompt to P first and then to D does, and the clock runs from D's claim: what "
@@ -842,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
            "step_ms": args.step_ms, "prefill_ms": args.prefill_ms, "forward": args.forward, "inflight": args.inflight,
            "thread_cpu": args.thread_cpu, "backend": backend, "profile": args.profile,
            "p_cpus": args.p_cpus, "thread_cpus": args.thread_cpus, "claim_after_ms": args.claim_after_ms,
-           "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
+           "d_cycle": args.d_cycle, "step_on": args.step_on or ("host" if gpus == 1 else "gpu"),
            "log_format": args.log_format, "log_level": args.log_level,
            "num_blocks": (args.inflight + 1) * max(tokens) // BLOCK,
            "pool": args.inflight * max(tokens) // BLOCK * BLOCK_BYTES + (64 << 20)}

@@ -811,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                          "its cycle (running: an engine that steps for other requests meanwhile), or waking on "
                          "the request, so that its first step, the claim and then get_finished, starts at once "
                          "(wakes: an engine that had nothing to run, which vLLM's engine core waits for on its "
-                         "input queue)")
+                         "input queue; after a prefill the landing then falls at one point of D's cycle in every "
+                         "request, see _Engine.out_of_step)")
     ap.add_argument("--claim-after-ms", type=float, default=None, metavar="MS",
                     help="D gets the requests only MS after P's forward pass ended (0: at once), as a proxy that "
                          "sends the prompt to P first and then to D does, and the clock runs from D's claim: what "

@@ -21,10 +21,12 @@ compares with two GPUs).
                the clock runs from P's bind to D's get_finished reporting the request,
                with D's scatter done. With `--inflight N`, N requests at once: P saves
                all N in one step, D loads all N, and the clock runs until D has reported
-               the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along,
-               from a random point of its cycle (`_Engine.out_of_step`; `--d-cycle
-               wakes`: from its claim, as an engine that had nothing to run wakes on
-               the request, vLLM's engine core waiting on its input queue): each step is
+               the last; raw then moves all N requests' bytes as one transfer. D's engine steps all along
+               from its claim, as vLLM's does (the step that claims a request runs its
+               start_load_kv and get_finished), and P's request starts at a random point
+               of D's cycle (`_Engine.phase`; `--d-cycle wakes`: at D's claim, as when
+               an engine that had nothing to run wakes on the request, vLLM's engine
+               core waiting on its input queue, just as P starts): each step is
                get_finished, then `--step-ms` spent waiting (a GPU decode step it waits
                for, or on the CPU the wait of an engine with nothing else to run), so D's
                main thread leaves the GIL to the connector's threads, and the end is
@@ -275,15 +277,16 @@ class _Engine:
         elif self.layer_s:
             time.sleep(self.layer_s)
 
-    def out_of_step(self, rng: random.Random) -> None:
-        """Wait a random part of one engine cycle (a step, and an idle step's wait for a
-        landing, `IDLE_WAIT_S`): a D engine is at any point of its step when a P's
-        request starts, since the two engines do not step together. Started at once,
-        D's engine stepped in time with P's forward pass, so the last landing fell at
-        the same point of D's cycle in every iteration (in its 1 ms sleep, or in its
-        wait) and the median measured that one point."""
-        cycle = self.step_s + (0.0 if self.step_on_gpu else IDLE_WAIT_S)
-        time.sleep(rng.uniform(0.0, cycle))
+    def phase(self, rng: random.Random) -> float:
+        """A random point of one engine cycle (a step, and an idle step's wait for a
+        landing, `IDLE_WAIT_S`), s: where D's engine is when P's request starts, since the
+        two engines do not step together. D steps from its claim, as vLLM's does: the step
+        whose scheduler claims a request runs that request's start_load_kv and then its
+        get_finished, and an engine with nothing else to run steps on (an idle step's
+        wait, vLLM's 1 ms sleep) until the KV is in. With P started at D's claim after
+        a prefill, the last landing fell at the same point of D's cycle in every request
+        (in its sleep, or in its wait), and the median measured that one point."""
+        return rng.uniform(0.0, self.step_s + (0.0 if self.step_on_gpu else IDLE_WAIT_S))
 
     def sync(self) -> None:
         if self.gpu:
@@ -495,9 +498,11 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                 check = it == cfg["warmup"]
                 conn.send((tids, it, n, check, {name: engine.blocks(caches[name], srcs[0]) for name in NAMES[::8]}
                            if check else None))
-                assert conn.recv() == "bound"
+                bound, into_cycle = conn.recv()
+                assert bound == "bound"
                 alone = engine.forward_pass()  # the baseline, just before the request's own
                 engine.sync()
+                time.sleep(into_cycle)  # where in D's cycle (D stepping from its claim) the request starts
                 # The last warm-up request's GPU timeline (`--profile`): the timed ones run unprofiled.
                 profile = _profiler(cfg, it)
                 log.info("bench.step_start", transfer_id=tids[-1])
@@ -586,7 +591,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
         # each request's time less P's forward pass before it, ms: [reported by a later step, by the waiting one]
         by_step: dict[int, tuple[list[float], list[float]]] = {t: ([], []) for t in cfg["tokens"]}
         cpu = {t: _ThreadCpu() for t in cfg["tokens"]}  # with --thread-cpu: who in D used the CPU meanwhile
-        phase = random.Random(7)  # where in its step D's engine is when P's request starts (`out_of_step`)
+        phase = random.Random(7)  # where in its cycle D's engine is when P's request starts (`phase`)
         while (msg := conn.recv()) is not None:
             tids, it, n, check, want = msg
             tok, k = n * BLOCK, len(tids)
@@ -604,7 +609,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
                 # The requests reach D only once P is done with them, as vLLM's proxies send
                 # them (P's answer carries what D needs); an engine with nothing else to run
                 # takes them at the start of its next step.
-                conn.send("bound")
+                conn.send(("bound", 0.0))
                 started = conn.recv()
                 if claim_after > 0:
                     time.sleep(claim_after / 1e3)
@@ -612,10 +617,8 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             d.bind(loads)
             d.start_load_kv()
             d.clear()
-            if claim_after is None:
-                conn.send("bound")
-                if cfg["d_cycle"] == "running":
-                    engine.out_of_step(phase)
+            if claim_after is None:  # P's request starts that long into D's cycle
+                conn.send(("bound", engine.phase(phase) if cfg["d_cycle"] == "running" else 0.0))
             if cfg["thread_cpu"] and it >= cfg["warmup"]:
                 cpu[tok].start()
             seen_waiting = d.statistics()["seen_waiting"]
@@ -807,12 +810,10 @@ def main(argv: list[str] | None = None) -> int:
                          "GIL for a moment, as a GPU prefill's host thread runs (on nccl tiny kernels, launched "
                          "so: a forward pass bound by its host thread)")
     ap.add_argument("--d-cycle", default="running", choices=("running", "wakes"),
-                    help="where D's engine is when P's request starts: already stepping, at a random point of "
-                         "its cycle (running: an engine that steps for other requests meanwhile), or waking on "
-                         "the request, so that its first step, the claim and then get_finished, starts at once "
-                         "(wakes: an engine that had nothing to run, which vLLM's engine core waits for on its "
-                         "input queue; after a prefill the landing then falls at one point of D's cycle in every "
-                         "request, see _Engine.out_of_step)")
+                    help="where in D's cycle P's request starts, D stepping from its claim (the claim's own step "
+                         "runs get_finished): at a random point (running: the two engines do not step together), "
+                         "or at the claim (wakes: D's engine woke on the request as P took it; after a prefill "
+                         "the landing then falls at one point of D's cycle in every request, see _Engine.phase)")
     ap.add_argument("--claim-after-ms", type=float, default=None, metavar="MS",
                     help="D gets the requests only MS after P's forward pass ended (0: at once), as a proxy that "
                          "sends the prompt to P first and then to D does, and the clock runs from D's claim: what "

@@ -884,14 +884,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'tokens':>7}{'inflight':>9}{'MiB':>7}{'raw ms':>9}{'connector ms':>14}{'min':>8}{'max':>8}{'x raw':>8}"
           f"{'prefill ms':>12}{'after it ms':>13}{'x raw':>8}{'stretch ms':>12}{'after end ms':>14}"
-          f"{'seen waiting':>14}{'next step':>11}")
+          f"{'seen waiting':>16}{'next step':>16}")
     for r in rows:
         print(f"{r['tokens']:>7}{r['inflight']:>9}{r['MiB']:>7.0f}{r['raw_ms']:>9.3f}{r['connector_ms']:>14.3f}"
               f"{r['connector_min_ms']:>8.3f}{r['connector_max_ms']:>8.3f}{r['vs_raw']:>8.3f}"
               f"{r['prefill_ms']:>12.3f}{r['after_prefill_ms']:>13.3f}{r['after_prefill_vs_raw'] or 0:>8.3f}"
               f"{r['forward_stretch_ms']:>12.3f}{r['after_forward_end_ms']:>14.3f}"
-              f"{_seen(r['seen_waiting'], r['iters'], r['after_prefill_seen_waiting_ms']):>14}"
-              f"{_seen(r['iters'] - r['seen_waiting'], r['iters'], r['after_prefill_next_step_ms']):>11}")
+              f"{_seen(r['seen_waiting'], r['iters'], r['after_prefill_seen_waiting_ms']):>16}"
+              f"{_seen(r['iters'] - r['seen_waiting'], r['iters'], r['after_prefill_next_step_ms']):>16}")
     print("P's sends started on D's receive, before their Go: "
           + ", ".join(f"{r['p_sent_on_receive']} of {r['p_sent']} at {r['tokens']}" for r in rows))
     if any(r["forward_beside_ms"] is not None for r in rows):

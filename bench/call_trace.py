@@ -3,8 +3,10 @@
 `bench/connector_path.py` times a request end to end, and the JSON logs give the broker's
 legs (`kvbroker trace`). Between those lines, the time is spent in the workers' threads:
 the engine's (saves, get_finished), the broker client's loop (the handlers of Prepare and
-Go, the posts), the poller that sees the ops end. This wraps chosen functions of the
-connector's modules in every Python process of a run and records each call's entry and
+Go, the posts), the poller that sees the ops end; and in the broker, whose handling of
+each message (side B) tells its own time from the hops' wake-ups around it. This wraps
+chosen functions of the connector's and the broker's modules in every Python process of
+a run and records each call's entry and
 exit: `time.monotonic()` (one clock for the processes of a host), the thread, its CPU
 time (`time.thread_time()`: what of the span the thread ran, the rest it waited, for the
 GIL among others) and the transfer it concerns, if an argument names one.
@@ -54,6 +56,7 @@ TARGETS: dict[str, dict[str, list[str]]] = {
                                          "_post_blocks", "ticket_at", "send_on_receive", "posts_first",
                                          "watch_receive"]},
     "workers.client": {"BrokerClient": ["_dispatch", "send"]},
+    "broker.core": {"Broker": ["handle"]},
     "workers.gpu_staging": {"StepLayers": ["gathered", "follow"]},
     "workers.transports.tcp": {"TcpSender": ["_send", "_checkout"]},
     "workers.transports.tcp_receiver": {"TcpReceiver": ["expect", "_read_header", "_receive"]},
@@ -187,27 +190,29 @@ def run(out: Path, command: list[str]) -> int:
     return subprocess.run([sys.executable, *command], env=env, check=False).returncode
 
 
-def _load(out: Path) -> tuple[list[Event], list[Event]]:
-    """P's and D's events: the process that saved is P, the one that got finished loads D."""
-    p: list[Event] = []
-    d: list[Event] = []
+def _load(out: Path) -> dict[str, list[Event]]:
+    """Each side's events: the process that saved is P, the one that got finished loads D,
+    the one that handled messages the broker (B; none when it did not exit cleanly)."""
+    sides: dict[str, list[Event]] = {"P": [], "D": [], "B": []}
     for path in sorted(out.glob("*.json")):
         events = [tuple(e) for e in json.loads(path.read_text())["events"]]
         names = {e[2] for e in events}
         if "E:ConnectorWorker.save_kv_layer" in names:
-            p = events  # type: ignore[assignment]
+            sides["P"] = events  # type: ignore[assignment]
         elif "R:ConnectorWorker.get_finished" in names:
-            d = events  # type: ignore[assignment]
-    if not p or not d:
+            sides["D"] = events  # type: ignore[assignment]
+        elif "E:Broker.handle" in names:
+            sides["B"] = events  # type: ignore[assignment]
+    if not sides["P"] or not sides["D"]:
         raise SystemExit(f"{out}: no P and D traces (a process saved, another reported loads)")
-    return p, d
+    return sides
 
 
-def _requests(p: list[Event], d: list[Event]) -> list[list[tuple[float, str, Event]]]:
-    """Per request (each P bind), every event of P and D until the next bind, with its
+def _requests(sides: dict[str, list[Event]]) -> list[list[tuple[float, str, Event]]]:
+    """Per request (each P bind), every event of each side until the next bind, with its
     time from the bind (ms) and the side that recorded it."""
-    binds = [e[0] for e in p if e[2] == "E:ConnectorWorker.bind"]
-    merged = sorted([(e[0], "P", e) for e in p] + [(e[0], "D", e) for e in d], key=lambda x: x[0])
+    binds = [e[0] for e in sides["P"] if e[2] == "E:ConnectorWorker.bind"]
+    merged = sorted(((e[0], side, e) for side, events in sides.items() for e in events), key=lambda x: x[0])
     out = []
     for i, t0 in enumerate(binds):
         t1 = binds[i + 1] if i + 1 < len(binds) else float("inf")
@@ -221,8 +226,7 @@ def legs(out: Path, skip: int) -> None:
     """Each event's median time from P's bind, over the requests after the first `skip`
     (repeated events keyed by their count in the request), and when D reported each
     request against its last landing."""
-    p, d = _load(out)
-    requests = _requests(p, d)[skip:]
+    requests = _requests(_load(out))[skip:]
     at: dict[str, list[float]] = defaultdict(list)
     landing_to_report = []
     for request in requests:
@@ -255,8 +259,7 @@ def legs(out: Path, skip: int) -> None:
 
 def show(out: Path, index: int, lo: float, hi: float) -> None:
     """Every event of one request, in order, with each thread's CPU time (ms) at it."""
-    p, d = _load(out)
-    for ms, side, (_, thread, name, tid, cpu) in _requests(p, d)[index]:
+    for ms, side, (_, thread, name, tid, cpu) in _requests(_load(out))[index]:
         if lo <= ms <= hi:
             print(f"{ms:9.3f}  {side} {thread[:16]:16} {name} {tid or ''}  cpu {cpu * 1e3:.3f}")
 

@@ -6,10 +6,10 @@ the engine's (saves, get_finished), the broker client's loop (the handlers of Pr
 Go, the posts), the poller that sees the ops end; and in the broker, whose handling of
 each message (side B) tells its own time from the hops' wake-ups around it. This wraps
 chosen functions of the connector's and the broker's modules in every Python process of
-a run and records each call's entry and
-exit: `time.monotonic()` (one clock for the processes of a host), the thread, its CPU
-time (`time.thread_time()`: what of the span the thread ran, the rest it waited, for the
-GIL among others) and the transfer it concerns, if an argument names one.
+a run and records each call's entry and exit: `time.monotonic()` (one clock for the
+processes of a host), the thread, its CPU time (`time.thread_time()`: what of the span
+the thread ran, the rest it waited, for the GIL among others) and the transfer it
+concerns, if an argument names one.
 
     python bench/call_trace.py run DIR -- bench/connector_path.py --transport nccl --tokens 512
     python bench/call_trace.py legs DIR       # each event's median time from P's bind

@@ -17,8 +17,7 @@ compares with two GPUs).
 * raw          the transfer's bytes moved once with nothing else: one NCCL send/recv over
                the communicators the connector built (D's receive posted first), or one
                `sendall` over a loopback TCP socket into a buffer D reads into.
-* connector    D's request is bound (start_load_kv) naming P as its prefill instance, and P
-               names D as its decode peer, as the gateway sends them;
+* connector    D's request is bound (start_load_kv) and P names D as its decode peer;
                the clock runs from P's bind to D's get_finished reporting the request,
                with D's scatter done. With `--inflight N`, N requests at once: P saves
                all N in one step, D loads all N, and the clock runs until D has reported
@@ -112,7 +111,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -174,11 +172,6 @@ def gpu_ms(work: Callable[[], object], runs: int = 3) -> float:
         end.synchronize()
         took.append(begin.elapsed_time(end))
     return statistics.median(took)
-
-
-def _prompt(tid: str) -> str:
-    """The request's prompt digest, as vLLM's scheduler gives it to both sides (`tokens_digest`)."""
-    return hashlib.blake2b(tid.encode(), digest_size=12).hexdigest()
 
 
 def _median_ms(values: list[float]) -> float | None:
@@ -517,8 +510,7 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     cpu[tok].start()
                 t0 = time.perf_counter()
                 p.bind(KvBrokerMetadata(saves={
-                    tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0",
-                                  tokens=_prompt(tid))
+                    tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
                     for tid, src in zip(tids, srcs)}))
                 saves = []  # P's host time in each save_kv_layer
                 for name in NAMES:
@@ -609,8 +601,7 @@ def _decode(endpoint: str, conn: Any, cfg: dict, results: Any) -> None:
             free = torch.randperm(cfg["num_blocks"], generator=g)[: k * n].tolist()  # no two loads share a block
             dsts = [free[j * n : (j + 1) * n] for j in range(k)]
             loads = KvBrokerMetadata(loads={
-                tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1,
-                              prefill="p0", tokens=_prompt(tid))
+                tid: LoadSpec(req_id=f"req-{tid}", block_ids=dst, num_cached_blocks=0, num_tokens=n * BLOCK - 1)
                 for tid, dst in zip(tids, dsts)})
             started: tuple[float, float, float] | None = None  # P's (t0, forward pass alone, its host saw it end)
             claimed = 0.0  # with --claim-after-ms: when D's engine took the requests

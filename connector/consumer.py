@@ -53,7 +53,6 @@ import threading
 from functools import partial
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -167,18 +166,6 @@ class _Load:
     # tcp: where its bytes go in the blocks, worked out at the Expect (which then tells the
     # broker that it takes no room in the pool); None: into a lease
     places: list[memoryview] | None = None
-    # Its receive went before its Prepare (`_receive_early`): the Prepare, once it comes.
-    early: _Early | None = None
-
-
-@dataclass
-class _Early:
-    """A load whose producer told this side it staged it (`NcclLink.watch_staged`), so its
-    receive straight into its blocks was posted before its Prepare: the Prepare, handed
-    over by `on_prepare` once it comes."""
-
-    prepared: anyio.Event = field(default_factory=anyio.Event)
-    msg: Prepare | None = None
 
 
 class ConsumerSide:
@@ -188,8 +175,6 @@ class ConsumerSide:
         self._loads: dict[str, _Load] = {}
         self._rejected: list[_Load] = []
         self._parked: dict[str, anyio.Event] = {}  # loop thread only
-        # Loads reported on their producer's note, still waiting for their Prepare (`_land_first`)
-        self._landing_first: dict[str, _Load] = {}
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         # Loads ended lately, and whether they got their KV: a Prepare the broker sends for
         # one after losing track of this peer (it re-routed the transfer as the bytes
@@ -459,9 +444,6 @@ class ConsumerSide:
                 _keep(self._ended, load.transfer_id, load.state == "received")
             done += self._rejected
             self._rejected = []
-        if w.nccl is not None:
-            for load in done:  # one that ended without its Prepare still waits for its producer's note
-                w.nccl.unwatch_staged(load.transfer_id)
         return done
 
     def _give_up_stuck(self, load: _Load) -> None:
@@ -647,11 +629,6 @@ class ConsumerSide:
                 await client.expect(tid, load.spec.prefill, nbytes=nbytes, into_blocks=into_blocks, announce=False)
                 parked.set()
                 continue
-            if into_blocks and self.receiver is None:
-                # Its producer may tell us it staged it before the broker's Prepare comes:
-                # the receive then goes at once (`_receive_early`).
-                assert w.nccl is not None
-                w.nccl.watch_staged(tid, f"{load.spec.prefill}:{w.info.rank}", partial(self._noted, load))
             # Tracked by the client, so a broker restart gets it again (with the route it
             # carries) until the load's Done or Abort. One that crosses our own Prepare is
             # accepted by the broker; one for a transfer granted to another decode peer
@@ -718,7 +695,7 @@ class ConsumerSide:
         w, tid = self.w, msg.transfer_id
         arrived = time.monotonic()
         with w.lock:
-            load = self._loads.get(tid) or self._landing_first.get(tid)
+            load = self._loads.get(tid)
             ended = self._ended.get(tid) if load is None else None
         if ended is not None:  # nothing to wait for
             await self._abort(tid, LOADED_ALREADY if ended else GAVE_UP)
@@ -727,16 +704,6 @@ class ConsumerSide:
             load = await self._wait_for_request(tid)
             if load is None:
                 return
-        if w.nccl is not None:
-            w.nccl.unwatch_staged(tid)
-        with w.lock:
-            early = load.early if load.state == "receiving" or tid in self._landing_first else None
-            hand = early is not None and early.msg is None
-            if early is not None and hand:
-                early.msg = msg
-        if early is not None and hand:  # its receive went first: that task goes on with this
-            early.prepared.set()
-            return
         if msg.head_stop:  # one of the lanes of a producer of another TP size
             await on_lane(self, msg, load, arrived)
             return
@@ -752,12 +719,6 @@ class ConsumerSide:
             if scope is not None:
                 await self._cancel_receive(load, scope)
             return
-        await self._receiving(load, partial(self._receive, msg, load))
-
-    async def _receiving(self, load: _Load, receive: Callable[[], Awaitable[str]]) -> None:
-        """Run `load`'s receive (its state is "receiving" now, with its scope) to its end;
-        a reason it gives, or an error it raises, fails the load and tells the broker."""
-        w, tid = self.w, load.transfer_id
         assert load.scope is not None
         # Kept if the task is cancelled from outside (the client's task group ends):
         # the load still fails, and `get_finished` tells the broker.
@@ -765,7 +726,7 @@ class ConsumerSide:
         ended = False
         try:
             with load.scope:
-                reason = await receive()
+                reason = await self._receive(msg, load)
             if load.scope.cancelled_caught:
                 reason = load.reason or "cancelled"
             ended = True
@@ -798,19 +759,7 @@ class ConsumerSide:
     async def _receive(self, msg: Prepare, load: _Load) -> str:
         """Lease, expect, Ready, wait; "" once the bytes are in the lease, else why not."""
         w = self.w
-        admitted = self._admit(msg, load)
-        if isinstance(admitted, str):
-            return admitted
-        offset, nbytes = admitted
-        load.nbytes = nbytes
-        receive = self._receive_nccl if w.nccl is not None else self._receive_tcp
-        reason = await receive(msg, load, offset, nbytes)
-        return reason or await self._in(load)
-
-    def _admit(self, msg: Prepare, load: _Load) -> tuple[int, int] | str:
-        """The byte range of the staging `msg` offers that this load takes (after its
-        prefix hit), or why the offer does not fit the request."""
-        w = self.w
+        assert w.pool is not None and w.client is not None
         spec, lay = load.spec, msg.layout
         if msg.prompt and spec.tokens and msg.prompt != spec.tokens:
             # The same transfer_id was given to P and D with different prompts (a proxy
@@ -839,12 +788,11 @@ class ConsumerSide:
             )
         else:
             offset, nbytes = tail_range(n, k, layers, w.block_nbytes)
-        return offset, nbytes
-
-    async def _in(self, load: _Load) -> str:
-        """The load's bytes are in (its receive ended whole): mark it received, unless it
-        was given up meanwhile (then why); a load in its blocks is told to the broker now."""
-        w = self.w
+        load.nbytes = nbytes
+        receive = self._receive_nccl if w.nccl is not None else self._receive_tcp
+        reason = await receive(msg, load, offset, nbytes)
+        if reason:
+            return reason
         with load.landing, w.lock:
             if load.state == "receiving":
                 self._received(load)
@@ -960,160 +908,6 @@ class ConsumerSide:
                     await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
                 raise
         return posted
-
-    def _noted(self, load: _Load, nonce: str, nbytes: int, prompt: str = "") -> None:
-        """`load`'s producer told this side, over communicator `nonce`, that it staged
-        `nbytes` for it (`NcclLink.watch_staged`; in the link's poller thread, or the
-        loop's): when that is the size this request takes whole, its receive goes now
-        (`_receive_early`). Another size is a producer of another TP size or layout,
-        whose Prepare decides. Never blocks or raises (the poller's thread)."""
-        try:
-            if nbytes == self._staged_nbytes(load.spec):
-                self.w.spawn(self._receive_early, load, nonce, prompt)
-        except Exception as exc:  # the loop is gone: the Prepare would not come either
-            self.w.log.warning("transfer.early_receive_not_started", transfer_id=load.transfer_id, error=repr(exc))
-
-    async def _receive_early(self, load: _Load, nonce: str, prompt: str = "") -> None:
-        """Post `load`'s receive straight into its blocks before its Prepare, on the
-        communicator `nonce` its producer told us over, which sends as soon as it sees
-        it; the Prepare, when it comes, is checked against it and answered with the
-        Ready (`_receive_first`). Nothing if the Prepare came first, or the load ended."""
-        w = self.w
-        with w.lock:
-            start = load.state == "waiting" and self._loads.get(load.transfer_id) is load
-            if start:
-                load.state, load.prepared_at = "receiving", time.monotonic()
-                load.scope, load.early = anyio.CancelScope(), _Early()
-        if start:
-            await self._receiving(load, partial(self._receive_first, load, nonce, prompt))
-
-    async def _receive_first(self, load: _Load, nonce: str, prompt: str = "") -> str:
-        """`_receive_early`'s receive: post, wait for the Prepare, check it, Ready, wait
-        for the bytes. The load is reported only after its Prepare was checked (its KV
-        may be for another prompt under the same transfer_id, a proxy's bug) and its
-        Ready sent (the broker takes a Done only after it). If the communicator changed
-        before the post, the receive waits for the Prepare and goes as usual."""
-        w, spec, tid, early = self.w, load.spec, load.transfer_id, load.early
-        assert w.nccl is not None and w.paged is not None and early is not None
-        source = f"{spec.prefill}:{w.info.rank}"
-        n, k = len(spec.block_ids), spec.num_cached_blocks
-        offset, nbytes = tail_range(n, k, len(w.layers), w.block_nbytes)
-        into = (w.paged, list(tail(spec.block_ids, k)), load.allocated)
-        load.source, load.nbytes = source, nbytes
-        posted: Any = None
-        try:
-            with anyio.fail_after(max(load.deadline - time.monotonic(), 0.0)):
-                async with w.nccl.receiving(source):
-                    turn = time.monotonic()
-                    ticket = w.nccl.ticket(source)
-                    # Only on the communicator the note came over, next in this side's order
-                    # there (no Ready has named the ticket: nothing to give up if not)
-                    if (ticket[0] == nonce and w.nccl.posts_first(source, ticket)
-                            and w.nccl.receives_into_blocks(source, w.paged, len(into[1]))):
-                        posted = await w.nccl.post_recv(source, tid, None, nbytes, load.deadline, ticket,
-                                                        block_nbytes=w.chunk_nbytes, into=into)
-                        w.count("posted_before_prepare")
-                posted_at = time.monotonic()
-                load.post_us = _us(posted_at - turn)
-                # A note that names this request's prompt vouches for the bytes: landed, they
-                # are reported without waiting for the Prepare (below, out of this deadline's scope)
-                first = posted is not None and bool(prompt) and prompt == spec.tokens
-                if not first:
-                    await early.prepared.wait()
-        except TimeoutError:
-            reason = f"no Prepare within the load deadline of {w.config.load_timeout_s:g} s"
-            if posted is not None:
-                await self._cancel_posted(load, reason)
-            return reason
-        except TransferFailed as exc:  # not posted: the communicator went, or the load was cancelled
-            return exc.reason
-        if first:
-            return await self._land_first(load, posted, ticket, offset, nbytes, turn, posted_at)
-        msg = early.msg
-        assert msg is not None
-        if posted is None:
-            return await self._receive(msg, load)
-        admitted = self._admit(msg, load)
-        if isinstance(admitted, str) or admitted != (offset, nbytes) or msg.source != source or msg.head_stop:
-            reason = admitted if isinstance(admitted, str) else (
-                f"the Prepare names {msg.source} (bytes {admitted[0]}-{sum(admitted)}, heads to {msg.head_stop}) "
-                f"but the receive posted when it staged went to {source} (bytes {offset}-{offset + nbytes})")
-            await self._cancel_posted(load, reason)
-            return reason
-        try:
-            await self._ready(load, ticket, offset, nbytes, {}, lease_s=0.0, turn_s=turn - load.prepared_at,
-                              since=posted_at, first=True)
-        except BaseException:  # posted, but the broker may never hear of it: end it
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(w.nccl.cancel, source, tid)
-            raise
-        load.into_blocks = True
-        try:
-            load.waited = await w.nccl.wait(posted, load.deadline,
-                                            landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))
-        except TransferFailed as exc:
-            return exc.reason
-        return await self._in(load)
-
-    async def _land_first(self, load: _Load, posted: Any, ticket: tuple[str, int], offset: int, nbytes: int,
-                          turn: float, posted_at: float) -> str:
-        """A receive posted on a note that names the request's own prompt: the bytes are
-        the request's KV once they land, so the load is reported then, without waiting
-        for the Prepare. The Prepare, when it comes, is still checked and answered with
-        the Ready, and the Done follows it from here (the broker takes a Done only after
-        the Ready)."""
-        w, tid, early = self.w, load.transfer_id, load.early
-        assert w.nccl is not None and early is not None
-        load.into_blocks = True
-        with w.lock:
-            load.told = True  # this task sends the Done, after the Ready
-            self._landing_first[tid] = load  # `on_prepare` finds it even once reported
-        try:
-            try:
-                load.waited = await w.nccl.wait(posted, load.deadline,
-                                                landed=lambda b0, b1, left: self._landed_in_place(load, posted, b1))
-            except TransferFailed as exc:
-                return exc.reason
-            with w.lock:
-                if load.state != "received":
-                    return load.reason or "the load was given up"
-            with anyio.move_on_after(max(load.deadline - time.monotonic(), 0.0)):
-                await early.prepared.wait()
-            msg = early.msg
-            if msg is None:  # the KV is in and reported; the broker never offered it here
-                w.log.warning("transfer.prepare_missing", transfer_id=tid, phase="ready",
-                              reason="loaded on its producer's note, but no Prepare came within the load deadline")
-                return ""
-            admitted = self._admit(msg, load)
-            if isinstance(admitted, str) or admitted != (offset, nbytes) or msg.source != load.source or msg.head_stop:
-                reason = admitted if isinstance(admitted, str) else (
-                    f"the Prepare names {msg.source} (bytes {admitted[0]}-{sum(admitted)}, heads to {msg.head_stop}) "
-                    f"but the KV already came from {load.source} (bytes {offset}-{offset + nbytes})")
-                w.log.error("transfer.prepare_mismatch", transfer_id=tid, phase="ready", reason=reason)
-                with w.lock:
-                    load.settled = True
-                await self._abort(tid, reason)
-                return ""
-            await self._ready(load, ticket, offset, nbytes, {}, lease_s=0.0, turn_s=turn - load.prepared_at,
-                              since=posted_at, first=True)
-            with w.lock:
-                load.settled = True
-            w.count("done_at_landing")
-            await self._finish([(tid, nbytes, "")], [], [self._loaded_line(load)])
-            return ""
-        finally:
-            with w.lock:
-                self._landing_first.pop(tid, None)
-
-    async def _cancel_posted(self, load: _Load, reason: str) -> None:
-        """End a receive posted before its Prepare that will not be used: its communicator
-        goes (its producer's send, or a later transfer's, must not pair with it)."""
-        w = self.w
-        assert w.nccl is not None
-        w.log.warning("transfer.early_receive_cancelled", transfer_id=load.transfer_id, phase="receive",
-                      source=load.source, reason=reason)
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(w.nccl.cancel, load.source, load.transfer_id)
 
     async def _ready(self, load: _Load, ticket: tuple[str, int], offset: int, nbytes: int, fields: dict[str, Any], *,
                      lease_s: float, turn_s: float, since: float, first: bool) -> float:

@@ -86,7 +86,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.to_thread
@@ -98,7 +98,7 @@ from workers.client import SyncBrokerClient
 from workers.gpu_staging import pipeline_bounds, pipeline_defaults
 from workers.pool import Lease
 from workers.rendezvous import BrokerRendezvous
-from workers.transports.bell import NOTES_KEPT, Bell, Note, drain
+from workers.transports.bell import Bell, drain
 from workers.transports.communicator import Communicator, LayerFeed
 from workers.transports.ipc_mailbox import transfer_tag
 from workers.transports.nccl_comm import CommunicatorCache
@@ -253,42 +253,30 @@ class SendOrder:
 # receive's number on it, its bytes); called in the poller's thread (`NcclLink.watch_receive`).
 # True: its send was posted there and then (`NcclLink.send_on_receive`).
 Seen = Callable[[str, str, str, int, int], bool | None]
-# A load's producer staged it: (communicator nonce the note came over, the bytes it staged);
-# called in the poller's thread, or the watcher's when the note came first
-# (`NcclLink.watch_staged`).
-Noted = Callable[[str, int, str], None]  # nonce, nbytes, prompt digest
-
-_V = TypeVar("_V")
 
 
-class TagWatch(Generic[_V]):
-    """Transfers watched for by the tag D's receive straight into its blocks names them
-    with (`transfer_tag`), each with what to call once it shows up, until dropped (no
-    IO): P's staged transfers whose receive D may post before their Go (`Seen`), D's
-    loads whose producer may tell it staged them before their Prepare (`Noted`)."""
+class ReceiveWatch:
+    """P's staged transfers whose receive D may post before their Go reaches P (no IO),
+    each by the tag such a receive names it with (`transfer_tag`), until dropped."""
 
     def __init__(self) -> None:
-        self._by_tag: dict[bytes, tuple[str, _V]] = {}
+        self._by_tag: dict[bytes, tuple[str, Seen]] = {}
         self._tags: dict[str, bytes] = {}
 
     def __bool__(self) -> bool:
         return bool(self._by_tag)
 
-    def add(self, transfer_id: str, value: _V) -> None:
+    def add(self, transfer_id: str, seen: Seen) -> None:
         tag = self._tags[transfer_id] = transfer_tag(transfer_id)
-        self._by_tag[tag] = (transfer_id, value)
+        self._by_tag[tag] = (transfer_id, seen)
 
     def drop(self, transfer_id: str) -> None:
         tag = self._tags.pop(transfer_id, None)
         if tag is not None:
             self._by_tag.pop(tag, None)
 
-    def get(self, tag: bytes) -> tuple[str, _V] | None:
-        """The transfer watched with `tag` and its value; None: none is."""
-        return self._by_tag.get(tag)
-
-    def take(self, tag: bytes) -> tuple[str, _V] | None:
-        """The transfer watched with `tag` and its value, no longer watched; None: none is."""
+    def take(self, tag: bytes) -> tuple[str, Seen] | None:
+        """The transfer watched with `tag` and what to call, no longer watched; None: none is."""
         watched = self._by_tag.pop(tag, None)
         if watched is None:
             return None
@@ -794,10 +782,7 @@ class NcclLink:
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         self.poller = Poller()
-        self._watch: TagWatch[Seen] = TagWatch()  # P: under `_lock`
-        self._staged: TagWatch[tuple[str, Noted]] = TagWatch()  # D: with each load's producer; under `_lock`
-        # D: notes no load watched for yet (its request may reach this engine after P staged it)
-        self._notes: OrderedDict[bytes, Note] = OrderedDict()
+        self._watch = ReceiveWatch()  # under `_lock`
         self._probing = False  # `_look` is the poller's probe (under `_lock`)
 
     # -- D ---------------------------------------------------------------------------------
@@ -850,56 +835,6 @@ class NcclLink:
         comm = self.cache.current(producer) if ticket[0] else None
         return comm is not None and comm.nonce == ticket[0] and comm.writes_into_blocks
 
-    def watch_staged(self, transfer_id: str, producer: str, noted: Noted) -> None:
-        """D: call `noted(nonce, nbytes)` once `producer` tells this side, over the
-        communicator built with it now (one that writes into blocks), that it staged
-        `transfer_id` (`nbytes` in all; `IpcCommunicator.tell_staged`, at its first
-        save). D may then post the receive straight into its blocks before the broker's
-        Prepare comes, and P, watching for it (`watch_receive`), sends at once. Called
-        once, in the poller's thread at a ring of this side's bell, or in this one when
-        the note came first; it must not block. Until `unwatch_staged`."""
-        bell = self.cache.bell
-        comm = self.cache.current(producer)
-        if bell is None or comm is None or not comm.writes_into_blocks:
-            return
-        with self._lock:
-            note = self._notes.pop(transfer_tag(transfer_id), None)
-            heard = note is not None and note.nonce == comm.nonce
-            if not heard:
-                self._staged.add(transfer_id, (producer, noted))
-        if heard:
-            assert note is not None
-            noted(note.nonce, note.nbytes, note.prompt)
-        else:
-            self._probe(bell)
-
-    def unwatch_staged(self, transfer_id: str) -> None:
-        """D: stop waiting for `transfer_id`'s note (its Prepare came, or the load ended)."""
-        with self._lock:
-            self._staged.drop(transfer_id)
-
-    def _take_notes(self, bell: Bell) -> None:
-        """The poller's look, D's part: hand each note of the bell to its load's watch when
-        it came over the communicator with that load's producer (a receive on another
-        would not pair with its send), or keep it for a load yet to watch (the latest
-        `NOTES_KEPT`)."""
-        bell.drain()  # rings since the poller's last drain: their notes too
-        for note in bell.take_notes():
-            with self._lock:
-                watched = self._staged.get(note.tag)
-            comm = None if watched is None else self.cache.current(watched[1][0])
-            if watched is not None and (comm is None or comm.nonce != note.nonce):
-                continue
-            with self._lock:
-                watched = self._staged.take(note.tag)
-                if watched is None:
-                    self._notes[note.tag] = note
-                    self._notes.move_to_end(note.tag)
-                    while len(self._notes) > NOTES_KEPT:
-                        self._notes.popitem(last=False)
-            if watched is not None:
-                watched[1][1](note.nonce, note.nbytes, note.prompt)
-
     async def give_up(self, producer: str) -> None:
         """D: a ticket whose Ready may have gone out is given up before its receive was
         posted: drop the communicator, so the producer's send cannot pair with a later
@@ -940,7 +875,7 @@ class NcclLink:
         self._changed(decode)
         # D posts a step's receives back to back: the next may be there already. Looked
         # for now, its send starts without waiting for the poller's next look.
-        self.look_now()
+        self._look_now()
         return await self.wait(posted, deadline)
 
     def abandon(self, decode: str, ticket: Ticket) -> None:
@@ -953,18 +888,6 @@ class NcclLink:
             self._changed(decode)
 
     # -- P: a send started by D's receive ---------------------------------------------------
-
-    def tell_staged(self, decode: str, transfer_id: str, nbytes: int, prompt: str = "") -> None:
-        """P, as it stages `transfer_id` for `decode` (`nbytes`): tell D, over the
-        communicator built with it, when that one writes into blocks, so D may post its
-        receive before the broker's Prepare (`watch_staged`). A hint: never raises."""
-        comm = self.cache.current(decode)
-        if comm is None or not comm.writes_into_blocks:
-            return
-        try:
-            comm.tell_staged(transfer_tag(transfer_id), nbytes, prompt)
-        except Exception as exc:  # the Prepare still comes
-            log.warning("nccl.tell_staged_failed", peer=decode, transfer_id=transfer_id, error=repr(exc))
 
     def watch_receive(self, transfer_id: str, seen: Seen) -> None:
         """P: look (the poller, between its polls: now, then each time an ipc peer rings
@@ -981,16 +904,9 @@ class NcclLink:
             return
         with self._lock:
             self._watch.add(transfer_id, seen)
-        self._probe(bell)
-
-    def _probe(self, bell: Bell) -> None:
-        """Have the poller look (`_look`) now, and at each ring of `bell` while anything
-        is watched: its probe starts if none runs, else it looks soon (the peer may have
-        rung before the transfer was watched)."""
-        with self._lock:
             start, self._probing = not self._probing, True
         if not start:
-            self.poller.look_soon()
+            self.poller.look_soon()  # D may have rung before this transfer was watched
         elif not self.poller.probe(self._look, bell):
             with self._lock:
                 self._probing = False
@@ -1001,21 +917,17 @@ class NcclLink:
             self._watch.drop(transfer_id)
 
     def _look(self) -> float | None:
-        """The poller's probe: D's notes of staged loads (`watch_staged`), then each built
-        communicator's next receive, if it names a watched transfer (`watch_receive`).
-        How soon to look again: at the next ring of the bell, or soon if a communicator
-        was busy; None once nothing is watched (the probe ends)."""
-        bell = self.cache.bell
-        if bell is not None:
-            self._take_notes(bell)
+        """The poller's probe: each built communicator's next receive, if it names a
+        watched transfer. How soon to look again: at the next ring of the bell, or soon
+        if a communicator was busy; None once nothing is watched (the probe ends)."""
         busy = self._find_receives()
         with self._lock:
-            if not self._watch and not self._staged:  # a watch added after this ends it starts a probe of its own
+            if not self._watch:  # a watch added after this ends it starts a probe of its own
                 self._probing = False
                 return None
         return WAIT_PAUSE_S if busy else math.inf
 
-    def look_now(self) -> None:
+    def _look_now(self) -> None:
         """P, on the client's loop, right after a send was posted: the probe's look, if
         one is running (the poller alone ends it). Never raises: the send is posted."""
         with self._lock:

@@ -153,11 +153,6 @@ class ProducerSide:
         self._pool_words: torch.Tensor | None = None
         self._feed: StepLayers | None = None  # nccl with the copy kernel: this step's layers (`_stage`)
         self._cut_stream: torch.cuda.Stream | None = None  # nccl: where lanes' heads are cut (`connector.lanes`)
-        # From the step's first save to its wait_for_save (under the worker's lock): the thread
-        # that saves, and D's receives another thread saw meanwhile, which that thread sends
-        # on at its next save (`_receive_seen`)
-        self._saver: int | None = None
-        self._seen_later: list[tuple[str, str, str, int, int]] = []
 
     def start_transport(self) -> dict[str, str]:
         """A producer only connects out: it advertises no endpoint."""
@@ -210,19 +205,6 @@ class ProducerSide:
         # being copied. Not before: the loop thread's Offer work takes the GIL, and the
         # GPU would wait for the first layer's copy to be launched.
         self._offers += offers
-
-    def _watch_decode(self, tid: str, staged: _Staged) -> None:
-        """As `tid` is staged: look for D's receive straight into its blocks from now on
-        (the send starts on it, `_receive_seen`), and tell the decode rank the request
-        names that it is staged, so it may post that receive before the broker's Prepare
-        (`NcclLink.tell_staged`). Both before the Offer, which leaves once the loop gets
-        the GIL from the forward pass: D's receive, and so the send, may then start half
-        a millisecond earlier, and two hops through the broker earlier."""
-        w = self.w
-        assert w.nccl is not None
-        w.nccl.watch_receive(tid, self._receive_seen)
-        if staged.spec.decode:
-            w.nccl.tell_staged(f"{staged.spec.decode}:{w.info.rank}", tid, staged.lease.nbytes, staged.spec.tokens)
 
     def _lease_together(self, saves: dict[str, SaveSpec]) -> dict[str, _Staged]:
         """Stage a step's saves back to back in one lease cut into one per save, so
@@ -389,27 +371,16 @@ class ProducerSide:
         if self._feed is not None:  # after this layer's gathers, in stream order (the seed's invariant)
             self._feed.gathered(idx, current_stream(self.w.paged.device))
         self._send_offers()
-        if self._seen_later:
-            self._send_seen()
         if failed:
             self._copy_failed(layer_name, failed)
         if self._layers is not None:  # after the copies, and after a failed save was dropped:
             self._layers.copied(idx)  # its send never takes this layer
 
     def _send_offers(self) -> None:
-        """Hand the step's Offers to the client's loop (not awaited: a step never waits on
-        it); first, from this thread, watch for D's receive of those that may go into D's
-        blocks, and tell D they are staged (`_watch_decode`)."""
+        """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
         if self._offers:
             offers, self._offers = self._offers, []
-            w = self.w
-            if w.nccl is not None and w.groups is None:
-                with w.lock:
-                    self._saver = threading.get_ident()
-                for tid, staged in offers:
-                    if staged.feed is not None:
-                        self._watch_decode(tid, staged)
-            w.spawn(self._offer_all, offers)
+            self.w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -431,10 +402,6 @@ class ProducerSide:
         layers, self._layers = self._layers, None
         feed, self._feed = self._feed, None
         self._group = None
-        with w.lock:
-            self._saver = None
-        if self._seen_later:
-            self._send_seen()
         event = None
         if step and w.pool is not None and w.pool.tensor.is_cuda:  # after every gather of the step
             event = torch.cuda.Event()
@@ -485,6 +452,8 @@ class ProducerSide:
         if not await self.w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             return  # still staged: freed by Release/Abort, or after staging_ttl_s
         w.count("offered")
+        if w.nccl is not None and staged.feed is not None and w.groups is None:  # it may go into D's blocks
+            w.nccl.watch_receive(tid, self._receive_seen)
         w.log.info(
             "transfer.offered",
             transfer_id=tid,
@@ -568,10 +537,6 @@ class ProducerSide:
         (`_go_on_receive`). Whether the send was posted here. Never raises (the
         poller's thread)."""
         w = self.w
-        with w.lock:
-            if self._saver is not None and self._saver != threading.get_ident():
-                self._seen_later.append((tid, decode, nonce, seq, nbytes))
-                return False
         try:
             sent = self._send_on_receive(tid, decode, nonce, seq, nbytes)
         except Exception as exc:  # before its claim (`NcclLink.send_on_receive` raises only after)
@@ -580,16 +545,6 @@ class ProducerSide:
         if sent is None:
             w.spawn(self._go_on_receive, tid, decode, nonce, seq, nbytes)
         return bool(sent)
-
-    def _send_seen(self) -> None:
-        """The saving thread: send on the receives another thread saw during the saves,
-        then look at once for D's next ones (a step's come back to back)."""
-        with self.w.lock:
-            seen, self._seen_later = self._seen_later, []
-        for found in seen:
-            self._receive_seen(*found)
-        assert self.w.nccl is not None
-        self.w.nccl.look_now()
 
     def _send_on_receive(self, tid: str, decode: str, nonce: str, seq: int, nbytes: int) -> bool | None:
         """Whether the send was posted (False: claimed, but its post failed, which the loop

@@ -188,11 +188,10 @@ class ConnectorWorker:
         # done_at_landing: loads whose Done went as they landed in their blocks, before the
         # engine's get_finished reported them (counted then, as "loaded"); seen_waiting: idle
         # steps whose get_finished saw a load land (or fail) while it waited, so reported it
-        # without another engine step; posted_before_prepare: loads whose receive went at
-        # their producer's note that it staged them, before the broker's Prepare
+        # without another engine step
         self.counters = dict.fromkeys(
             ("staged", "offered", "sent", "sent_on_receive", "released", "aborted", "loaded", "done_at_landing",
-             "seen_waiting", "posted_before_prepare", "failed", "bytes"), 0)
+             "seen_waiting", "failed", "bytes"), 0)
         self.producer = ProducerSide(self) if self.is_producer else None
         self.consumer = None if self.is_producer else ConsumerSide(self)
 

@@ -143,16 +143,6 @@ class WireLink:
     def unwatch_receive(self, transfer_id: str) -> None:
         return None
 
-    # Nor does P tell D it staged a transfer: every receive waits for its Prepare.
-    def tell_staged(self, decode: str, transfer_id: str, nbytes: int) -> None:
-        return None
-
-    def watch_staged(self, transfer_id: str, producer: str, noted: Any) -> None:
-        return None
-
-    def unwatch_staged(self, transfer_id: str) -> None:
-        return None
-
     # -- P --------------------------------------------------------------------------------
 
     async def send(self, decode: str, transfer_id: str, lease: Any, offset: int, nbytes: int, after: Any,

@@ -3,26 +3,21 @@ GPU: the link's real poller thread looks at each communicator's next receive, he
 communicators that stand in for the ipc backend's (their `next_block_receive` is what
 D's mailbox holds; the GPU tests run the real one), and calls back for a watched
 transfer only, once, in the poller's thread: when the watch starts, then each time D
-rings P's bell (a real FIFO), and in between it waits without looking.
-
-And D's side of the same bell (`NcclLink.watch_staged`): P's ring carries a note of the
-transfer it staged, and D's poller hands it to the load waiting for it, once, when it
-came over the communicator D has with that load's producer."""
+rings P's bell (a real FIFO), and in between it waits without looking."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from connector import nccl_link
-from connector.nccl_link import NcclLink, Poller, TagWatch
+from connector.nccl_link import NcclLink, Poller, ReceiveWatch
 from tests.support import wait_until
-from workers.transports.bell import Bell, Note, Ringer
+from workers.transports.bell import Bell, Ringer
 from workers.transports.ipc_mailbox import transfer_tag
 
 
@@ -30,22 +25,12 @@ class _Comm:
     """A communicator with D; `receive`: D's next receive, as its mailbox shows it;
     `busy`: looks refused (a post holds it) before the mailbox is read."""
 
-    def __init__(self, peer: str, nonce: str, *, into_blocks: bool = True, bell: Bell | None = None) -> None:
+    def __init__(self, peer: str, nonce: str, *, into_blocks: bool = True) -> None:
         self.peer, self.nonce, self.writes_into_blocks = peer, nonce, into_blocks
         self.closed = self.broken = False
         self.receive: tuple[int, bytes, int] | None = None
         self.looked = 0
         self.busy = 0
-        self.peer_bell = bell  # the peer's, which `tell_staged` rings
-
-    def tell_staged(self, tag: bytes, nbytes: int, prompt: str = "") -> None:
-        """As `IpcCommunicator.tell_staged`: a note on the peer's bell."""
-        assert self.peer_bell is not None
-        ringer = Ringer(str(Path(self.peer_bell.path).parent), self.peer_bell.token)
-        try:
-            ringer.ring(Note(tag, nbytes, self.nonce, prompt))
-        finally:
-            ringer.close()
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         self.looked += 1
@@ -63,9 +48,6 @@ class _Cache:
     def built(self) -> list[_Comm]:
         return [c for c in self.comms if not (c.closed or c.broken)]
 
-    def current(self, peer: str) -> _Comm | None:
-        return next((c for c in self.built() if c.peer == peer), None)
-
 
 @pytest.fixture
 def made(tmp_path: Path) -> Any:
@@ -73,8 +55,7 @@ def made(tmp_path: Path) -> Any:
 
     def make(*comms: _Comm) -> NcclLink:
         link = NcclLink.__new__(NcclLink)
-        link._lock, link._watch, link._probing = threading.Lock(), TagWatch(), False
-        link._staged, link._notes = TagWatch(), OrderedDict()
+        link._lock, link._watch, link._probing = threading.Lock(), ReceiveWatch(), False
         link.cache, link.poller = _Cache(tmp_path, *comms), Poller()  # type: ignore[assignment]
         links.append(link)
         return link
@@ -244,22 +225,22 @@ def test_nothing_is_watched_without_a_communicator_that_writes_into_blocks(made:
 def test_right_after_a_send_is_posted_the_next_receive_is_looked_for_on_the_posting_thread(
     made: Any, seen: queue.Queue,
 ) -> None:
-    """`NcclLink.send` looks for D's next receive as soon as it posted (`look_now`): with
+    """`NcclLink.send` looks for D's next receive as soon as it posted (`_look_now`): with
     eight of a step, D's next receive is often there already, and its send then starts
     without waiting for the poller's next look. Only while a probe runs (something is
     watched), and each watch is reported once, whoever looks."""
     comm = _Comm("d0", "c1")
     link = made(comm)
     comm.receive = (3, transfer_tag("t1"), 4096)
-    link.look_now()  # nothing watched: no look at all
+    link._look_now()  # nothing watched: no look at all
     assert comm.looked == 0 and seen.empty()
     # A watch as `watch_receive` makes it, with the poller kept out of the way (it
     # would report the receive itself, in its own thread).
     link._watch.add("t1", _recorder(seen))
     link._probing = True
-    link.look_now()
+    link._look_now()
     assert seen.get_nowait() == (threading.current_thread().name, ("t1", "d0", "c1", 3, 4096))
-    link.look_now()  # taken: not reported again
+    link._look_now()  # taken: not reported again
     assert seen.empty() and comm.looked == 2
 
 
@@ -275,7 +256,7 @@ def test_the_look_right_after_a_send_never_raises_into_that_send(made: Any) -> N
     comm.receive = (3, transfer_tag("t1"), 4096)
     link._watch.add("t1", broken)
     link._probing = True
-    link.look_now()  # no exception
+    link._look_now()  # no exception
     assert comm.looked == 1
 
 
@@ -292,68 +273,3 @@ def test_closing_the_poller_ends_its_wait_on_the_bell(made: Any, seen: queue.Que
     assert thread is not None
     link.poller.close(timeout_s=10)
     assert not thread.is_alive() and link.poller._wake is None and seen.empty()
-
-
-# -- D: the producer's note that it staged a load's transfer ------------------------------------
-
-
-def _noted(seen: queue.Queue[tuple[str, tuple[Any, ...]]], transfer_id: str) -> nccl_link.Noted:
-    return lambda *args: seen.put((threading.current_thread().name, (transfer_id, *args)))
-
-
-def test_p_tells_d_over_their_communicator_and_d_hears_it_once_for_a_watched_load(
-    made: Any, seen: queue.Queue,
-) -> None:
-    """P's link tells D's (`tell_staged`, over the communicator with D); D's poller hands
-    the note to the load watching for it, in its own thread, with the bytes P staged.
-    A load no longer watched hears nothing, and once nothing is watched the probe ends."""
-    d_comm = _Comm("p0:0", "c1")
-    d = made(d_comm)
-    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    d.watch_staged("t2", "p0:0", _noted(seen, "t2"))
-    d.unwatch_staged("t2")
-    p.tell_staged("d0:0", "t2", 8192)
-    p.tell_staged("d0:0", "t1", 4096, "ab12")
-    p.tell_staged("d9:0", "t1", 4096)  # no communicator with that one: nothing told
-    assert seen.get(timeout=10) == (d.poller.name, ("t1", "c1", 4096, "ab12"))
-    wait_until(lambda: not d._probing, 10, "D's probe to end once nothing is watched")
-    assert seen.empty() and not d._staged
-
-
-def test_a_note_over_another_communicator_than_the_producers_is_not_heard(made: Any, seen: queue.Queue) -> None:
-    """A receive pairs with P's send only on the communicator P sends on: a note that came
-    over another (one D has since replaced, or another P rank's) starts nothing."""
-    d = made(_Comm("p0:0", "c2"))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    old = _Comm("d0:0", "c1", bell=d.cache.bell)  # P's side of a communicator D no longer has
-    old.tell_staged(transfer_tag("t1"), 4096)
-    with pytest.raises(queue.Empty):
-        seen.get(timeout=0.3)
-    _Comm("d0:0", "c2", bell=d.cache.bell).tell_staged(transfer_tag("t1"), 4096)
-    assert seen.get(timeout=10)[1] == ("t1", "c2", 4096, "")
-
-
-def test_a_note_that_came_before_its_load_watched_is_kept_for_it(made: Any, seen: queue.Queue) -> None:
-    """P may stage before D's engine takes the request: the note waits (in the FIFO, then
-    among the notes kept) and the watch hears it as it starts, even after other loads'
-    notes were taken meanwhile."""
-    d = made(_Comm("p0:0", "c1"))
-    p = made(_Comm("d0:0", "c1", bell=d.cache.bell))
-    p.tell_staged("d0:0", "early", 2048)
-    p.tell_staged("d0:0", "t1", 4096)
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    assert seen.get(timeout=10)[1] == ("t1", "c1", 4096, "")
-    wait_until(lambda: not d._probing, 10, "D's probe to end")
-    d.watch_staged("early", "p0:0", _noted(seen, "early"))
-    assert seen.get(timeout=10) == (threading.current_thread().name, ("early", "c1", 2048, ""))  # kept: at once
-    assert not d._staged
-
-
-def test_d_watches_nothing_without_a_communicator_with_the_producer_that_writes_into_blocks(
-    made: Any, seen: queue.Queue,
-) -> None:
-    d = made(_Comm("p0:0", "c1", into_blocks=False))
-    d.watch_staged("t1", "p0:0", _noted(seen, "t1"))
-    d.watch_staged("t2", "p1:0", _noted(seen, "t2"))
-    assert not d._probing and not d._staged

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from connector import nccl_link
-from connector.nccl_link import NcclLink, Poller, Posted, SendOrder, TagWatch
+from connector.nccl_link import NcclLink, Poller, Posted, ReceiveWatch, SendOrder
 from protocols.errors import TransferFailed
 from tests.support import wait_until
 from workers.transports.bell import Bell, Ringer
@@ -116,8 +116,7 @@ class _Streaming:
 def link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(nccl_link.torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU here
     made = NcclLink.__new__(NcclLink)
-    made._lock, made._watch, made._probing = threading.Lock(), TagWatch(), False
-    made._staged, made._notes = TagWatch(), OrderedDict()
+    made._lock, made._watch, made._probing = threading.Lock(), ReceiveWatch(), False
     made._send_order, made._order_lock = SendOrder(), threading.Lock()
     made._inflight, made._cancelled, made._order_changed = {}, OrderedDict(), {}
     made.device, made.stream = None, None

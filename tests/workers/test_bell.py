@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.transports.bell import BELL_PREFIX, NOTES_KEPT, SWEEP_AFTER_S, Bell, Note, Ringer, bell_path, sweep
+from workers.transports.bell import BELL_PREFIX, SWEEP_AFTER_S, Bell, Ringer, bell_path, sweep
 
 
 def _ready(bell: Bell, timeout_s: float) -> bool:
@@ -113,71 +113,3 @@ def test_a_bell_left_by_a_dead_worker_is_swept_once_old_and_a_live_one_never(tmp
         assert live.drain()
     finally:
         live.close()
-
-
-def _note(i: int) -> Note:
-    return Note(bytes([i]) * 64, 1000 + i, f"{i:016x}")
-
-
-def test_notes_come_in_order_between_plain_rings_and_are_taken_once(bell: Bell) -> None:
-    ringer = Ringer(os.path.dirname(bell.path), bell.token)
-    try:
-        ringer.ring()
-        ringer.ring(_note(1))
-        ringer.ring()
-        ringer.ring(_note(2))
-        assert _ready(bell, 10) and bell.drain()
-        assert bell.take_notes() == [_note(1), _note(2)]
-        assert bell.take_notes() == [] and not bell.drain()
-    finally:
-        ringer.close()
-
-
-def test_a_note_cut_by_the_end_of_a_read_is_whole_at_the_next_drain(bell: Bell) -> None:
-    """A drain reads 4,096 bytes at a time: with more than that in the FIFO, a read may end
-    inside a note, whose rest the next read (or drain) brings."""
-    ringer = Ringer(os.path.dirname(bell.path), bell.token)
-    try:
-        size = len(_note(0).pack())
-        assert 4096 % size  # so that some read ends inside a note
-        count = 3 * 4096 // size + 1
-        for i in range(count):
-            ringer.ring(_note(i % 256))
-        assert bell.drain()
-        assert bell.take_notes() == [_note(i % 256) for i in range(count)]
-        # Cut by hand: the first part of a note now, the rest with the next drain.
-        packed = _note(7).pack()
-        os.write(ringer.fd, packed[:10])
-        assert bell.drain() and bell.take_notes() == []
-        os.write(ringer.fd, packed[10:])
-        assert bell.drain() and bell.take_notes() == [_note(7)]
-    finally:
-        ringer.close()
-
-
-def test_notes_nobody_takes_keep_only_the_latest(bell: Bell) -> None:
-    ringer = Ringer(os.path.dirname(bell.path), bell.token)
-    try:
-        for i in range(NOTES_KEPT + 10):
-            ringer.ring(_note(i % 256))
-        assert bell.drain()
-        assert bell.take_notes() == [_note(i % 256) for i in range(10, NOTES_KEPT + 10)]
-    finally:
-        ringer.close()
-
-
-def test_a_full_fifo_drops_a_note_without_blocking(bell: Bell) -> None:
-    ringer = Ringer(os.path.dirname(bell.path), bell.token)
-    try:
-        assert ringer.fd is not None
-        for size in (4096, 1):  # fill it with plain rings until not one more byte fits
-            while True:
-                try:
-                    os.write(ringer.fd, b"\x01" * size)
-                except BlockingIOError:
-                    break
-        ringer.ring(_note(3))  # dropped: it does not block or raise
-        assert bell.drain()
-        assert bell.take_notes() == []
-    finally:
-        ringer.close()

@@ -312,12 +312,6 @@ class Communicator:
         """P: whether the peer's receive for the next send goes straight into its blocks."""
         return False
 
-    def tell_staged(self, tag: bytes, nbytes: int, prompt: str = "") -> None:
-        """P: tell the peer that the transfer tagged `tag` is staged (`nbytes`, for the
-        prompt of digest `prompt`) and goes to it, so it may post its receive straight into its blocks before the broker's
-        Prepare. A hint: never blocks, and may be lost."""
-        raise NotImplementedError(f"the {self.backend} backend does not write into blocks")
-
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         """P: the peer's receive for the next send, if it is posted and goes straight into
         its blocks: its number, the tag of its transfer, its bytes. Never waits: raises

@@ -106,7 +106,7 @@ from .ipc_mailbox import (
     pairing_error,
 )
 from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
-from .bell import Note, Ringer
+from .bell import Ringer
 from .cuda_driver import CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
@@ -768,9 +768,6 @@ class IpcCommunicator(Communicator):
 
     def next_receive_takes_blocks(self) -> bool:
         return self.receive_kind(self.next_send) == BLOCKS
-
-    def tell_staged(self, tag: bytes, nbytes: int, prompt: str = "") -> None:
-        self.ringer.ring(Note(tag, nbytes, self.nonce, prompt))
 
     def next_block_receive(self) -> tuple[int, bytes, int] | None:
         # Under `lock`, which an abort holds to close the page; not waited for: a post

@@ -26,10 +26,17 @@ class _IpcHandle(ctypes.Structure):
 class CudaDriver:
     """The few CUDA driver calls this backend needs (libcuda, which any CUDA process has)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, kept: ctypes.CDLL | None = None) -> None:
         u64, ptr, uint, vp = ctypes.c_uint64, ctypes.POINTER, ctypes.c_uint, ctypes.c_void_p
         self._lib = lib
         self._fns: dict[str, Any] = {}
+        # The calls a transfer's post makes (a context made current, a stream's wait or
+        # write of a word, a copy of a few block ids) are bound through `kept`, which
+        # keeps the GIL for the call, as `nccl_lib` binds its enqueues: each takes
+        # microseconds, but a thread that lets go of the GIL for one may then wait for
+        # another thread, a spinning poller or the engine's, to give it back. None of
+        # them blocks: the others (IPC handles opened and closed) let go of it.
+        held = {"cuCtxSetCurrent", "cuStreamWaitValue64", "cuStreamWriteValue64", "cuMemcpyAsync"}
         for name, args, alts in (
             ("cuGetErrorString", [ctypes.c_int, ptr(ctypes.c_char_p)], ()),
             ("cuDeviceGet", [ptr(ctypes.c_int), ctypes.c_int], ()),
@@ -45,8 +52,9 @@ class CudaDriver:
             ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp], ()),
         ):
             fn = None
+            via = kept if kept is not None and name in held else lib
             for symbol in (*alts, name):  # the versioned symbol first: the plain one may be the old ABI
-                fn = getattr(lib, symbol, None)
+                fn = getattr(via, symbol, None)
                 if fn is not None:
                     break
             if fn is None:
@@ -120,7 +128,7 @@ def driver() -> CudaDriver | None:
     with _DRIVER_LOCK:
         if not _DRIVER:
             try:
-                _DRIVER.append(CudaDriver(ctypes.CDLL("libcuda.so.1")))
+                _DRIVER.append(CudaDriver(ctypes.CDLL("libcuda.so.1"), ctypes.PyDLL("libcuda.so.1")))
             except OSError as exc:
                 _DRIVER.append(None)
                 _DRIVER_ERROR.append(f"the CUDA driver library is not usable here ({exc})")

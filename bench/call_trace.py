@@ -47,7 +47,7 @@ ENV = "KVBROKER_CALL_TRACE"
 TARGETS: dict[str, dict[str, list[str]]] = {
     "connector.worker": {"ConnectorWorker": [
         "bind", "save_kv_layer", "wait_for_save", "start_load_kv", "get_finished", "on_prepare", "on_go", "spawn"]},
-    "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_offer_now", "_receive_seen", "_sent_on_receive",
+    "connector.producer": {"ProducerSide": ["_offer_all", "_offer", "_receive_seen", "_sent_on_receive",
                                             "_go_on_receive", "on_go"]},
     "connector.consumer": {"ConsumerSide": [
         "on_prepare", "get_finished", "_await_landing", "_collect", "_scatter", "_landed_in_place", "_received",

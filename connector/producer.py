@@ -57,7 +57,7 @@ import anyio
 import torch
 
 from protocols.errors import TransferFailed
-from protocols.messages import Abort, Go, Offer, Release
+from protocols.messages import Abort, Go, Release
 from workers.gpu_staging import StepLayers, current_stream, layers_in_order
 from workers.groups import GroupRows, gather_layer_rows
 from workers.layout import StepGather, gather_layer_into_staging, staging_view, wire_layout
@@ -377,42 +377,10 @@ class ProducerSide:
             self._layers.copied(idx)  # its send never takes this layer
 
     def _send_offers(self) -> None:
-        """Send the step's Offers from this thread where the broker session allows, else
-        hand them to the client's loop (not awaited: a step never waits on it). From here
-        they leave while the first layer's kernels run; handed over, they waited for the
-        loop thread to get the GIL from this one's saves (0.4-0.6 ms on one H100)."""
-        if not self._offers:
-            return
-        offers, self._offers = self._offers, []
-        sent = self._offer_now(offers)
-        if len(sent) < len(offers):
-            self.w.spawn(self._offer_all, offers[len(sent):])
-
-    def _offer_now(self, offers: list[tuple[str, _Staged]]) -> list[tuple[str, _Staged]]:
-        """`_offer` for the longest run of `offers` that can leave from this thread now,
-        without waiting for anything (their lines are logged on the loop); those sent."""
-        w = self.w
-        if w.client is None:
-            return []
-        with w.lock:  # a dropped one, and those after it, go to `_offer`, which Aborts it behind its Offer
-            live = next((k for k, (tid, staged) in enumerate(offers)
-                         if staged.dropped or self._staged.get(tid) is not staged), len(offers))
-        first = next(iter(w.layouts.values()))
-        try:
-            msgs = [Offer(transfer_id=tid, nbytes=staged.lease.nbytes, decode=staged.spec.decode,
-                          prompt=staged.spec.tokens, layout=wire_layout(first, len(w.layers), len(staged.spec.block_ids)))
-                    for tid, staged in offers[:live]]
-            sent = offers[: w.client.client.offer_now(msgs)] if msgs else []
-        except Exception as exc:  # never into vLLM's forward pass: the loop's `_offer` tries again
-            w.log.warning("broker.send_failed", phase="offer", error=repr(exc))
-            return []
-        for tid, staged in sent:
-            w.count("offered")
-            if w.nccl is not None and staged.feed is not None and w.groups is None:  # it may go into D's blocks
-                w.nccl.watch_receive(tid, self._receive_seen)
-        if sent:
-            w.spawn(self._offered, sent)
-        return sent
+        """Hand the step's Offers to the client's loop (not awaited: a step never waits on it)."""
+        if self._offers:
+            offers, self._offers = self._offers, []
+            self.w.spawn(self._offer_all, offers)
 
     def _copy_failed(self, layer_name: str, failed: list[tuple[str, Exception]]) -> None:
         """Saves whose layer could not be copied (a block id outside the cache, a layer
@@ -486,19 +454,15 @@ class ProducerSide:
         w.count("offered")
         if w.nccl is not None and staged.feed is not None and w.groups is None:  # it may go into D's blocks
             w.nccl.watch_receive(tid, self._receive_seen)
-        await self._offered([(tid, staged)])
-
-    async def _offered(self, offered: list[tuple[str, _Staged]]) -> None:
-        for tid, staged in offered:
-            self.w.log.info(
-                "transfer.offered",
-                transfer_id=tid,
-                phase="offer",
-                req_id=staged.spec.req_id,
-                nbytes=staged.lease.nbytes,
-                blocks=len(staged.spec.block_ids),
-                decode=staged.spec.decode or None,
-            )
+        w.log.info(
+            "transfer.offered",
+            transfer_id=tid,
+            phase="offer",
+            req_id=staged.spec.req_id,
+            nbytes=nbytes,
+            blocks=len(staged.spec.block_ids),
+            decode=staged.spec.decode or None,
+        )
 
     async def _offer_aborted(self, tid: str, spec: SaveSpec, nbytes: int, reason: str) -> None:
         """A save that will never be sent (not staged, or dropped before its Offer left):

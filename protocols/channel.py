@@ -20,14 +20,12 @@ signal without anything becoming ready for *us*. Three rules follow:
 A receive takes a message only in synchronous code, after its last cancellable await,
 so a cancelled receive never loses a message. `close()` marks the channel closed, wakes
 the poller with `anyio.notify_closing` and only then closes the socket, so no backend
-is left watching a closed fd. All of this runs in the event loop's thread, with one
-exception: `send_from_thread`, which takes the lock every call into the socket holds,
-and hands rule 3 back to the loop's thread. Never touch the socket otherwise.
+is left watching a closed fd. All of this runs in the event loop's thread: never touch
+the socket from another thread while the channel owns it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from types import MethodType, TracebackType
 from typing import TypeVar, cast
@@ -97,9 +95,6 @@ class ZmqChannel:
         # option up in pyzmq's enum; two a message were 4 us of a broker's handshake).
         self._router = sock.getsockopt(zmq.TYPE) == zmq.ROUTER
         self._closed = False
-        # Held by every call into the socket: `send_from_thread` may call in from another
-        # thread, and a zmq socket must never be used by two threads at once.
-        self._lock = threading.Lock()
         self._poll_scope: anyio.CancelScope | None = None  # set while a task waits on the fd
         self._changed: anyio.Event | None = None  # where the other waiters park
         self._want_in = 0
@@ -139,56 +134,6 @@ class ZmqChannel:
             raise self._failed(exc, frames[0]) from exc
         self._after_op()
 
-    def send_from_thread(
-        self, messages: Sequence[Sequence[bytes]], schedule: Callable[[Callable[[], object]], object]
-    ) -> int:
-        """Send multipart messages now, in order, from a thread other than the loop's; how
-        many left. The rest did not: the channel is closed, or zmq would block, and the
-        caller then sends them on the loop.
-
-        `schedule` is the loop's own thread-safe "call this soon": a send may have drained
-        the socket's mailbox and spent the edge a task on the loop sleeps on, so the loop
-        reads `zmq.EVENTS` again on its own thread (rule 3), where its waiters are.
-        """
-        sent = 0
-        for frames in messages:
-            _check_frames(frames)
-            if self._closed or not self._send_now(frames):
-                break
-            sent += 1
-        if sent:
-            try:
-                schedule(self._after_foreign_send)
-            except RuntimeError:  # the loop has stopped: nothing waits on the socket any more
-                pass
-        return sent
-
-    def _send_now(self, frames: Sequence[bytes]) -> bool:
-        """`send_from_thread`'s send: tried again once after reading `zmq.EVENTS` (which
-        processes the mailbox, where room that came back may wait), as `_io` does."""
-        for _ in range(2):
-            try:
-                self._send_frames(frames)
-                return True
-            except zmq.Again:
-                try:
-                    with self._lock:
-                        if not cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-                            return False
-                except zmq.ZMQError:
-                    return False
-            except zmq.ZMQError:  # a socket closed meanwhile: the loop's send decides
-                return False
-        return False
-
-    def _after_foreign_send(self) -> None:
-        """On the loop's thread, after `send_from_thread`: rule 3 for its send."""
-        if not self._closed:
-            try:
-                self._after_op()
-            except KvBrokerError:  # the socket is done for: its waiters learn so themselves
-                pass
-
     def receive_nowait(self) -> list[bytes]:
         """Take the next multipart message if one is queued, else raise `anyio.WouldBlock`.
 
@@ -222,19 +167,17 @@ class ZmqChannel:
         # the send itself for small messages; plain ints keep the hot path cheap. Frames
         # after the first are never refused: zmq delivers a multipart message whole.
         send = self._raw_send
-        with self._lock:
-            for frame in frames[:-1]:
-                send(frame, _SNDMORE_NOBLOCK)
-            send(frames[-1], _NOBLOCK)
+        for frame in frames[:-1]:
+            send(frame, _SNDMORE_NOBLOCK)
+        send(frames[-1], _NOBLOCK)
 
     def _recv_frames(self) -> list[bytes]:
         recv, more = self._sock.recv, self._raw_get
-        with self._lock:
-            frames = [recv(_NOBLOCK)]
-            if self._router:  # the rest of a message is there once its first frame is
-                frames.append(recv(_NOBLOCK))
-            while more(_RCVMORE):
-                frames.append(recv(_NOBLOCK))
+        frames = [recv(_NOBLOCK)]
+        if self._router:  # the rest of a message is there once its first frame is
+            frames.append(recv(_NOBLOCK))
+        while more(_RCVMORE):
+            frames.append(recv(_NOBLOCK))
         return frames
 
     def close(self) -> None:
@@ -245,8 +188,7 @@ class ZmqChannel:
         if self._poll_scope is not None:
             anyio.notify_closing(self._fd)
         self._wake()
-        with self._lock:
-            self._sock.close()
+        self._sock.close()
 
     async def aclose(self) -> None:
         self.close()
@@ -334,8 +276,7 @@ class ZmqChannel:
     def _events(self) -> int:
         """Read `zmq.EVENTS`, handing any readiness on to parked tasks (rule 3)."""
         try:
-            with self._lock:
-                events = cast(int, self._sock.getsockopt(zmq.EVENTS))
+            events = cast(int, self._sock.getsockopt(zmq.EVENTS))
         except zmq.ZMQError as exc:
             raise self._error(exc) from exc
         if (events & zmq.POLLIN and self._want_in) or (events & zmq.POLLOUT and self._want_out):

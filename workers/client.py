@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Awaitable, Callable, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Protocol
 
 import anyio
 import anyio.abc
@@ -49,7 +49,7 @@ from protocols.messages import (
     Relay,
     Release,
 )
-from workers.waker import Spawner, loop_scheduler
+from workers.waker import Spawner
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -103,7 +103,6 @@ class BrokerClient:
         self.registered: Registered | None = None
         self.registrations = 0
         self._chan: ZmqChannel | None = None
-        self._schedule: Callable[[Callable[[], object]], object] | None = None  # the loop's call-soon
         self._connected: anyio.Event | None = None
         self._offers: dict[str, Offer] = {}
         # Until its Done, an Abort either way, or a refusal: a session registered again
@@ -138,7 +137,6 @@ class BrokerClient:
     async def _run(self, task_status: anyio.abc.TaskStatus[Registered]) -> None:
         ctx = zmq.Context()
         backoff = 0.05
-        self._schedule = loop_scheduler()
         self._connected = anyio.Event()
         try:
             async with anyio.create_task_group() as tasks:
@@ -306,19 +304,6 @@ class BrokerClient:
         msg = Offer(transfer_id=transfer_id, nbytes=nbytes, layout=layout or Layout(), decode=decode, prompt=prompt)
         self._offers[transfer_id] = msg
         await self.send(msg, tracked=True)
-
-    def offer_now(self, offers: Sequence[Offer]) -> int:
-        """`offer` for each of `offers`, in order, from any thread, without waiting for the
-        loop: how many have left. The rest could not leave now (no session, or zmq would
-        block), and the caller then awaits `offer` for them on the loop. All are recorded,
-        so registering again re-sends them (the broker takes an Offer sent again as the
-        same one)."""
-        chan, schedule = self._chan, self._schedule
-        for msg in offers:
-            self._offers[msg.transfer_id] = msg
-        if chan is None or schedule is None:
-            return 0
-        return chan.send_from_thread([[self.codec.encode(msg)] for msg in offers], schedule)
 
     async def expect(self, transfer_id: str, prefill: str = "", *, nbytes: int = 0, into_blocks: bool = False,
                      announce: bool = True) -> None:

@@ -13,7 +13,7 @@ import anyio.abc
 import anyio.lowlevel
 
 
-def loop_scheduler() -> Callable[[Callable[[], object]], object]:
+def _scheduler() -> Callable[[Callable[[], object]], object]:
     """The current loop's own thread-safe "call this soon" (asyncio's or trio's): it
     queues the call and returns at once, unlike `anyio.from_thread.run_sync`, which
     waits until the loop has run it."""
@@ -29,7 +29,7 @@ def make_waker(event: anyio.Event) -> Callable[[], None]:
     Call it on the event's own loop: it captures that loop's token. From that loop's
     thread it sets the event directly; from any other thread it schedules the set there.
     """
-    schedule = loop_scheduler()
+    schedule = _scheduler()
     owner = threading.get_ident()
 
     def wake() -> None:
@@ -63,7 +63,7 @@ class Spawner:
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start every task handed to `spawn`, until cancelled (its tasks with it)."""
-        self._schedule = loop_scheduler()
+        self._schedule = _scheduler()
         async with anyio.create_task_group() as tasks:
             task_status.started()
             while True:

@@ -172,47 +172,6 @@ def test_go_during_the_forward_pass_waits_for_the_copy(broker: BrokerProcess) ->
         d.close()
 
 
-def test_the_first_save_sends_the_offer_itself_while_the_clients_loop_is_busy(broker: BrokerProcess) -> None:
-    """The step's Offer leaves from the engine's thread at its first save, without
-    waiting for the client's loop thread (which in a GPU worker waits for the GIL that
-    the saves hold): the broker has it while that loop is still held up."""
-    pc, dc = make_caches(seed=41), make_caches(seed=42)
-    p = make_worker(broker.endpoint, "p", "p0", pc)
-    d = make_worker(broker.endpoint, "d", "d0", dc)
-    held, release = threading.Event(), threading.Event()
-
-    async def hold_the_loop() -> None:
-        held.set()
-        release.wait(20)  # blocks the loop's thread itself, not just this task
-
-    try:
-        src, dst = [6, 7], [30, 31]
-        saved = {n: t[src].clone() for n, t in pc.items()}
-        load(d, "t-now", dst, cached=0)
-        p.spawn(hold_the_loop)
-        assert held.wait(10)
-        spec = SaveSpec(req_id="req-t-now", block_ids=src, num_tokens=len(src) * 32 - 5, decode="d0")
-        p.bind(KvBrokerMetadata(saves={"t-now": spec}))
-        p.save_kv_layer(LAYERS[0], pc[LAYERS[0]])
-        wait_until(lambda: any(t["transfer_id"] == "t-now" and t["state"] != "expected"
-                               for t in broker.status()["transfers"]), 10, "the Offer at the broker")
-        assert not release.is_set()
-        release.set()
-        for name in LAYERS[1:]:
-            p.save_kv_layer(name, pc[name])
-        p.wait_for_save()
-        p.clear()
-        _, errors, _ = run_steps(d, {"req-t-now"}, 10)
-        assert errors == set()
-        for n in LAYERS:
-            assert torch.equal(dc[n][dst], saved[n])
-        assert p.statistics()["offered"] == 1
-    finally:
-        release.set()
-        p.close()
-        d.close()
-
-
 @pytest.mark.parametrize("twin", ["shipped", "unsafe"])
 def test_a_go_during_the_forward_pass_streams_each_layer_once_copied(broker: BrokerProcess, twin: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

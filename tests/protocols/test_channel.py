@@ -7,8 +7,7 @@ through zmq's socket monitor rather than guessed with delays.
 from __future__ import annotations
 
 import select
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import cast
 
 import anyio
@@ -26,7 +25,6 @@ from protocols.channel import (
 from protocols.codec import Codec
 from protocols.errors import ChannelClosed, InvalidMessage, OversizedMessage, RemoteProtocolError
 from protocols.messages import Heartbeat, Layout, Offer, Register, Registered
-from workers.waker import loop_scheduler
 
 LOOPBACK = "tcp://127.0.0.1:0"
 DEADLINE = 10.0
@@ -305,93 +303,6 @@ async def test_a_send_does_not_strand_a_waiting_receiver(ctx: zmq.Context, poke:
                     sends += 1
                     assert sends < 1_000_000
     assert got == [want]
-
-
-def _from_thread(chan: ZmqChannel, frames: list[bytes], schedule: Callable[[Callable[[], object]], object]) -> bool:
-    """`chan.send_from_thread` of one message, called from a thread of its own; whether it sent."""
-    sent: list[int] = []
-    thread = threading.Thread(target=lambda: sent.append(chan.send_from_thread([frames], schedule)))
-    thread.start()
-    thread.join(DEADLINE)
-    assert sent, "send_from_thread did not return"
-    return sent[0] == 1
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("loop_rereads", [True, False])
-async def test_a_send_from_another_thread_does_not_strand_the_loops_receiver(
-    ctx: zmq.Context, loop_rereads: bool
-) -> None:
-    """A worker's engine thread sends its Offers on the client's socket itself
-    (`send_from_thread`). Such a send may drain the mailbox whose signal the loop's
-    receiver sleeps on, and that receiver can only be woken on its own thread: the
-    channel has the loop read `zmq.EVENTS` again there. Without that re-read (the
-    control: a schedule that drops it) the receiver stays stranded."""
-    r, d = make_pair(ctx)
-    got: list[list[bytes]] = []
-    dropped: list[Callable[[], object]] = []
-
-    async def receive_one() -> None:
-        got.append(await d.receive())
-
-    fd = cast(int, d.socket.getsockopt(zmq.FD))
-    async with r, d:
-        with anyio.fail_after(DEADLINE):
-            schedule = loop_scheduler() if loop_rereads else dropped.append
-            identity = await introduce(r, d)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(receive_one)
-                await anyio.wait_all_tasks_blocked()
-                r.send_nowait([identity, b"ping"])
-                # Without yielding to the receiver: wait for the signal, then send from
-                # another thread until a send has drained it.
-                select.select([fd], [], [], DEADLINE)
-                sends = 0
-                while select.select([fd], [], [], 0)[0]:
-                    assert _from_thread(d, [b"pong"], schedule)
-                    sends += 1
-                    assert sends < 1_000_000
-                if not loop_rereads:
-                    await anyio.wait_all_tasks_blocked()
-                    assert got == []  # stranded: its fd's edge is spent
-                    assert len(dropped) == sends
-                    dropped[-1]()  # the re-read the channel asked for, run on the loop's thread
-            for _ in range(sends):
-                assert await r.receive() == [identity, b"pong"]
-    assert got == [[b"ping"]]
-
-
-@pytest.mark.anyio
-async def test_a_send_from_another_thread_that_cannot_go_now_sends_nothing(ctx: zmq.Context) -> None:
-    """Nothing sent once the queues up to the peer are full, or once closed, and said
-    so: the caller then sends on the loop, where the channel waits for room. Of several
-    messages, those before the one that could not go left, in order."""
-    sock, endpoint = router(ctx, LOOPBACK, hwm=1)
-    r = ZmqChannel(sock)
-    d = ZmqChannel(dealer(ctx, endpoint, b"d1", hwm=1))
-    scheduled: list[Callable[[], object]] = []
-    big = b"k" * 65536  # the socket buffers between them fill after some tens of these
-    async with r:
-        with anyio.fail_after(DEADLINE):
-            identity = await introduce(r, d)
-            sent = 0
-            while _from_thread(d, [b"x%d" % sent, big], scheduled.append):
-                sent += 1
-                assert sent < 100_000
-            assert sent > 0 and len(scheduled) == sent  # a re-read on the loop for each send that left
-            for k in range(sent):
-                assert await r.receive() == [identity, b"x%d" % k, big]
-            many = tries = 0
-            while not many:  # room again, once the sockets on the way have drained
-                many = d.send_from_thread([[b"y%d" % k, big] for k in range(10_000)], scheduled.append)
-                tries += 1
-                assert tries < 1_000_000
-            assert many < 10_000
-            for k in range(many):
-                assert await r.receive() == [identity, b"y%d" % k, big]
-            d.close()
-            assert not _from_thread(d, [b"late"], scheduled.append)
-            assert len(scheduled) == sent + 1
 
 
 @pytest.mark.anyio

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from protocols.codec import Codec
-from protocols.messages import Go, Goodbye, Offer, Prepare, Register, Registered
+from protocols.messages import Go, Goodbye, Prepare, Register, Registered
 from broker.status import fetch_status
 from tests.support import BrokerProcess, wait_until
 from workers.client import BrokerClient, ClientConfig, NullHandler, SyncBrokerClient
@@ -123,48 +123,6 @@ async def test_an_offer_made_while_the_broker_is_down_goes_out_once(tmp_path: Pa
             assert p.registrations == 2
             counters = broker.status()["counters"]
             assert (counters["offered"], counters["repeated"], counters["errors"]) == (1, 0, 0), counters
-            tg.cancel_scope.cancel()
-    finally:
-        broker.stop()
-
-
-async def test_an_offer_sent_from_another_thread_is_routed_and_re_sent_after_a_restart(
-    tmp_path: Path, anyio_backend: str
-) -> None:
-    """`offer_now` from a thread that is not the loop's: the broker routes the Offer (D's
-    Prepare, then P's Go); with no session it sends nothing and says so, and the Offer it
-    recorded goes out when the client registers again."""
-    broker = BrokerProcess(tmp_path, "--heartbeat", "0.2", "--peer-lease", "1")
-    broker.start()
-
-    class Prefill(NullHandler):
-        def __init__(self) -> None:
-            self.gone: dict[str, anyio.Event] = {"t1": anyio.Event(), "t2": anyio.Event()}
-
-        async def on_go(self, msg: Go) -> None:
-            self.gone[msg.transfer_id].set()
-
-    handler, dec = Prefill(), Decode()
-    cfg = ClientConfig(broker=broker.endpoint, reconnect_max_s=0.2)
-    p = BrokerClient(cfg, Register(role="prefill", instance_id="p", compat_hash="h"), handler)
-    d = BrokerClient(cfg, Register(role="decode", instance_id="d", pool_capacity=1 << 20, compat_hash="h"), dec)
-    dec.client = d
-    try:
-        async with anyio.create_task_group() as tg:
-            await tg.start(p.run)
-            await tg.start(d.run)
-            with anyio.fail_after(10):
-                assert await anyio.to_thread.run_sync(p.offer_now, [Offer(transfer_id="t1", nbytes=10)]) == 1
-                await handler.gone["t1"].wait()
-            broker.kill()
-            with anyio.fail_after(10):
-                while p.connected or d.connected:  # the broker's silence ends each session after its 1 s lease
-                    await anyio.sleep(0.02)
-            assert await anyio.to_thread.run_sync(p.offer_now, [Offer(transfer_id="t2", nbytes=10)]) == 0
-            broker.start()
-            with anyio.fail_after(20):
-                await handler.gone["t2"].wait()  # re-sent on registering again, never sent before
-            assert p.registrations == 2
             tg.cancel_scope.cancel()
     finally:
         broker.stop()

@@ -14,6 +14,7 @@ caches of one GPU as between two GPUs).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -525,6 +526,15 @@ def test_over_ipc_each_transfer_goes_straight_into_the_blocks(broker: BrokerProc
         d.close()
 
 
+def waits_on_bells(poller: nccl_link.Poller) -> bool:
+    """The poller has looked for every transfer watched so far and now waits only for a
+    bell: no look asked for and none timed. `_listening` alone may be left over from
+    before the last transfer was watched, and D's receive, posted before the poller's
+    first look, would then be found without a ring."""
+    with poller._cond:
+        return poller._listening and poller._asked == poller._looked and math.isinf(poller._look_at)
+
+
 @pytest.mark.skipif(not _OVER_IPC, reason="the ipc backend's own path")
 @pytest.mark.parametrize("rings", [True, False], ids=["rings", "twin_silent"])
 def test_over_ipc_a_claim_long_after_the_offer_still_sends_on_ds_receive(
@@ -566,7 +576,7 @@ def test_over_ipc_a_claim_long_after_the_offer_still_sends_on_ds_receive(
             stage(p, pc, f"c{i}", src, decode="d0")
             for t in pc.values():
                 t[:, src] = -7.0
-            wait_until(lambda: p.statistics()["offered"] == i + 2 and link.poller._listening, 10,
+            wait_until(lambda: p.statistics()["offered"] == i + 2 and waits_on_bells(link.poller), 10,
                        f"P's poller to wait on its bell for c{i}'s receive")
             load(d, f"c{i}", dst, cached=0)
             assert not run_steps(d, {f"req-c{i}"}, timeout=30)[1], f"transfer c{i} failed to load"

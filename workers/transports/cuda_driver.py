@@ -26,7 +26,7 @@ class _IpcHandle(ctypes.Structure):
 class CudaDriver:
     """The few CUDA driver calls this backend needs (libcuda, which any CUDA process has)."""
 
-    def __init__(self, lib: ctypes.CDLL, kept: ctypes.CDLL | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL, kept: ctypes.PyDLL) -> None:
         u64, ptr, uint, vp = ctypes.c_uint64, ctypes.POINTER, ctypes.c_uint, ctypes.c_void_p
         self._lib = lib
         self._fns: dict[str, Any] = {}
@@ -52,7 +52,7 @@ class CudaDriver:
             ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp], ()),
         ):
             fn = None
-            via = kept if kept is not None and name in held else lib
+            via = kept if name in held else lib
             for symbol in (*alts, name):  # the versioned symbol first: the plain one may be the old ABI
                 fn = getattr(via, symbol, None)
                 if fn is not None:

@@ -28,7 +28,6 @@ class CudaDriver:
 
     def __init__(self, lib: ctypes.CDLL, kept: ctypes.PyDLL) -> None:
         u64, ptr, uint, vp = ctypes.c_uint64, ctypes.POINTER, ctypes.c_uint, ctypes.c_void_p
-        self._lib = lib
         self._fns: dict[str, Any] = {}
         # The calls a transfer's post makes (a context made current, a stream's wait or
         # write of a word, a copy of a few block ids) are bound through `kept`, which

@@ -97,7 +97,6 @@ class NcclLib:
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
         self.path = path
-        self._lib = lib
         p = ctypes.POINTER
 
         # The enqueueing calls are bound twice: through `lib`, which lets go of the GIL for

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
+from workers.transports.cuda_driver import KernelLaunch, driver
+
 
 if TYPE_CHECKING:  # pragma: no cover
     from workers.transports.communicator import LayerSend
@@ -127,10 +129,14 @@ if triton is not None:
                         tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
 
 
+_RUNTIME_ARGS = 8  # `_copy_rows_kernel`'s arguments before its constexprs
+
+
 class _Launcher:
     """Launches `_copy_rows_kernel` through its compiled kernel, skipping Triton's
     per-call argument binding and cache-key building (about half of a launch's host
-    time, and a gather launch is on P's critical path).
+    time, and a gather launch is on P's critical path), through `KernelLaunch` where the
+    driver allows, which keeps the GIL.
 
     Each variant (direction, the pointer alignments and int widths Triton specializes
     on; the int values are `do_not_specialize`) is launched through Triton once, which
@@ -148,7 +154,7 @@ class _Launcher:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled: dict[tuple[bool, ...], Any] = {}
+        self.compiled: dict[tuple[bool, ...], tuple[Any, KernelLaunch | None]] = {}
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
@@ -157,10 +163,14 @@ class _Launcher:
         # of the two tensors that vary, and whether the int arguments need 64 bits.
         key = (bool(args[12]), bool(args[13]), bool(args[14]), ptrs[1] % 16 == 0, ptrs[2] % 16 == 0,
                max(args[3], args[5], args[6]) >= 1 << 31)
-        kernel = self.compiled.get(key)
-        if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
+        compiled = self.compiled.get(key)
+        if compiled is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
             # The tensors stay alive in the caller until the launch returns, as with Triton's own.
+            kernel, kept = compiled
+            if kept is not None:
+                kept(grid[0], stream, (*ptrs, *args[3:8]))
+                return
             kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *(ptrs if self.int_pointers else args[:3]), *args[3:])
             return
@@ -168,7 +178,8 @@ class _Launcher:
             kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10],
                                              BLOCK=args[11], TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14],
                                              num_warps=8)
-        self.compiled.setdefault(key, kernel)
+        if key not in self.compiled:
+            self.compiled[key] = (kernel, KernelLaunch.make(driver(), kernel, _RUNTIME_ARGS))
 
     def check(self, args: tuple[Any, ...]) -> None:
         """Switch the fast path on if it copies as Triton's launch does (`args` gather

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from .ipc_mailbox import HANDLE_BYTES
 
-__all__ = ["CudaDriver", "boot_id", "driver", "driver_error"]
+__all__ = ["CudaDriver", "KernelLaunch", "boot_id", "driver", "driver_error"]
 
 _WAIT_GEQ = 0x0
 _LAZY_PEER_ACCESS = 0x1
+_WORD_MASK = (1 << 64) - 1
 
 
 class _IpcHandle(ctypes.Structure):
@@ -35,7 +37,10 @@ class CudaDriver:
         # microseconds, but a thread that lets go of the GIL for one may then wait for
         # another thread, a spinning poller or the engine's, to give it back. None of
         # them blocks: the others (IPC handles opened and closed) let go of it.
-        held = {"cuCtxSetCurrent", "cuStreamWaitValue64", "cuStreamWriteValue64", "cuMemcpyAsync"}
+        # Kernel launches too (`KernelLaunch`): Triton's own launcher lets go of the GIL
+        # around each, and the gathers launch one a layer from the engine's thread.
+        held = {"cuCtxSetCurrent", "cuStreamWaitValue64", "cuStreamWriteValue64", "cuMemcpyAsync", "cuLaunchKernel",
+                "cuFuncGetParamInfo"}
         for name, args, alts in (
             ("cuGetErrorString", [ctypes.c_int, ptr(ctypes.c_char_p)], ()),
             ("cuDeviceGet", [ptr(ctypes.c_int), ctypes.c_int], ()),
@@ -49,6 +54,8 @@ class CudaDriver:
             ("cuStreamWaitValue64", [vp, u64, u64, uint], ("cuStreamWaitValue64_v2",)),
             ("cuStreamWriteValue64", [vp, u64, u64, uint], ("cuStreamWriteValue64_v2",)),
             ("cuMemcpyAsync", [u64, u64, ctypes.c_size_t, vp], ()),
+            ("cuLaunchKernel", [vp, uint, uint, uint, uint, uint, uint, uint, vp, vp, vp], ()),
+            ("cuFuncGetParamInfo", [vp, ctypes.c_size_t, ptr(ctypes.c_size_t), ptr(ctypes.c_size_t)], ()),
         ):
             fn = None
             via = kept if name in held else lib
@@ -56,6 +63,8 @@ class CudaDriver:
                 fn = getattr(via, symbol, None)
                 if fn is not None:
                     break
+            if fn is None and name == "cuFuncGetParamInfo":  # CUDA 12.4 on: launches then go through Triton
+                continue
             if fn is None:
                 raise OSError(f"libcuda has no {name}")
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -64,9 +73,13 @@ class CudaDriver:
     def _call(self, name: str, *args: Any) -> None:
         rc = self._fns[name](*args)
         if rc:
-            text = ctypes.c_char_p()
-            self._fns["cuGetErrorString"](rc, ctypes.byref(text))
-            raise RuntimeError(f"{name} failed: CUDA error {rc} ({(text.value or b'?').decode()})")
+            self.fail(name, rc)
+
+    def fail(self, name: str, rc: int) -> None:
+        """Raise the error `name` returned as `rc`."""
+        text = ctypes.c_char_p()
+        self._fns["cuGetErrorString"](rc, ctypes.byref(text))
+        raise RuntimeError(f"{name} failed: CUDA error {rc} ({(text.value or b'?').decode()})")
 
     def primary_context(self, ordinal: int) -> int:
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
@@ -115,6 +128,71 @@ class CudaDriver:
     def copy(self, stream: int, dst: int, src: int, nbytes: int) -> None:
         """`stream` copies `nbytes` from `src` to `dst` (any two addresses this context reaches)."""
         self._call("cuMemcpyAsync", dst, src, nbytes, ctypes.c_void_p(stream))
+
+    def param_sizes(self, function: int) -> list[int] | None:
+        """The byte size of each parameter of the loaded kernel `function`, in order, or
+        None where this driver cannot say."""
+        info = self._fns.get("cuFuncGetParamInfo")
+        if info is None or not function:
+            return None
+        sizes: list[int] = []
+        offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+        while len(sizes) < 256 and info(ctypes.c_void_p(function), len(sizes), ctypes.byref(offset),
+                                        ctypes.byref(size)) == 0:
+            sizes.append(int(size.value))
+        return sizes
+
+
+class KernelLaunch:
+    """Launches one compiled Triton kernel through `cuLaunchKernel`, keeping the GIL.
+
+    Triton's launcher lets go of the GIL for every launch; the thread that launched then
+    waits for whichever thread took it (the client's loop, the poller) to give it back.
+    P's engine thread launches a gather a layer, so its saves stretched by the other
+    threads' turns. A launch takes microseconds and never blocks, so this one keeps it.
+
+    The kernel's parameters are its run-time arguments in order, then the pointers
+    Triton appends (scratch space, passed as null): the driver says how many there are
+    and each one's size. `make` returns None where the kernel needs anything else (a
+    cluster, scratch memory, a cooperative or dependent launch), and the caller keeps
+    Triton's launch.
+    """
+
+    def __init__(self, drv: CudaDriver, kernel: Any, sizes: list[int], runtime: int) -> None:
+        self._launch = drv._fns["cuLaunchKernel"]
+        self._drv = drv
+        self.function = ctypes.c_void_p(kernel.function)
+        self.threads = int(kernel.metadata.num_warps) * 32
+        self.shared = int(kernel.metadata.shared)
+        self.count = len(sizes)
+        self.runtime = runtime
+        self._words = ctypes.c_uint64 * self.count
+        self._ptrs = ctypes.c_void_p * self.count
+        self._offsets = tuple(8 * i for i in range(self.count))
+
+    @classmethod
+    def make(cls, drv: CudaDriver | None, kernel: Any, runtime: int) -> KernelLaunch | None:
+        if drv is None:
+            return None
+        meta = getattr(kernel, "metadata", None)
+        sizes = drv.param_sizes(getattr(kernel, "function", 0) or 0)
+        if meta is None or sizes is None or len(sizes) < runtime or any(s not in (4, 8) for s in sizes):
+            return None
+        plain = (getattr(meta, "num_ctas", 1) == 1 and not getattr(meta, "launch_cooperative_grid", False)
+                 and not getattr(meta, "launch_pdl", False) and not getattr(meta, "global_scratch_size", 0)
+                 and not getattr(meta, "profile_scratch_size", 0) and all(s == 8 for s in sizes[runtime:]))
+        return cls(drv, kernel, sizes, runtime) if plain else None
+
+    def __call__(self, grid: int, stream: int, args: Sequence[int]) -> None:
+        """Launch `grid` programs on `stream` (its raw handle) with the run-time `args`
+        (ints: addresses and values), in the current context."""
+        words = self._words(*(a & _WORD_MASK for a in args[: self.runtime]))
+        base = ctypes.addressof(words)
+        params = self._ptrs(*(base + o for o in self._offsets))
+        rc = self._launch(self.function, grid, 1, 1, self.threads, 1, 1, self.shared, ctypes.c_void_p(stream), params,
+                          None)
+        if rc:
+            self._drv.fail("cuLaunchKernel", rc)
 
 
 _DRIVER: list[CudaDriver | None] = []

@@ -81,6 +81,7 @@ def test_a_failed_launch_raises_what_the_driver_said() -> None:
         ([8, 8, 8, 4], {}, "a trailing parameter that is not a pointer"),
         ([8, 8, 8, 16], {}, "a parameter by value of another size"),
         ([8, 8, 8, 8], {"num_ctas": 2}, "a cluster launch"),
+        ([8, 8, 8, 8], {"shared": 229 * 1024}, "oversized shared memory"),
         ([8, 8, 8, 8], {"global_scratch_size": 256}, "scratch memory to allocate"),
         ([8, 8, 8, 8], {"profile_scratch_size": 64}, "a profiler's scratch"),
         ([8, 8, 8, 8], {"launch_pdl": True}, "a dependent launch"),

@@ -19,6 +19,7 @@ __all__ = ["CudaDriver", "KernelLaunch", "boot_id", "driver", "driver_error"]
 _WAIT_GEQ = 0x0
 _LAZY_PEER_ACCESS = 0x1
 _WORD_MASK = (1 << 64) - 1
+_PLAIN_SHARED_BYTES = 228 * 1024  # beyond it Triton launches with an oversized-shared-memory attribute
 
 
 class _IpcHandle(ctypes.Structure):
@@ -154,8 +155,11 @@ class KernelLaunch:
     The kernel's parameters are its run-time arguments in order, then the pointers
     Triton appends (scratch space, passed as null): the driver says how many there are
     and each one's size. `make` returns None where the kernel needs anything else (a
-    cluster, scratch memory, a cooperative or dependent launch), and the caller keeps
-    Triton's launch.
+    cluster, scratch memory, oversized shared memory, a cooperative or dependent
+    launch), and the caller keeps Triton's launch. It launches in the calling thread's
+    current context, which every caller has made the kernel's GPU's (torch's device on
+    the engine's thread, `make_current` on the others); Triton's would fall back to
+    GPU 0's.
     """
 
     def __init__(self, drv: CudaDriver, kernel: Any, sizes: list[int], runtime: int) -> None:
@@ -178,7 +182,8 @@ class KernelLaunch:
         sizes = drv.param_sizes(getattr(kernel, "function", 0) or 0)
         if meta is None or sizes is None or len(sizes) < runtime or any(s not in (4, 8) for s in sizes):
             return None
-        plain = (getattr(meta, "num_ctas", 1) == 1 and not getattr(meta, "launch_cooperative_grid", False)
+        plain = (getattr(meta, "num_ctas", 1) == 1 and int(meta.shared) <= _PLAIN_SHARED_BYTES
+                 and not getattr(meta, "launch_cooperative_grid", False)
                  and not getattr(meta, "launch_pdl", False) and not getattr(meta, "global_scratch_size", 0)
                  and not getattr(meta, "profile_scratch_size", 0) and all(s == 8 for s in sizes[runtime:]))
         return cls(drv, kernel, sizes, runtime) if plain else None

@@ -368,8 +368,8 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
         res["same_process"] = getattr(comm, "same_process", None)
         res["fast_launch"] = comm._copy.fast if comm is not None and comm.backend == "ipc" else None
         if res["fast_launch"]:  # each kernel launches through the driver, keeping the GIL (`KernelLaunch`)
-            res["kept_launch"] = (all(kept is not None for _, kept in comm._copy.compiled.values())
-                                  and comm._blocks.compiled is not None and comm._blocks.compiled[1] is not None)
+            res["kept_launch"] = (all(c.kept is not None for c in comm._copy.compiled.values())
+                                  and comm._blocks.compiled is not None and comm._blocks.compiled.kept is not None)
         cache.close()
         results.put((role, res))
     except BaseException:  # noqa: BLE001 - reported to the test

@@ -159,7 +159,7 @@ def test_precompile_compiles_every_copy_and_leaves_the_cache_alone() -> None:
     assert set(paged._launch.compiled) == known  # nothing new compiled on the transfer's path
     assert all(torch.equal(a, b) for a, b in zip(before, kv))
     # Every variant launches through the driver with the GIL kept (`KernelLaunch`).
-    assert paged._launch.fast and all(kept is not None for _, kept in paged._launch.compiled.values())
+    assert paged._launch.fast and all(c.kept is not None for c in paged._launch.compiled.values())
 
 
 @pytest.mark.gpu

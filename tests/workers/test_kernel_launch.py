@@ -1,4 +1,5 @@
-"""`KernelLaunch`: which compiled kernels it takes, and the parameters it hands the driver.
+"""`KernelLaunch`: which compiled kernels it takes, and the parameters it hands the driver;
+`CompiledKernel`: which of the two launches it makes.
 
 No GPU here, so the driver's `cuLaunchKernel` is a C callback that reads the parameter
 array as the driver would (each entry a pointer to a value of the size the driver
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from workers.transports.cuda_driver import KernelLaunch
+from workers.transports.cuda_driver import CompiledKernel, KernelLaunch
 
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p)
@@ -95,3 +96,35 @@ def test_a_kernel_that_needs_more_than_a_plain_launch_stays_with_tritons(sizes: 
 
 def test_no_driver_no_launch() -> None:
     assert KernelLaunch.make(None, _kernel(), 3) is None
+
+
+class _TritonKernel(SimpleNamespace):
+    """A compiled kernel whose own launcher records its arguments."""
+
+    def run(self, *args: Any) -> None:
+        self.runs.append(args)
+
+
+def _triton_kernel(**meta: Any) -> _TritonKernel:
+    return _TritonKernel(function=0xBEEF, packed_metadata="packed", runs=[],
+                         metadata=SimpleNamespace(**{"num_warps": 16, "shared": 96, **meta}))
+
+
+def test_a_compiled_kernel_launches_through_the_driver_where_it_can() -> None:
+    drv, kernel = _Driver([8, 4, 8]), _triton_kernel()
+    compiled = CompiledKernel(kernel, 2, drv)  # type: ignore[arg-type]
+    compiled(3, 0x99, (0x7F00_0000_2000, 12), ("BLOCK", 1024))
+    assert compiled.kept is not None and not kernel.runs
+    (got,) = drv.launches
+    assert got["grid"] == (3, 1, 1) and got["stream"] == 0x99 and got["params"] == [0x7F00_0000_2000, 12, 0]
+
+
+@pytest.mark.parametrize("drv", [None, _Driver(None), _Driver([8, 8, 8])], ids=["no driver", "no param info", "cluster"])
+def test_a_compiled_kernel_the_driver_cannot_launch_goes_through_tritons_launcher(drv: _Driver | None) -> None:
+    kernel = _triton_kernel(num_ctas=2)
+    compiled = CompiledKernel(kernel, 2, drv)  # type: ignore[arg-type]
+    compiled(3, 0x99, (0x7F00_0000_2000, 12), ("BLOCK", 1024))
+    assert compiled.kept is None and (drv is None or not drv.launches)
+    # Triton's launcher: the grid, the stream, the function and its packed metadata,
+    # three hooks unset, then every argument, constexprs last.
+    assert kernel.runs == [(3, 1, 1, 0x99, 0xBEEF, "packed", None, None, None, 0x7F00_0000_2000, 12, "BLOCK", 1024)]

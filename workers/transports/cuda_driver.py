@@ -14,7 +14,7 @@ from typing import Any
 
 from .ipc_mailbox import HANDLE_BYTES
 
-__all__ = ["CudaDriver", "KernelLaunch", "boot_id", "driver", "driver_error"]
+__all__ = ["CompiledKernel", "CudaDriver", "KernelLaunch", "boot_id", "driver", "driver_error"]
 
 _WAIT_GEQ = 0x0
 _LAZY_PEER_ACCESS = 0x1
@@ -198,6 +198,28 @@ class KernelLaunch:
                           None)
         if rc:
             self._drv.fail("cuLaunchKernel", rc)
+
+
+class CompiledKernel:
+    """One compiled Triton kernel, launched again without Triton's per-call argument
+    binding: through `KernelLaunch` where the driver allows (which keeps the GIL), else
+    through the compiled kernel's own launcher.
+
+    `runtime` is how many of the kernel's arguments come before its constexprs; a
+    launch passes those as ints (addresses and values), and the constexprs, which only
+    Triton's launcher takes, separately.
+    """
+
+    def __init__(self, kernel: Any, runtime: int, drv: CudaDriver | None) -> None:
+        self.kernel = kernel
+        self.kept = KernelLaunch.make(drv, kernel, runtime)
+
+    def __call__(self, grid: int, stream: int, args: Sequence[int], constexprs: Sequence[Any]) -> None:
+        if self.kept is not None:
+            self.kept(grid, stream, args)
+            return
+        kernel = self.kernel
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
 
 
 _DRIVER: list[CudaDriver | None] = []

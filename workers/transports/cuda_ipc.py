@@ -107,7 +107,7 @@ from .ipc_mailbox import (
 )
 from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
 from .bell import Ringer
-from .cuda_driver import CudaDriver, KernelLaunch, boot_id, driver, driver_error
+from .cuda_driver import CompiledKernel, CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -293,7 +293,7 @@ class _Copier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compiled: dict[bool, tuple[Any, KernelLaunch | None]] = {}
+        self.compiled: dict[bool, CompiledKernel] = {}
         self.fast = False
 
     def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, *, ready: int, arrived: int,
@@ -301,18 +301,13 @@ class _Copier:
         grid, count, wide = copy_shape(src, dst, nbytes, COPY_PROGRAMS)
         compiled = self.compiled.get(wide)
         if compiled is not None and self.fast:
-            kernel, kept = compiled
-            if kept is not None:
-                kept(grid, stream.cuda_stream, (src, dst, count, ready, arrived, tally, seq))
-                return
-            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       src, dst, count, ready, arrived, tally, seq, ABORT, wide, _COPY_BLOCK)
+            compiled(grid, stream.cuda_stream, (src, dst, count, ready, arrived, tally, seq), (ABORT, wide, _COPY_BLOCK))
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             kernel = _kernel()[(grid,)](src, dst, count, ready, arrived, tally, seq, ABORT_AT=ABORT, WIDE=wide,
                                         BLOCK=_COPY_BLOCK, num_warps=_COPY_WARPS)
         if wide not in self.compiled:
-            self.compiled[wide] = (kernel, KernelLaunch.make(driver(), kernel, 7))
+            self.compiled[wide] = CompiledKernel(kernel, 7, driver())
 
     def check(self, scratch: torch.Tensor, peer: str = "") -> None:
         """Compile both variants, check Triton's copy, and switch the direct launch on
@@ -368,22 +363,17 @@ class _BlockCopier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compiled: tuple[Any, KernelLaunch | None] | None = None
+        self.compiled: CompiledKernel | None = None
 
     def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, programs: int, fast: bool) -> None:
         grid = block_grid(programs, args)
         if self.compiled is not None and fast:
-            kernel, kept = self.compiled
-            if kept is not None:
-                kept(grid, stream.cuda_stream, args)
-                return
-            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, _COPY_BLOCK, ABORT)
+            self.compiled(grid, stream.cuda_stream, args, (_COPY_BLOCK, ABORT))
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             kernel = _blocks_kernel()[(grid,)](*args, BLOCK=_COPY_BLOCK, ABORT_AT=ABORT, num_warps=_COPY_WARPS)
         if self.compiled is None:
-            self.compiled = (kernel, KernelLaunch.make(driver(), kernel, len(args)))
+            self.compiled = CompiledKernel(kernel, len(args), driver())
 
     def load(self, scratch: torch.Tensor) -> None:
         """Compile and load the kernel now, with a send of no rows that counts into

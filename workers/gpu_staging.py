@@ -37,8 +37,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from workers.transports.cuda_driver import CompiledKernel, driver
-
 
 if TYPE_CHECKING:  # pragma: no cover
     from workers.transports.communicator import LayerSend
@@ -129,14 +127,10 @@ if triton is not None:
                         tl.store(cache_row + offs, tl.load(stage_row + offs, mask=mask), mask=mask)
 
 
-_RUNTIME_ARGS = 8  # `_copy_rows_kernel`'s arguments before its constexprs
-
-
 class _Launcher:
     """Launches `_copy_rows_kernel` through its compiled kernel, skipping Triton's
     per-call argument binding and cache-key building (about half of a launch's host
-    time, and a gather launch is on P's critical path), through `CompiledKernel`, which
-    keeps the GIL where the driver allows.
+    time, and a gather launch is on P's critical path).
 
     Each variant (direction, the pointer alignments and int widths Triton specializes
     on; the int values are `do_not_specialize`) is launched through Triton once, which
@@ -147,32 +141,34 @@ class _Launcher:
     then goes through Triton).
     """
 
+    # The compiled launcher takes a pointer argument as a plain int without asking the
+    # driver about it; a tensor costs it a `cuPointerGetAttribute` each (three a launch).
+    int_pointers = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.compiled: dict[tuple[bool, ...], CompiledKernel] = {}
+        self.compiled: dict[tuple[bool, ...], Any] = {}
         self.fast = False
 
     def __call__(self, grid: tuple[int], args: tuple[Any, ...]) -> None:
-        # Pointers go as plain ints: a tensor would cost Triton's launcher a
-        # `cuPointerGetAttribute` each (three a launch).
         ptrs = (args[0].data_ptr(), args[1].data_ptr(), args[2].data_ptr())
         # What Triton specializes the compiled kernel on: the direction, 16-byte alignment
         # of the two tensors that vary, and whether the int arguments need 64 bits.
         key = (bool(args[12]), bool(args[13]), bool(args[14]), ptrs[1] % 16 == 0, ptrs[2] % 16 == 0,
                max(args[3], args[5], args[6]) >= 1 << 31)
-        compiled = self.compiled.get(key)
-        if compiled is not None and self.fast and torch.cuda.current_device() == self.index:
+        kernel = self.compiled.get(key)
+        if kernel is not None and self.fast and torch.cuda.current_device() == self.index:
             stream = _RAW_STREAM(self.index) if _RAW_STREAM is not None else current_stream(self.device).cuda_stream
             # The tensors stay alive in the caller until the launch returns, as with Triton's own.
-            compiled(grid[0], stream, (*ptrs, *args[3:_RUNTIME_ARGS]), args[_RUNTIME_ARGS:])
+            kernel.run(grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *(ptrs if self.int_pointers else args[:3]), *args[3:])
             return
         with torch.cuda.device(self.index):  # Triton launches on the current GPU: make it the cache's
             kernel = _copy_rows_kernel[grid](*args[:8], ROW=args[8], NUM_LAYERS=args[9], PRE=args[10],
                                              BLOCK=args[11], TO_STAGING=args[12], STREAM=args[13], ONE_LAYER=args[14],
                                              num_warps=8)
-        if key not in self.compiled:
-            self.compiled[key] = CompiledKernel(kernel, _RUNTIME_ARGS, driver())
+        self.compiled.setdefault(key, kernel)
 
     def check(self, args: tuple[Any, ...]) -> None:
         """Switch the fast path on if it copies as Triton's launch does (`args` gather

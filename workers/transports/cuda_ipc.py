@@ -120,11 +120,6 @@ __all__ = ["IpcCommunicator", "connect_ipc"]
 # Programs of the copy kernel: NVLink's ~0.45 TB/s a direction needs a few dozen SMs of
 # stores; the rest stay with the gathers and scatters beside it.
 COPY_PROGRAMS = 32
-# A send into blocks runs a program a row instead, each ending after its 32 KiB: beside
-# a forward pass's matrix multiplies, whose kernels fill every SM a wave at a time, a
-# few programs that hold their SMs for the whole copy cost each multiply they overlap a
-# wave, while short ones take SMs only as the multiplies' blocks end.
-ROW_PROGRAMS = 1 << 30
 # Words a program copies per step, and its warps. On few programs a copy's rate is bound
 # by the loads each program keeps in flight: on 32 programs, with 16 KiB a step (2,048
 # words, 8 warps) a send of 1 GiB into blocks moved 0.52 TB/s on one H200, with 32 KiB
@@ -833,7 +828,7 @@ class IpcCommunicator(Communicator):
             args = block_args(seq, src=src, layers=layers.data_ptr(), ids=arena, num_cache_blocks=table.num_blocks,
                               ready=self.my_ready, arrived=self.peer_arrived(seq), tally=self._tally(seq),
                               shape=(num_blocks, paged.num_layers, paged.pre, paged.row_nbytes))
-            send = _BlockSend(self, stream, args, paged.num_layers, programs or ROW_PROGRAMS, end)
+            send = _BlockSend(self, stream, args, paged.num_layers, programs or COPY_PROGRAMS, end)
             self._following = [*(f for f in self._following if not f.end.recorded), send]
             if feed is None:
                 send.launch(paged.num_layers, None)

@@ -514,10 +514,9 @@ class IpcCommunicator(Communicator):
         self.sent = self.received = 0  # ops posted so far, each way
         self.op_timeout_s = op_timeout_s
         self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
-        # Whole staged sends take these in turn (`SEND_STREAMS`), at the compute stream's
-        # priority: a copy's programs then take SMs as the forward pass's blocks end, in
-        # turn with its kernels, instead of ahead of every block the pass has waiting.
-        self.sends = [torch.cuda.Stream(device) for _ in range(SEND_STREAMS)]
+        # Whole staged sends take these in turn (`SEND_STREAMS`); the first is `stream`.
+        self.sends = [self.stream, *(torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+                                     for _ in range(SEND_STREAMS - 1))]
         # Block receives end here (`post_blocks`): their waits for the sender's arrival
         # stay off `stream`, so the next receive's `ready` goes out before this one landed.
         self.arrivals = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
@@ -628,7 +627,7 @@ class IpcCommunicator(Communicator):
         whose tally and arrival word it reuses, and the peer's layer table's copy."""
         stream = self.sends[seq % SEND_STREAMS]
         self._after_reuse(stream, seq)
-        if self._table_copied is not None:
+        if stream is not self.stream and self._table_copied is not None:
             stream.wait_event(self._table_copied)
         return stream
 
@@ -876,7 +875,7 @@ class IpcCommunicator(Communicator):
         # memory made at connect: no host wait and no allocation (either could wait on a
         # peer's stream in this process). A new table comes only with a new cache.
         n = len(addrs)
-        for other in self.sends:  # kernels there may still read the table this replaces
+        for other in self.sends[1:]:  # kernels there may still read the table this replaces
             self.stream.wait_stream(other)
         self.counters.layers_host[:n] = torch.tensor(addrs, dtype=torch.int64)
         self.drv.copy(self._sp, self.counters.addr + _Counters.LAYERS, self.counters.layers_host.data_ptr(), n * 8)

@@ -144,6 +144,7 @@ import structlog  # noqa: E402
 
 LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 16
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+WARM_S = 0.3  # busy time before the forward pass is timed at start-up
 BLOCK_BYTES = LAYERS * 2 * BLOCK * HEADS * DIM * 2  # one block of every layer, K and V
 DEADLINE_S = 30.0
 GEMM = 4096  # `--forward gemm`: one layer's share is some of these square bf16 matrix multiplies
@@ -202,13 +203,19 @@ class _Engine:
         self.device = ("cuda:0" if role == "p" or one else "cuda:1") if self.gpu else "cpu"
         self.step_s = step_ms / 1e3
         self.step_on_gpu = self.gpu and step_on == "gpu"
-        self.cycles = self.layer_cycles = self.layer_ops = 0
+        self.cycles = self.layer_cycles = 0
+        self.layer_ops: list[int] = []  # `--forward gemm` or `launches`: each layer's ops
         self._op: Callable[[], None] = self._gemm  # `--forward gemm` or `launches`: one step of a layer
         self.prefill_ms = 0.0  # the forward pass's time (`layer` x the layers), as first measured here
         self.layer_s = 0.0  # on the CPU: one layer's share of the forward pass
         if self.gpu:
             torch.cuda.set_device(self.device)
-            per_ms = 1_000_000 / gpu_ms(lambda: torch.cuda._sleep(1_000_000))
+            # The sleep kernel counts SM cycles: time it at the clock the requests will see,
+            # once the GPU has been busy long enough to leave its idle clock.
+            busy_until = time.perf_counter() + WARM_S
+            while time.perf_counter() < busy_until:
+                gpu_ms(lambda: torch.cuda._sleep(1_000_000), runs=1)
+            per_ms = 1_000_000 / gpu_ms(lambda: torch.cuda._sleep(1_000_000), runs=5)
             self.cycles = int(per_ms * step_ms)
             if prefill_ms > 0:
                 self.layer_cycles = int(per_ms * prefill_ms / LAYERS)
@@ -226,8 +233,12 @@ class _Engine:
                              if self.gpu else [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)])
             else:
                 self.mats, self._op = [torch.zeros(16, device=self.device) for _ in range(3)], self._launch
-            for _ in range(20):  # warm: the first ones take longer
-                self._op()
+            busy_until = time.perf_counter() + WARM_S  # warm: the first ones take longer
+            while time.perf_counter() < busy_until:
+                for _ in range(20):
+                    self._op()
+                if self.gpu:
+                    torch.cuda.synchronize(self.device)
             runs = 10 if self.gpu and forward == "gemm" else 50  # a GPU's multiply takes about a ms
             if self.gpu:
                 op_ms = gpu_ms(lambda: [self._op() for _ in range(runs)]) / runs
@@ -236,7 +247,11 @@ class _Engine:
                 for _ in range(runs):
                     self._op()
                 op_ms = (time.perf_counter() - t0) * 1e3 / runs
-            self.layer_ops = max(1, round(prefill_ms / LAYERS / op_ms))
+            # The pass's ops spread over its layers (some take one more), rather than a count
+            # a layer rounded: a multiply of about a quarter of a layer's share would round
+            # to 2 or 3 a layer, a pass of 16 or 24 ms, with the clock at start-up.
+            ops = max(LAYERS, round(prefill_ms / op_ms))
+            self.layer_ops = [ops // LAYERS + (i < ops % LAYERS) for i in range(LAYERS)]
         elif prefill_ms > 0 and not self.gpu:  # a CPU forward pass runs in torch's threads, the GIL released
             self.layer_s = prefill_ms / 1e3 / LAYERS
         self.prefill_ms = self.forward_pass()
@@ -246,12 +261,12 @@ class _Engine:
         Measured again before each timed request, so a clock that drifts during the run
         moves the baseline and the request alike."""
         if self.gpu and (self.layer_cycles or self.layer_ops):
-            return gpu_ms(lambda: [self.layer() for _ in NAMES], runs=1)
+            return gpu_ms(lambda: [self.layer(i) for i in range(LAYERS)], runs=1)
         if not self.layer_s and not self.layer_ops:
             return 0.0
         t0 = time.perf_counter()
-        for _ in NAMES:
-            self.layer()
+        for i in range(LAYERS):
+            self.layer(i)
         return (time.perf_counter() - t0) * 1e3
 
     def _gemm(self) -> None:
@@ -267,10 +282,10 @@ class _Engine:
         a, _, out = self.mats
         torch.add(a, 1, out=out)
 
-    def layer(self) -> None:
-        """One layer's share of the forward pass (nothing without `--prefill-ms`)."""
+    def layer(self, i: int) -> None:
+        """Layer `i`'s share of the forward pass (nothing without `--prefill-ms`)."""
         if self.layer_ops:
-            for _ in range(self.layer_ops):
+            for _ in range(self.layer_ops[i]):
                 self._op()
         elif self.layer_cycles:
             torch.cuda._sleep(self.layer_cycles)
@@ -513,8 +528,8 @@ def _prefill(endpoint: str, conn: Any, cfg: dict) -> None:
                     tid: SaveSpec(req_id=f"req-{tid}", block_ids=src, num_tokens=n * BLOCK - 1, decode="d0")
                     for tid, src in zip(tids, srcs)}))
                 saves = []  # P's host time in each save_kv_layer
-                for name in NAMES:
-                    engine.layer()
+                for i, name in enumerate(NAMES):
+                    engine.layer(i)
                     s0 = time.perf_counter()
                     p.save_kv_layer(name, caches[name])
                     saves.append(time.perf_counter() - s0)

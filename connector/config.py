@@ -35,11 +35,8 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
                         `openssl rand -hex 32`): P signs each transfer it stages into the
                         kv_transfer_params it returns, and D loads only transfers whose
                         grant verifies (see `protocols.grants`).
-    fault_injection     FOR TESTS ONLY: "flip_sign_bits" makes the decode side flip the
-                        sign bit of every received KV element before scattering it, to
-                        prove that corrupted KV changes the output (the values stay finite);
-                        "refuse_send" makes the prefill side's transport refuse each send,
-                        as a failed NCCL communicator would.
+    fault_injection     FOR TESTS ONLY: "refuse_send" makes the prefill side's transport
+                        refuse each send, as a failed NCCL communicator would.
     fault_injection_prefix  FOR TESTS ONLY: limit fault_injection to transfer ids
                         starting with this prefix.
 
@@ -68,7 +65,7 @@ __all__ = [
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PREFIX = "kv_connector_extra_config"
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
-FAULTS = ("flip_sign_bits", "refuse_send")
+FAULTS = ("refuse_send",)
 # What `nccl_backend` may name (`workers.transports.nccl_setup.resolve_backend` checks the
 # libraries when the first communicator is built; this module imports no torch).
 NCCL_BACKENDS = ("direct", "torch", "ipc", "ipc,direct", "ipc,torch")

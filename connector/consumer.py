@@ -533,10 +533,6 @@ class ConsumerSide:
         assert load.lease is not None or load.lanes or load.scattered is not None
         count = len(spec.block_ids) - spec.num_cached_blocks
         try:
-            if load.scattered is None and self._faulty(load):  # else `_land` did, chunk by chunk
-                for lease in [load.lease] if load.lease is not None else [lane.lease for lane in load.lanes.values()]:
-                    assert lease is not None
-                    self._inject_fault(load.transfer_id, lease.tensor)
             targets = tail(spec.block_ids, spec.num_cached_blocks)
             if w.groups is not None:  # a hybrid model: each layer into its group's blocks
                 assert load.lease is not None
@@ -584,20 +580,6 @@ class ConsumerSide:
             **({"post_us": load.post_us} if load.post_us is not None else {}),
         }
 
-    def _faulty(self, load: _Load) -> bool:
-        cfg = self.w.config
-        return cfg.fault_injection == "flip_sign_bits" and load.transfer_id.startswith(cfg.fault_injection_prefix)
-
-    def _inject_fault(self, tid: str, data: torch.Tensor) -> None:
-        """FOR TESTS ONLY (``fault_injection: "flip_sign_bits"``): negate every received KV element.
-
-        The values stay finite on purpose: vLLM does not zero reused blocks, so NaN bit
-        patterns would leak into whichever request gets these blocks next.
-        """
-        size = next(iter(self.w.layouts.values())).dtype.itemsize
-        data.view(-1, size)[:, size - 1] ^= 0x80  # little-endian: the sign is the top bit of the last byte
-        self.w.log.warning("transfer.fault_injected", transfer_id=tid, phase="fault", fault="flip_sign_bits")
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
@@ -644,7 +626,7 @@ class ConsumerSide:
         the request names its prefill instance, and a communicator built with the rank
         that feeds this one writes into blocks (ipc, one host). Its Prepare decides again."""
         w, spec = self.w, load.spec
-        if w.nccl is None or w.paged is None or w.groups is not None or not spec.prefill or self._faulty(load):
+        if w.nccl is None or w.paged is None or w.groups is not None or not spec.prefill:
             return False
         count = len(spec.block_ids) - spec.num_cached_blocks
         return count > 0 and w.nccl.receives_into_blocks(f"{spec.prefill}:{w.info.rank}", w.paged, count)
@@ -981,9 +963,6 @@ class ConsumerSide:
             with torch.cuda.device(w.paged.device), torch.cuda.stream(stream):
                 count = len(load.spec.block_ids) - load.spec.num_cached_blocks
                 targets = self._targets(load, stream)
-                if self._faulty(load):
-                    step = w.paged.staged_block_nbytes
-                    self._inject_fault(load.transfer_id, load.lease.tensor[b0 * step : b1 * step])
                 words = w.paged.staging_view(load.lease.tensor, count)
                 w.paged.copy_range(targets, words, b0, b1, to_staging=False,
                                    programs=SCATTER_PROGRAMS if left > 1 else None)
@@ -1073,10 +1052,10 @@ class ConsumerSide:
         the receiving thread as they arrive, so the engine's get_finished has no scatter
         to run (on a 2-core VM the scatter held the engine's thread 5-18 ms for a request
         of 512-2,048 tokens, 24-26 ms for eight of 512: docs/PERFORMANCE.md). None:
-        receive into the lease and scatter (a hybrid model's rows, a GPU cache, an
-        injected fault, anything `CachePlaces` declines)."""
+        receive into the lease and scatter (a hybrid model's rows, a GPU cache, anything
+        `CachePlaces` declines)."""
         w = self.w
-        if w.groups is not None or self._faulty(load):
+        if w.groups is not None:
             return None
         places = load.places  # worked out at the Expect
         if places is None:

@@ -48,7 +48,7 @@ def test_every_key() -> None:
             "register_timeout_s": 1,
             "tcp_host": "10.0.0.7",
             "instance_id": "decode-a",
-            "fault_injection": "flip_sign_bits",
+            "fault_injection": "refuse_send",
             "fault_injection_prefix": "corrupt-",
         }
     )
@@ -61,7 +61,7 @@ def test_every_key() -> None:
     assert (cfg.tcp_host, cfg.instance_id, cfg.fault_injection, cfg.fault_injection_prefix) == (
         "10.0.0.7",
         "decode-a",
-        "flip_sign_bits",
+        "refuse_send",
         "corrupt-",
     )
     assert cfg.staging_ttl_s >= 120

@@ -4,10 +4,10 @@ Every engine is its own process (`engine_runner.EngineProcess`); the engines are
 shared by the whole module because each takes 10-25 s to start:
 
     plain      no connector: the reference outputs
-    p-main     producer (prefill, max_tokens=1)
+    p-main     producer (prefill, max_tokens=1); it sends the KV of transfers whose id
+               starts with "corrupt-" negated (`fault_connectors.NegatingConnector`)
     p-victim   producer that test (d) kills with SIGKILL
-    d-main     consumer, kv_load_failure_policy "recompute"; the test-only fault hook
-               corrupts transfers whose id starts with "corrupt-"
+    d-main     consumer, kv_load_failure_policy "recompute"
     d-fail     consumer, kv_load_failure_policy "fail"; named only by "KVBrokerConnector"
                (the plugin entry point), engine core in its own process like `vllm serve`
 
@@ -35,6 +35,9 @@ import pytest
 from engine_runner import EngineProcess
 
 from tests.support import BrokerProcess, wait_until
+
+# P's sends of transfers named corrupt-* carry negated KV (a negative control, tests/e2e/fault_connectors.py)
+NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
 
 pytestmark = [
     pytest.mark.vllm,
@@ -83,11 +86,9 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     model = str(tiny_model_dir)
     specs: dict[str, dict[str, Any] | None] = {
         "plain": None,
-        "p-main": connector_config(endpoint, "kv_producer", "p-main"),
+        "p-main": {**connector_config(endpoint, "kv_producer", "p-main"), **NEGATING},
         "p-victim": connector_config(endpoint, "kv_producer", "p-victim"),
-        "d-main": connector_config(
-            endpoint, "kv_consumer", "d-main", fault_injection="flip_sign_bits", fault_injection_prefix="corrupt-"
-        ),
+        "d-main": connector_config(endpoint, "kv_consumer", "d-main"),
         "d-fail": connector_config(endpoint, "kv_consumer", "d-fail", policy="fail", by_name=True),
     }
     # d-fail runs its engine core in a separate process, as `vllm serve` does.
@@ -262,15 +263,17 @@ def test_repeated_prompt_with_prefix_caching_and_requests_in_flight(cluster: dic
 
 
 def test_corrupted_transfer_changes_outputs(cluster: dict[str, Any]) -> None:
-    """Negative control: D really uses the transferred KV (flipped sign bits change the tokens)."""
+    """Negative control: D really uses the transferred KV (P's sends negated change the tokens)."""
     prompts = make_prompts([96, 150], salt=31)
     tids = ["corrupt-0", "corrupt-1"]
     ref = cluster["plain"].generate(prompts, MAX_TOKENS)
     p_id, d_id = submit_pd(cluster, prompts, tids)
     d = cluster["d-main"].result(d_id)
     cluster["p-main"].result(p_id)
-    injected = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.fault_injected")}
+    injected = {r["transfer_id"] for r in log_events(cluster, "p-main", "transfer.fault_injected")}
     assert set(tids) <= injected
+    loaded = {r["transfer_id"] for r in log_events(cluster, "d-main", "transfer.loaded")}
+    assert set(tids) <= loaded, timeline(cluster, set(tids))
     assert all(a != b for a, b in zip(d["outputs"], ref["outputs"])), (d["outputs"], ref["outputs"])
 
 

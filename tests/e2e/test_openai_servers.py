@@ -4,9 +4,9 @@ A broker and three `vllm.entrypoints.openai.api_server` processes, shared by the
 (each takes about a minute to become healthy):
 
     plain      no connector: the reference outputs
-    prefill-0  kv_producer
-    decode-0   kv_consumer, kv_load_failure_policy "recompute"; the test-only fault hook
-               corrupts the KV of transfers whose id starts with "corrupt-"
+    prefill-0  kv_producer; it sends the KV of transfers whose id starts with "corrupt-"
+               negated (`tests.e2e.fault_connectors.NegatingConnector`)
+    decode-0   kv_consumer, kv_load_failure_policy "recompute"
 
 Each request goes out as README's "What the proxy sends" describes: the same prompt,
 at the same time, to prefill-0 with max_tokens 1 and to decode-0 with the full request,
@@ -36,6 +36,9 @@ import pytest
 from demo import summary
 from demo.servers import ApiServer, api_servers, completion, kv_transfer_config
 from tests.support import ROOT, BrokerProcess, env, wait_until
+
+# P's sends of transfers named corrupt-* carry negated KV (a negative control, tests/e2e/fault_connectors.py)
+NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
 
 pytestmark = [
     pytest.mark.vllm,
@@ -89,10 +92,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     endpoint = broker.start()
     specs = {
         "plain": None,
-        "prefill-0": kv_transfer_config(endpoint, "kv_producer", "prefill-0"),
-        "decode-0": kv_transfer_config(
-            endpoint, "kv_consumer", "decode-0", fault_injection="flip_sign_bits", fault_injection_prefix="corrupt-"
-        ),
+        "prefill-0": {**kv_transfer_config(endpoint, "kv_producer", "prefill-0"), **NEGATING},
+        "decode-0": kv_transfer_config(endpoint, "kv_consumer", "decode-0"),
         # Behind the gateway only, and killed by the last test.
         "decode-1": kv_transfer_config(endpoint, "kv_consumer", "decode-1"),
     }
@@ -173,12 +174,14 @@ def test_decode_server_loads_kv_from_prefill_server_and_matches_plain(cluster: d
 
 
 def test_corrupted_transfer_changes_decode_output(cluster: dict[str, Any]) -> None:
-    """Negative control: D decodes from the KV it received (flipped sign bits change its tokens)."""
+    """Negative control: D decodes from the KV it received (P's sends negated change its tokens)."""
     prompts = make_prompts([96, 150], salt=71)
     tids = ["corrupt-oai-0", "corrupt-oai-1"]
     bodies = run_pd(cluster, prompts, tids)
-    injected = {r["transfer_id"] for r in log_events(cluster["decode-0"], "transfer.fault_injected")}
+    injected = {r["transfer_id"] for r in log_events(cluster["prefill-0"], "transfer.fault_injected")}
     assert set(tids) <= injected, timeline(cluster, tids)
+    loaded = {r["transfer_id"] for r in log_events(cluster["decode-0"], "transfer.loaded")}
+    assert set(tids) <= loaded, timeline(cluster, tids)
     ref = [token_ids(b) for b in bodies["plain"]]
     got = [token_ids(b) for b in bodies["decode-0"]]
     assert all(a != b for a, b in zip(got, ref)), (got, ref)

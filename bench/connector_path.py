@@ -233,12 +233,8 @@ class _Engine:
                              if self.gpu else [torch.randn(CPU_GEMM, CPU_GEMM) for _ in range(3)])
             else:
                 self.mats, self._op = [torch.zeros(16, device=self.device) for _ in range(3)], self._launch
-            busy_until = time.perf_counter() + WARM_S  # warm: the first ones take longer
-            while time.perf_counter() < busy_until:
-                for _ in range(20):
-                    self._op()
-                if self.gpu:
-                    torch.cuda.synchronize(self.device)
+            for _ in range(20):  # warm: the first ones take longer (a GPU's clock is up already, above)
+                self._op()
             runs = 10 if self.gpu and forward == "gemm" else 50  # a GPU's multiply takes about a ms
             if self.gpu:
                 op_ms = gpu_ms(lambda: [self._op() for _ in range(runs)]) / runs

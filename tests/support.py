@@ -17,6 +17,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
+# A producer's kv-transfer-config keys that make it send the KV of transfers named corrupt-*
+# negated: the end-to-end negative controls (tests/e2e/fault_connectors.py).
+NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
 
 
 def env() -> dict[str, str]:

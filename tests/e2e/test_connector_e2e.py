@@ -34,10 +34,7 @@ from typing import Any
 import pytest
 from engine_runner import EngineProcess
 
-from tests.support import BrokerProcess, wait_until
-
-# P's sends of transfers named corrupt-* carry negated KV (a negative control, tests/e2e/fault_connectors.py)
-NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
+from tests.support import NEGATING, BrokerProcess, wait_until
 
 pytestmark = [
     pytest.mark.vllm,

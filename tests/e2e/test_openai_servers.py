@@ -35,10 +35,7 @@ import pytest
 
 from demo import summary
 from demo.servers import ApiServer, api_servers, completion, kv_transfer_config
-from tests.support import ROOT, BrokerProcess, env, wait_until
-
-# P's sends of transfers named corrupt-* carry negated KV (a negative control, tests/e2e/fault_connectors.py)
-NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
+from tests.support import NEGATING, ROOT, BrokerProcess, env, wait_until
 
 pytestmark = [
     pytest.mark.vllm,

@@ -35,10 +35,6 @@ Keys of ``kv_connector_extra_config`` (only ``broker`` is required):
                         `openssl rand -hex 32`): P signs each transfer it stages into the
                         kv_transfer_params it returns, and D loads only transfers whose
                         grant verifies (see `protocols.grants`).
-    fault_injection     FOR TESTS ONLY: "refuse_send" makes the prefill side's transport
-                        refuse each send, as a failed NCCL communicator would.
-    fault_injection_prefix  FOR TESTS ONLY: limit fault_injection to transfer ids
-                        starting with this prefix.
 
 `EngineInfo` is what the worker half needs to know about the engine (model, block size,
 parallel rank, attention backend); `engine_info_from_vllm` reads it from vLLM's config
@@ -65,7 +61,6 @@ __all__ = [
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _PREFIX = "kv_connector_extra_config"
 _ADDRESS = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
-FAULTS = ("refuse_send",)
 # What `nccl_backend` may name (`workers.transports.nccl_setup.resolve_backend` checks the
 # libraries when the first communicator is built; this module imports no torch).
 NCCL_BACKENDS = ("direct", "torch", "ipc", "ipc,direct", "ipc,torch")
@@ -96,8 +91,6 @@ class ConnectorConfig:
     curve_server_key: str | None = None
     # This peer's CURVE secret key file, for a broker that admits listed keys only.
     curve_client_secret_file: str | None = None
-    fault_injection: str | None = None
-    fault_injection_prefix: str = ""
     # The secret of grant_key_file (None: grants are neither made nor required).
     grant_key: bytes | None = field(default=None, repr=False)
     nccl_backend: str = ""  # "": the environment's, else direct where libnccl loads, else torch
@@ -126,8 +119,6 @@ _KEYS = (
     "instance_id",
     "curve_server_key",
     "curve_client_secret_file",
-    "fault_injection",
-    "fault_injection_prefix",
     "grant_key_file",
     "nccl_backend",
     "nccl_communicators",
@@ -227,14 +218,6 @@ def parse_config(
     client_secret = extra.get("curve_client_secret_file")
     if client_secret is not None:
         _check_secret_file(client_secret, curve_key)
-    fault = extra.get("fault_injection")
-    if fault is not None and fault not in FAULTS:
-        raise ConfigError(
-            f"{_PREFIX}.fault_injection (for tests only) must be one of {', '.join(FAULTS)}, not {fault!r}."
-        )
-    prefix = extra.get("fault_injection_prefix", "")
-    if not isinstance(prefix, str):
-        raise ConfigError(f"{_PREFIX}.fault_injection_prefix must be a string, not {prefix!r}.")
     grant_key = _grant_key(extra.get("grant_key_file"))
     nccl_backend, nccl_communicators = _nccl_settings(extra, transport)
     thread_cpus = _thread_cpus(extra.get("thread_cpus", AUTO), transport)
@@ -250,8 +233,6 @@ def parse_config(
         tcp_host=tcp_host.strip("[]"),
         curve_server_key=curve_key,
         curve_client_secret_file=client_secret,
-        fault_injection=fault,
-        fault_injection_prefix=prefix,
         grant_key=grant_key,
         nccl_backend=nccl_backend,
         nccl_communicators=nccl_communicators,

@@ -56,13 +56,13 @@ from typing import TYPE_CHECKING
 import anyio
 import torch
 
-from protocols.errors import TransferFailed
+from protocols.errors import SendTimeout, TransferFailed
 from protocols.messages import Abort, Go, Release
 from workers.gpu_staging import StepLayers, current_stream, layers_in_order
 from workers.groups import GroupRows, gather_layer_rows
 from workers.layout import StepGather, gather_layer_into_staging, staging_view, wire_layout
 from workers.pool import Lease, PoolError
-from workers.transports.tcp import SourceInUse, TcpSender, byte_view
+from workers.transports.tcp import SendFailed, SourceInUse, TcpSender, byte_view
 
 from .lanes import Part, cut_lane, cut_read, lane_key, lane_nbytes, split_for_go
 from .scheduler import KvBrokerMetadata, SaveSpec
@@ -551,8 +551,6 @@ class ProducerSide:
         reports); None: not claimed."""
         w = self.w
         assert w.nccl is not None
-        if self._refused(tid):
-            return None
         with w.lock:
             staged = self._staged.get(tid)
         if staged is None or staged.feed is None or w.paged is None:
@@ -670,11 +668,11 @@ class ProducerSide:
             if waiter is not None:
                 with anyio.move_on_after(w.config.load_timeout_s):
                     await waiter.wait()
-                if not staged.complete or staged.dead:
-                    raise TransferFailed(tid, "its copy was dropped or not complete within load_timeout_s")
-            if self._refused(tid):
-                ours = f"the transport refused the send (fault_injection {w.config.fault_injection!r})"
-                raise TransferFailed(tid, ours)
+                if staged.dead:  # ended meanwhile: the broker knows
+                    raise TransferFailed(tid, f"its copy was dropped: {staged.dropped}")
+                if not staged.complete:  # the forward pass never saved it all: this side's failure
+                    ours = f"its copy was not complete within load_timeout_s ({w.config.load_timeout_s:g} s)"
+                    raise TransferFailed(tid, ours)
             if w.nccl is not None:
                 try:
                     staged.sending_to = msg.decode
@@ -713,15 +711,25 @@ class ProducerSide:
                     # a copy of the lane's heads (tens of ms for a long prompt): off the client's loop
                     data = await anyio.to_thread.run_sync(split_for_go, w, staged.staging, msg.head_start,
                                                           msg.head_stop)
-                with anyio.fail_after(w.config.load_timeout_s):
-                    if streaming:
-                        stopped = threading.Event()
-                        parts = self._layer_parts(tid, staged, msg.offset, msg.nbytes, stopped,
-                                                  time.monotonic() + w.config.load_timeout_s)
-                        await self.sender.send_parts(endpoint, key, msg.attempt, msg.nbytes, parts,
-                                                     stop=partial(_stop, stopped, staged))
-                    else:
-                        await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
+                try:
+                    with anyio.fail_after(w.config.load_timeout_s):
+                        if streaming:
+                            stopped = threading.Event()
+                            parts = self._layer_parts(tid, staged, msg.offset, msg.nbytes, stopped,
+                                                      time.monotonic() + w.config.load_timeout_s)
+                            await self.sender.send_parts(endpoint, key, msg.attempt, msg.nbytes, parts,
+                                                         stop=partial(_stop, stopped, staged))
+                        else:
+                            await self.sender.send(endpoint, key, msg.attempt,
+                                                   data[msg.offset : msg.offset + msg.nbytes])
+                except TransferFailed as exc:
+                    # This side's payload failed (a layer never copied, a range not whole
+                    # blocks): it ends the transfer, as a failed NCCL post does. A broken
+                    # link is not: D fails its load, or the broker, losing D, re-routes the
+                    # transfer to another decode peer, which the staged copy is kept for.
+                    if not isinstance(exc, (SendFailed, SendTimeout)) and not staged.dead:
+                        ours = exc.reason
+                    raise
         except (TransferFailed, TimeoutError, OSError) as exc:
             # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
@@ -742,11 +750,6 @@ class ProducerSide:
         finally:
             await cut_read(part)  # the cut reads the staging: it must have run before the staging goes back
             self._send_ended(staged, let_go=let_go)
-
-    def _refused(self, tid: str) -> bool:
-        """A send the tests' fault injection refuses."""
-        config = self.w.config
-        return config.fault_injection == "refuse_send" and tid.startswith(config.fault_injection_prefix)
 
     def _sent(self, tid: str, decode: str, offset: int, nbytes: int, t0: float, waited: Waited | None, *,
               on_receive: bool) -> None:

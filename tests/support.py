@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # A producer's kv-transfer-config keys that make it send the KV of transfers named corrupt-*
 # negated: the end-to-end negative controls (tests/e2e/fault_connectors.py).
 NEGATING = {"kv_connector": "NegatingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
+# ... that make it fail the sends of transfers named refuse-*: P ends them itself.
+REFUSING = {"kv_connector": "RefusingConnector", "kv_connector_module_path": "tests.e2e.fault_connectors"}
 
 
 def env() -> dict[str, str]:

@@ -33,7 +33,7 @@ def test_defaults() -> None:
     assert cfg == ConnectorConfig(broker=BROKER, role="consumer", instance_id="engine-1")
     assert cfg.transport == "tcp" and cfg.pool_bytes == cfg.staging_bytes == 1 << 30
     assert cfg.load_timeout_s == 30.0 and cfg.register_timeout_s == 10.0
-    assert cfg.tcp_host == "127.0.0.1" and cfg.fault_injection is None
+    assert cfg.tcp_host == "127.0.0.1"
     assert parse({"broker": BROKER}, role="kv_producer").role == "producer"
 
 
@@ -48,8 +48,6 @@ def test_every_key() -> None:
             "register_timeout_s": 1,
             "tcp_host": "10.0.0.7",
             "instance_id": "decode-a",
-            "fault_injection": "refuse_send",
-            "fault_injection_prefix": "corrupt-",
         }
     )
     assert (cfg.pool_bytes, cfg.staging_bytes, cfg.load_timeout_s, cfg.register_timeout_s) == (
@@ -58,12 +56,7 @@ def test_every_key() -> None:
         2.5,
         1.0,
     )
-    assert (cfg.tcp_host, cfg.instance_id, cfg.fault_injection, cfg.fault_injection_prefix) == (
-        "10.0.0.7",
-        "decode-a",
-        "refuse_send",
-        "corrupt-",
-    )
+    assert (cfg.tcp_host, cfg.instance_id) == ("10.0.0.7", "decode-a")
     assert cfg.staging_ttl_s >= 120
 
 
@@ -138,9 +131,8 @@ def test_bad_instance_id(instance: Any) -> None:
     assert "kv_connector_extra_config.instance_id" in refused({"broker": BROKER, "instance_id": instance})
 
 
-def test_bad_tcp_host_and_fault() -> None:
+def test_bad_tcp_host() -> None:
     assert "kv_connector_extra_config.tcp_host" in refused({"broker": BROKER, "tcp_host": ""})
-    assert "kv_connector_extra_config.fault_injection" in refused({"broker": BROKER, "fault_injection": "explode"})
 
 
 def test_curve_server_key() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_hash
 from protocols.errors import BrokerUnavailable, Refused
 from protocols.messages import Abort, Layout, Prepare, Register
+from tests.e2e.fault_connectors import refuse_sends
 from tests.support import BrokerProcess, engine_step_pause, wait_until
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 
@@ -1384,12 +1386,14 @@ def test_a_decode_endpoint_p_cannot_use_aborts_the_transfer(
 
 
 def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -> None:
-    """P's transport refuses a send (as a failed NCCL communicator would): P aborts the
-    transfer at the broker and frees its copy, so D's load fails at once instead of at
-    its 20 s deadline, and the next transfer between them goes through."""
+    """P's payload of a send fails on the sending thread (as a layer never copied would):
+    P aborts the transfer at the broker and frees its copy, so D's load fails at once
+    instead of at its 20 s deadline, and the next transfer between them goes through."""
     pc, dc = make_caches(seed=40), make_caches(seed=41)
-    p = make_worker(broker.endpoint, "p", "p0", pc, fault_injection="refuse_send", fault_injection_prefix="lost-")
+    p = make_worker(broker.endpoint, "p", "p0", pc)
     d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=20.0)
+    assert p.producer is not None
+    refuse_sends(p.producer, "lost-")
     try:
         load(d, "lost-1", [30, 31], cached=0)
         stage(p, pc, "lost-1", [1, 2], decode="d0")
@@ -1406,6 +1410,44 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
     finally:
         p.close()
         d.close()
+
+
+def test_a_broken_link_to_d_leaves_the_transfer_to_the_broker_which_reroutes_it(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P cannot reach D's receiver (D advertises a port nothing listens on, as a wrong
+    tcp_host would): that is not P's failure, so P keeps its copy and leaves the transfer
+    to the broker. Once that D is gone, the broker gives the transfer to the decode peer
+    that claimed it after, and P sends the same copy there: no second prefill."""
+    from connector import consumer
+
+    with socket.socket() as closed:  # a port that was free a moment ago, and is closed now
+        closed.bind(("127.0.0.1", 0))
+        unreachable = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    pc, d1c, d2c = make_caches(seed=42), make_caches(seed=43), make_caches(seed=44)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    with monkeypatch.context() as m:
+        real_start = consumer.TcpReceiver.start
+        m.setattr(consumer.TcpReceiver, "start", lambda self: (real_start(self), unreachable)[1])
+        d1 = make_worker(broker.endpoint, "d", "d1", d1c)
+    d2 = make_worker(broker.endpoint, "d", "d2", d2c)
+    try:
+        assert p.producer is not None and p.producer.sender is not None
+        load(d1, "link-1", [30, 31], cached=0)
+        stage(p, pc, "link-1", [1, 2], decode="d1")
+        sender = p.producer.sender
+        wait_until(lambda: sender.statistics().failed == 1, 10, "P's send to the closed port to fail")
+        assert p.statistics()["staged_now"] == 1 and p.statistics().get("aborted", 0) == 0
+
+        load(d2, "link-1", [40, 41], cached=0)  # the request, sent again, to d2
+        d1.close()
+        assert run_steps(d2, {"req-link-1"}, 20)[1] == set()
+        for n in LAYERS:
+            assert torch.equal(d2c[n][[40, 41]], pc[n][[1, 2]])
+        assert p.statistics()["sent"] == 1 and p.statistics()["staged"] == 1
+    finally:
+        p.close()
+        d1.close()
+        d2.close()
 
 
 def test_a_save_staged_on_its_own_is_copied_from_the_caches_worked_out_once(

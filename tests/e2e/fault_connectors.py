@@ -1,27 +1,38 @@
-"""A prefill connector whose sends carry corrupted KV, for the end-to-end negative
-controls: they show that D decodes from the KV it received.
+"""Faults the tests inject into a prefill connector: none of them is in the product.
 
-`NegatingConnector` is `KVBrokerConnector`, except that in a step that saves a transfer
-whose id starts with "corrupt-" it negates each layer's cache around the real
-`save_kv_layer`. The staged copy, materialized there in stream order, holds the negated
-values; the cache is restored before the forward pass goes on, so P's own tokens and
-prefix cache are untouched. Negation keeps every value finite: vLLM does not zero
-reused blocks, so NaN patterns would leak into later requests. It negates the whole
-layer, so a step must not mix such transfers with others (the tests send them alone).
+`NegatingConnector` sends corrupted KV, for the end-to-end negative controls: they show
+that D decodes from the KV it received. It is `KVBrokerConnector`, except that in a step
+that saves a transfer whose id starts with "corrupt-" it negates each layer's cache
+around the real `save_kv_layer`. The staged copy, materialized there in stream order,
+holds the negated values; the cache is restored before the forward pass goes on, so P's
+own tokens and prefix cache are untouched. Negation keeps every value finite: vLLM does
+not zero reused blocks, so NaN patterns would leak into later requests. It negates the
+whole layer, so a step must not mix such transfers with others (the tests send them alone).
 
-    kv_connector "NegatingConnector", kv_connector_module_path "tests.e2e.fault_connectors"
+`RefusingConnector` cannot send the transfers whose id starts with "refuse-": over tcp,
+the real sender runs each such send, and its payload fails on the sending thread before
+its first byte, as a layer that was never copied would (`refuse_sends`). P then ends the transfer at the
+broker itself, and D's load fails at once.
+
+    kv_connector "NegatingConnector" (or "RefusingConnector"),
+    kv_connector_module_path "tests.e2e.fault_connectors"
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import structlog
 import torch
 
 from connector import KVBrokerConnector
+from connector.producer import ProducerSide
+from protocols.errors import TransferFailed
+from workers.transports.tcp import TcpSender, byte_view
 
 PREFIX = "corrupt-"
+REFUSED = "refuse-"
 
 log = structlog.get_logger("kvbroker.tests")
 
@@ -46,3 +57,45 @@ class NegatingConnector(KVBrokerConnector):
             if tid not in self._negated:
                 self._negated.add(tid)
                 log.warning("transfer.fault_injected", transfer_id=tid, phase="fault", fault="negated_send")
+
+
+def refuse_sends(producer: ProducerSide, prefix: str) -> None:
+    """Make `producer` fail every tcp send of a transfer named `prefix`*: the real sender
+    runs it, and its payload fails on the sending thread before the first byte, as a
+    layer never copied would; `ProducerSide.on_go` then handles a failure of P's own."""
+    assert producer.sender is not None
+    producer.sender = _RefusingSender(producer.sender, prefix)  # type: ignore[assignment]
+
+
+class _RefusingSender:
+    def __init__(self, sender: TcpSender, prefix: str) -> None:
+        self.sender, self.prefix = sender, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sender, name)
+
+    async def send(self, endpoint: str, transfer_id: str, attempt: int, data: Any) -> None:
+        if not transfer_id.startswith(self.prefix):
+            await self.sender.send(endpoint, transfer_id, attempt, data)
+            return
+        await self.sender.send_parts(endpoint, transfer_id, attempt, len(byte_view(data)), self._failing(transfer_id))
+
+    async def send_parts(self, endpoint: str, transfer_id: str, attempt: int, nbytes: int,
+                         parts: Iterable[list[memoryview]], **kwargs: Any) -> None:
+        if transfer_id.startswith(self.prefix):
+            parts = self._failing(transfer_id)
+        await self.sender.send_parts(endpoint, transfer_id, attempt, nbytes, parts, **kwargs)
+
+    @staticmethod
+    def _failing(transfer_id: str) -> Iterator[list[memoryview]]:
+        log.warning("transfer.fault_injected", transfer_id=transfer_id, phase="fault", fault="refused_send")
+        raise TransferFailed(transfer_id, "its payload failed (injected by the test)")
+        yield []  # a generator: it raises where the sender iterates it, on the sending thread
+
+
+class RefusingConnector(KVBrokerConnector):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        assert self._worker is not None
+        if self._worker.producer is not None:
+            refuse_sends(self._worker.producer, REFUSED)

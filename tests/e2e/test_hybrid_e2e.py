@@ -22,7 +22,7 @@ from engine_runner import EngineProcess
 
 from demo.summary import log_events
 from demo.tiny_model import make_tiny_gemma3
-from tests.support import BrokerProcess, wait_until
+from tests.support import REFUSING, BrokerProcess, wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -67,9 +67,8 @@ def cluster(gemma: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     broker = BrokerProcess(root, "--peer-lease", "30", "--heartbeat", "1", "--transfer-lease", "300")
     broker.start()
     plain = engine(gemma, root, "plain", None)
-    # P refuses to send the transfers named hy-fail* (the test-only fault hook), so D's loads fail.
-    p = engine(gemma, root, "p-gemma", connector_config(broker.endpoint, "kv_producer", "p-gemma",
-                                                        fault_injection="refuse_send", fault_injection_prefix="hy-fail"))
+    # P fails its sends of the transfers named refuse-* (a fault the test injects), so D's loads fail.
+    p = engine(gemma, root, "p-gemma", {**connector_config(broker.endpoint, "kv_producer", "p-gemma"), **REFUSING})
     d = engine(gemma, root, "d-gemma", connector_config(broker.endpoint, "kv_consumer", "d-gemma"))
     try:
         for proc in (plain, p, d):  # one at a time: each takes both cores while it starts
@@ -144,14 +143,14 @@ def test_hybrid_gemma3_d_loads_only_past_its_prefix_hit_in_every_group(cluster: 
 
 
 def test_hybrid_gemma3_failed_loads_are_recomputed_and_the_engine_goes_on(cluster: dict[str, Any]) -> None:
-    """P refuses to send these transfers, so D's loads fail at once. vLLM takes no block ids
-    from several KV cache groups (it stops the engine on them), so D reports the requests
-    instead; under kv_load_failure_policy "recompute" D computes them locally, gives the
+    """P cannot send these transfers (their payload fails on P), so D's loads fail at once.
+    vLLM takes no block ids from several KV cache groups (it stops the engine on them), so
+    D reports the requests instead; under kv_load_failure_policy "recompute" D computes them locally, gives the
     plain engine's outputs, and serves the next transfer as before."""
     broker: BrokerProcess = cluster["broker"]
     p, d = cluster["p"], cluster["d"]
     prompts = make_prompts([120, 90], salt=11)
-    tids = ["hy-fail-0", "hy-fail-1"]
+    tids = ["refuse-0", "refuse-1"]
     ref = cluster["plain"].generate(prompts, MAX_TOKENS)
     aborted = broker.status()["counters"]["aborted"]
     p_id = p.submit({"prompts": prompts, "max_tokens": 1,

@@ -30,6 +30,7 @@ from workers.transports.bell import Ringer
 from workers.transports.cuda_ipc import IpcCommunicator
 from connector.scheduler import KvBrokerMetadata, SaveSpec
 from connector.worker import ConnectorWorker
+from protocols.errors import TransferFailed
 from protocols.messages import Go
 from tests.connector.test_save_race import Blocks, defer_gathers, save_race
 from tests.connector.test_worker import (
@@ -295,15 +296,32 @@ def test_an_abort_mid_receive_ends_it_and_the_next_transfer_rebuilds(broker: Bro
         d.close()
 
 
-def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -> None:
-    """P's NCCL send is refused (the fault hook stands in for a failed communicator): P
+def _fail_posts(monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Make P's link fail to post the send of every transfer named `prefix`*, as a failed
+    communicator would: on its Go (`_post_on`) and where D's receive was seen
+    (`_post_blocks`), so the link's own cleanup and the producer's ending both run."""
+    for name in ("_post_on", "_post_blocks"):
+        real = getattr(nccl_link.NcclLink, name)
+
+        def failing(self: nccl_link.NcclLink, comm: object, peer: str, op: str, transfer_id: str, *args: object,
+                    __real: object = real, **kwargs: object) -> object:
+            if op == "send" and transfer_id.startswith(prefix):
+                raise TransferFailed(transfer_id, f"NCCL send with {peer} failed (injected by the test)")
+            return __real(self, comm, peer, op, transfer_id, *args, **kwargs)  # type: ignore[operator]
+
+        monkeypatch.setattr(nccl_link.NcclLink, name, failing)
+
+
+def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's NCCL send fails to post (the test fails it, as a failed communicator would): P
     aborts the transfer at the broker, so D's load fails at once instead of at its 20 s
-    deadline, and D's turn for this producer is free again at once, both when D was still
-    waiting for P's rendezvous data (no communicator yet) and when its receive was posted
-    on one; the next transfer goes through each time."""
+    deadline, and D's turn for this producer is free again at once, both for the pair's
+    first transfer (its communicator is built, then dropped) and when D's receive was
+    posted on one; the next transfer goes through each time."""
+    _fail_posts(monkeypatch, "lost")
     pc, dc = gpu_caches(P_GPU, 7), gpu_caches(D_GPU, 8)
-    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=20,
-                    fault_injection="refuse_send", fault_injection_prefix="lost")
+    p = make_worker(broker.endpoint, "p", "p0", pc, transport="nccl", load_timeout_s=20)
     d = make_worker(broker.endpoint, "d", "d0", dc, transport="nccl", load_timeout_s=20)
     try:
         for round_, (src, dst) in enumerate((([4, 5], [40, 41]), ([9, 10], [44, 45]))):
@@ -323,9 +341,10 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
                 assert torch.equal(t[:, [50, 51]].cpu(), saved[n].cpu())
         assert p.statistics()["staged_now"] == 0 and p.statistics()["aborted"] == 2
         assert p.nccl is not None and d.nccl is not None
-        # Round 0 built none (D's wait for P's data was cut short); in round 1, D drops the
-        # communicator its cancelled receive was posted on, and P builds a new one with it.
-        assert 1 <= d.nccl.cache.statistics().created == p.nccl.cache.statistics().created <= 2
+        # Each lost transfer's failed post drops the pair's communicator on both sides (P's
+        # link ends the pair, D drops the one its cancelled receive waited on), and the
+        # transfer after it builds a new one together.
+        assert d.nccl.cache.statistics().created == p.nccl.cache.statistics().created <= 3
     finally:
         p.close()
         d.close()

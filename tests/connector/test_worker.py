@@ -28,7 +28,7 @@ from connector.scheduler import KvBrokerMetadata, LoadSpec, SaveSpec
 from connector.worker import ConnectorWorker, compat_hash
 from protocols.errors import BrokerUnavailable, Refused
 from protocols.messages import Abort, Layout, Prepare, Register
-from tests.e2e.fault_connectors import refuse_sends
+from tests.faults import refuse_sends
 from tests.support import BrokerProcess, engine_step_pause, wait_until
 from workers.client import BrokerClient, ClientConfig, SyncBrokerClient
 

@@ -317,12 +317,13 @@ async def test_a_receiver_that_stops_reading_times_the_send_out() -> None:
         assert time.monotonic() - t0 < 5
 
 
-async def test_send_to_a_closed_port_fails_fast(sender: TcpSender) -> None:
+async def test_send_to_a_closed_port_fails_fast_naming_what_to_check(sender: TcpSender) -> None:
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
     with anyio.fail_after(5):
-        with pytest.raises(SendFailed, match="cannot connect"):
+        with pytest.raises(SendFailed, match="cannot connect") as failed:
             await sender.send(f"tcp://127.0.0.1:{port}", "t", 0, b"x")
+    assert f"tcp://127.0.0.1:{port}" in failed.value.reason and "tcp_host" in failed.value.reason
 
 
 # -- unexpected headers close that connection only -------------------------------------

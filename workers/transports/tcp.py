@@ -314,7 +314,8 @@ class TcpSender:
         try:
             sock = socket.create_connection((host, port), timeout=self.config.connect_timeout_s)
         except OSError as exc:
-            raise SendFailed(transfer_id, f"cannot connect to {endpoint}: {exc}") from None
+            raise SendFailed(transfer_id, f"cannot connect to {endpoint} ({exc}); check that the decode "
+                             "instance runs and that its tcp_host is an address this host can reach") from None
         configure(sock, self.config)
         with self._lock:
             self._connects += 1

@@ -43,6 +43,7 @@ so the worker half itself never imports vLLM and can be tested with plain values
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -55,7 +56,7 @@ from workers.cpus import AUTO, INHERIT, parse_cpu_list
 
 __all__ = [
     "ConfigError", "ConnectorConfig", "EngineInfo", "engine_info_from_vllm", "kv_cache_spec_of", "kv_groups_of",
-    "parse_config",
+    "loopback_receiver", "parse_config",
 ]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -286,6 +287,30 @@ def _nccl_settings(extra: Mapping[str, Any], transport: str) -> tuple[str, int]:
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1024:
         raise ConfigError(f"{_PREFIX}.nccl_communicators must be a whole number from 1 to 1024, not {count!r}.")
     return backend.replace(" ", ""), count
+
+
+def loopback_receiver(config: ConnectorConfig) -> str | None:
+    """A decode instance whose tcp receiver listens on loopback while the broker is on
+    another host: prefill instances on other hosts cannot reach it, and each of their
+    sends would fail until the load's deadline. The sentence to log, or None. (Only a
+    warning: P and D may share a host whose broker runs elsewhere.)"""
+    if config.role != "consumer" or config.transport != "tcp" or not _loopback(config.tcp_host):
+        return None
+    m = _ADDRESS.match(config.broker)
+    if m is None or _loopback(m["host"].strip("[]")):
+        return None
+    return (f"{_PREFIX}.tcp_host is {config.tcp_host}, a loopback address, while the broker is on another host "
+            f"({m['host']}): prefill instances on other hosts cannot reach this decode instance; set tcp_host to an "
+            "address they can reach.")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: its address is not known here
+        return False
 
 
 def _valid_address(address: str) -> bool:

@@ -73,6 +73,7 @@ from workers.layout import (
 from workers.pool import Lease, PoolError
 from workers.transports.tcp import TcpReceiver, TcpTransportError
 
+from .config import loopback_receiver
 from .lanes import Lane, lane_key, on_lane, release_ended, scatter_lanes, stop_lanes
 from .scheduler import KvBrokerMetadata, LoadSpec
 
@@ -213,6 +214,9 @@ class ConsumerSide:
             return {}
         ctx = {"role": self.w.role, "instance": self.w.config.instance_id}
         self.receiver = TcpReceiver(self.w.config.tcp_host, 0, log_context=ctx)
+        unreachable = loopback_receiver(self.w.config)
+        if unreachable is not None:
+            self.w.log.warning("connector.tcp_host_loopback", phase="register", detail=unreachable)
         return {"tcp": self.receiver.start()}
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from connector.config import ConfigError, ConnectorConfig, parse_config
+from connector.config import ConfigError, ConnectorConfig, loopback_receiver, parse_config
 
 BROKER = "tcp://127.0.0.1:7100"
 
@@ -205,3 +205,24 @@ def test_thread_cpus_is_auto_inherit_or_a_cpu_list_of_a_cpu_worker() -> None:
             {"broker": BROKER, "thread_cpus": bad})
     assert 'remove it for transport \'nccl\'' in refused(
         {"broker": BROKER, "transport": "nccl", "thread_cpus": "7"}, cuda=True)
+
+
+@pytest.mark.parametrize(
+    ("broker", "tcp_host", "role", "warned"),
+    [
+        ("tcp://10.0.0.5:7100", "127.0.0.1", "kv_consumer", True),
+        ("tcp://broker.internal:7100", "localhost", "kv_consumer", True),
+        ("tcp://[fd00::5]:7100", "::1", "kv_consumer", True),
+        ("tcp://127.0.0.1:7100", "127.0.0.1", "kv_consumer", False),  # all on one host
+        ("tcp://localhost:7100", "127.0.0.1", "kv_consumer", False),
+        ("tcp://10.0.0.5:7100", "10.0.0.7", "kv_consumer", False),  # a routable address
+        ("tcp://10.0.0.5:7100", "127.0.0.1", "kv_producer", False),  # P listens on nothing
+    ],
+)
+def test_a_decode_receiver_on_loopback_with_a_broker_elsewhere_is_named(
+        broker: str, tcp_host: str, role: str, warned: bool) -> None:
+    cfg = parse_config({"broker": broker, "tcp_host": tcp_host}, kv_role=role, engine_id="e")
+    sentence = loopback_receiver(cfg)
+    assert (sentence is not None) == warned
+    if sentence is not None:
+        assert "kv_connector_extra_config.tcp_host" in sentence and sentence.endswith(".") and "\n" not in sentence

@@ -38,10 +38,11 @@
    the send there and then (`_receive_seen`); the Go then sends nothing. On Release (D
    has it) or Abort: free the lease, after any send still reading it; an Abort also ends
    an NCCL send still under way. A staged copy the broker never settles is
-   freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, D
-   names no endpoint for the transport, or a malformed one) aborts the transfer at the
-   broker, so D's load fails at once instead of at its deadline; other failures (no
-   ack, D unreachable) are D's to report, or the broker's to re-route.
+   freed after `staging_ttl_s`. A send this side cannot make (its NCCL op failed, its
+   copy was never complete, its tcp payload failed, D names no endpoint for the
+   transport, or a malformed one) aborts the transfer at the broker, so D's load fails
+   at once instead of at its deadline; a broken link (no connection, no ack, a reject)
+   is D's to report, or the broker's to re-route with the copy this side keeps.
 """
 
 from __future__ import annotations

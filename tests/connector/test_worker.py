@@ -1412,23 +1412,30 @@ def test_a_send_p_cannot_make_ends_the_transfer_at_once(broker: BrokerProcess) -
         d.close()
 
 
-def test_a_broken_link_to_d_leaves_the_transfer_to_the_broker_which_reroutes_it(
-        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """P cannot reach D's receiver (D advertises a port nothing listens on, as a wrong
-    tcp_host would): that is not P's failure, so P keeps its copy and leaves the transfer
-    to the broker. Once that D is gone, the broker gives the transfer to the decode peer
-    that claimed it after, and P sends the same copy there: no second prefill."""
+def _unreachable_decode(monkeypatch: pytest.MonkeyPatch, broker: str, instance: str, caches: dict[str, torch.Tensor],
+                        **extra: object) -> ConnectorWorker:
+    """A decode worker that advertises a port nothing listens on, as a wrong tcp_host
+    would: its receiver runs, but no producer reaches it."""
     from connector import consumer
 
     with socket.socket() as closed:  # a port that was free a moment ago, and is closed now
         closed.bind(("127.0.0.1", 0))
         unreachable = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
-    pc, d1c, d2c = make_caches(seed=42), make_caches(seed=43), make_caches(seed=44)
-    p = make_worker(broker.endpoint, "p", "p0", pc)
     with monkeypatch.context() as m:
         real_start = consumer.TcpReceiver.start
         m.setattr(consumer.TcpReceiver, "start", lambda self: (real_start(self), unreachable)[1])
-        d1 = make_worker(broker.endpoint, "d", "d1", d1c)
+        return make_worker(broker, "d", instance, caches, **extra)
+
+
+def test_a_broken_link_to_d_leaves_the_transfer_to_the_broker_which_reroutes_it(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P cannot reach D's receiver: that is not P's failure, so P keeps its copy and
+    leaves the transfer to the broker. Once that D is gone, the broker gives the transfer
+    to the decode peer that claimed it after, and P sends the same copy there: no second
+    prefill."""
+    pc, d1c, d2c = make_caches(seed=42), make_caches(seed=43), make_caches(seed=44)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d1 = _unreachable_decode(monkeypatch, broker.endpoint, "d1", d1c)
     d2 = make_worker(broker.endpoint, "d", "d2", d2c)
     try:
         assert p.producer is not None and p.producer.sender is not None
@@ -1448,6 +1455,25 @@ def test_a_broken_link_to_d_leaves_the_transfer_to_the_broker_which_reroutes_it(
         p.close()
         d1.close()
         d2.close()
+
+
+def test_a_live_d_that_p_cannot_reach_fails_its_load_at_its_deadline_and_p_frees_the_copy(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other way a broken link ends: D stays, so its load fails at its own deadline
+    (the failure policy applies), and the Abort that follows frees the copy P kept."""
+    pc, dc = make_caches(seed=45), make_caches(seed=46)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = _unreachable_decode(monkeypatch, broker.endpoint, "d1", dc, load_timeout_s=1.5)
+    try:
+        load(d, "link-2", [30, 31], cached=0)
+        stage(p, pc, "link-2", [1, 2], decode="d1")
+        _, errors, seconds = run_steps(d, {"req-link-2"}, 20)
+        assert errors == {30, 31} and seconds >= 1.0, (errors, seconds)
+        wait_until(lambda: p.statistics()["staged_now"] == 0, 10, "P to free the copy once D gave the load up")
+        assert p.statistics()["sent"] == 0 and p.statistics()["aborted"] == 1
+    finally:
+        p.close()
+        d.close()
 
 
 def test_a_save_staged_on_its_own_is_copied_from_the_caches_worked_out_once(

@@ -661,7 +661,6 @@ class ProducerSide:
         endpoint = msg.endpoints.get("tcp")
         t0 = time.monotonic()
         let_go = True  # False: a cancelled send's thread may still read the staging
-        ours: str | None = None  # set: this side cannot send it, so it ends the transfer at the broker
         posting = False  # nccl: the send took its place in the pair's order (or gave it up itself)
         waited: Waited | None = None  # nccl: when the send's end was seen
         part: Part | None = None  # nccl: a lane's heads, cut out of the staging
@@ -672,39 +671,30 @@ class ProducerSide:
                 if staged.dead:  # ended meanwhile: the broker knows
                     raise TransferFailed(tid, f"its copy was dropped: {staged.dropped}")
                 if not staged.complete:  # the forward pass never saved it all: this side's failure
-                    ours = f"its copy was not complete within load_timeout_s ({w.config.load_timeout_s:g} s)"
-                    raise TransferFailed(tid, ours)
+                    raise TransferFailed(tid, f"its copy was not complete within load_timeout_s "
+                                              f"({w.config.load_timeout_s:g} s)")
             if w.nccl is not None:
-                try:
-                    staged.sending_to = msg.decode
-                    source, after, paged = staged.lease, staged.event, w.paged
-                    block_nbytes = w.chunk_nbytes
-                    if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
-                        paged = None
-                        if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
-                            part = await self._cut(tid, staged, msg)
-                            source, after, block_nbytes = part, part.event, part.block_nbytes
-                    if staged.dead:  # ended while the Go waited (its lane's cut): post nothing
-                        raise TransferFailed(tid, f"it ended before its send was posted: {staged.dropped}")
-                    posting = True
-                    deadline = time.monotonic() + w.config.load_timeout_s
-                    waited = await w.nccl.send(
-                        msg.decode, tid, source, msg.offset, msg.nbytes, None if streaming else after,  # type: ignore[arg-type]
-                        deadline, block_nbytes=block_nbytes, ticket=(msg.comm, msg.seq),
-                        paged=paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
-                except TransferFailed as exc:
-                    # The op has ended (never posted, timed out, or its communicator failed);
-                    # D would hold its receive, and its turn for this producer, until its
-                    # deadline. Unless the transfer was ended already (aborted, released):
-                    # the broker knows.
-                    ours = None if staged.dead else exc.reason
-                    raise
+                staged.sending_to = msg.decode
+                source, after, paged = staged.lease, staged.event, w.paged
+                block_nbytes = w.chunk_nbytes
+                if msg.head_stop:  # a decode rank of another TP size receives a lane in chunks
+                    paged = None
+                    if (msg.head_start, msg.head_stop) != w.heads:  # some of this rank's heads: cut them
+                        part = await self._cut(tid, staged, msg)
+                        source, after, block_nbytes = part, part.event, part.block_nbytes
+                if staged.dead:  # ended while the Go waited (its lane's cut): post nothing
+                    raise TransferFailed(tid, f"it ended before its send was posted: {staged.dropped}")
+                posting = True
+                deadline = time.monotonic() + w.config.load_timeout_s
+                waited = await w.nccl.send(
+                    msg.decode, tid, source, msg.offset, msg.nbytes, None if streaming else after,  # type: ignore[arg-type]
+                    deadline, block_nbytes=block_nbytes, ticket=(msg.comm, msg.seq),
+                    paged=paged, streaming=_Streaming(self, tid, staged, deadline) if streaming else None)
             else:
                 assert self.sender is not None
                 if endpoint is None:
-                    ours = (f"decode peer {msg.decode} advertises no tcp endpoint; run prefill and decode with "
-                            "the same transport")
-                    raise TransferFailed(tid, ours)
+                    raise TransferFailed(tid, f"decode peer {msg.decode} advertises no tcp endpoint; run prefill "
+                                              "and decode with the same transport")
                 key, data = tid, staged.lease.tensor
                 if msg.head_stop:  # a decode rank of another TP size takes some of this rank's heads
                     assert w.client is not None
@@ -712,33 +702,29 @@ class ProducerSide:
                     # a copy of the lane's heads (tens of ms for a long prompt): off the client's loop
                     data = await anyio.to_thread.run_sync(split_for_go, w, staged.staging, msg.head_start,
                                                           msg.head_stop)
-                try:
-                    with anyio.fail_after(w.config.load_timeout_s):
-                        if streaming:
-                            stopped = threading.Event()
-                            parts = self._layer_parts(tid, staged, msg.offset, msg.nbytes, stopped,
-                                                      time.monotonic() + w.config.load_timeout_s)
-                            await self.sender.send_parts(endpoint, key, msg.attempt, msg.nbytes, parts,
-                                                         stop=partial(_stop, stopped, staged))
-                        else:
-                            await self.sender.send(endpoint, key, msg.attempt,
-                                                   data[msg.offset : msg.offset + msg.nbytes])
-                except TransferFailed as exc:
-                    # This side's payload failed (a layer never copied, a range not whole
-                    # blocks): it ends the transfer, as a failed NCCL post does. A broken
-                    # link is not: D fails its load, or the broker, losing D, re-routes the
-                    # transfer to another decode peer, which the staged copy is kept for.
-                    if not isinstance(exc, (SendFailed, SendTimeout)) and not staged.dead:
-                        ours = exc.reason
-                    raise
+                with anyio.fail_after(w.config.load_timeout_s):
+                    if streaming:
+                        stopped = threading.Event()
+                        parts = self._layer_parts(tid, staged, msg.offset, msg.nbytes, stopped,
+                                                  time.monotonic() + w.config.load_timeout_s)
+                        await self.sender.send_parts(endpoint, key, msg.attempt, msg.nbytes, parts,
+                                                     stop=partial(_stop, stopped, staged))
+                    else:
+                        await self.sender.send(endpoint, key, msg.attempt, data[msg.offset : msg.offset + msg.nbytes])
         except (TransferFailed, TimeoutError, OSError) as exc:
-            # Unless `ours`: D fails its load (and aborts), or the broker re-routes; nothing to undo here.
             reason = getattr(exc, "reason", None) or f"no ack within {w.config.load_timeout_s:g} s"
             w.log.warning("transfer.send_failed", transfer_id=tid, phase="send", decode=msg.decode, reason=reason)
             if w.nccl is not None and not posting:
                 w.nccl.abandon(msg.decode, (msg.comm, msg.seq))
-            if ours is not None:
-                await self._end(tid, ours)
+            # This side's failure (its copy, its NCCL op, after which D would hold its
+            # receive and its turn for this producer until its deadline; its tcp payload, a
+            # missing endpoint) ends the transfer at the broker at once, unless it ended
+            # already (the broker knows). A broken tcp link (no connection, no ack, a
+            # reject) does not: D fails its load, or the broker, losing D, re-routes the
+            # transfer to another decode peer, which the staged copy is kept for.
+            link = w.nccl is None and isinstance(exc, (SendFailed, SendTimeout))
+            if isinstance(exc, TransferFailed) and not link and not staged.dead:
+                await self._end(tid, reason)
         except SourceInUse as exc:
             let_go = False
             w.log.error("transfer.staging_quarantined", transfer_id=tid, phase="send", reason=str(exc))

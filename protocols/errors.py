@@ -82,10 +82,6 @@ class TransferTimeout(TransferFailed):
     """A transfer's wait passed its deadline."""
 
 
-class CreditTimeout(TransferTimeout):
-    """No room in the decode pool in time."""
-
-
 class SendTimeout(TransferTimeout):
     """The data could not be sent in time."""
 

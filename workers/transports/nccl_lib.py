@@ -128,7 +128,6 @@ class NcclLib:
         self._async_error = bind("ncclCommGetAsyncError", [_Comm, p(_Result)])
         v = ctypes.c_int()
         self._check("ncclGetVersion", self._get_version(ctypes.byref(v)))
-        self.version_code = v.value
         # 2.9.0 and later encode the version as major*10000 + minor*100 + patch.
         self.version = (v.value // 10000, v.value // 100 % 100, v.value % 100)
 

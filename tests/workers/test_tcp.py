@@ -159,10 +159,12 @@ class Gate:
     def __init__(self, parts: list[list[memoryview]]) -> None:
         self.parts = parts
         self.open = [threading.Event() for _ in parts]
+        self.asked = [threading.Event() for _ in parts]  # the sending thread waits for this part
         self.stopped = threading.Event()
 
     def __iter__(self):
-        for part, gate in zip(self.parts, self.open):
+        for part, gate, asked in zip(self.parts, self.open, self.asked):
+            asked.set()
             while not gate.wait(0.01):
                 if self.stopped.is_set():
                     raise SendFailed("gate", "stopped")
@@ -210,9 +212,16 @@ async def test_a_send_cancelled_while_its_next_part_is_not_ready_stops_the_wait(
     gate = Gate([[memoryview(bytes(100))], [memoryview(bytes(100))]])
     gate.open[0].set()
     done = receiver.expect("stalled", 0, bytearray(200))
+
+    async def cancel_once_the_thread_waits(scope: anyio.CancelScope) -> None:
+        await anyio.to_thread.run_sync(gate.asked[1].wait, 10, abandon_on_cancel=True)
+        scope.cancel()
+
     with anyio.fail_after(10):
-        with anyio.move_on_after(0.2) as scope:
-            await sender.send_parts(receiver.endpoint, "stalled", 0, 200, gate, stop=gate.stopped.set)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_the_thread_waits, scope)
+                await sender.send_parts(receiver.endpoint, "stalled", 0, 200, gate, stop=gate.stopped.set)
         assert scope.cancelled_caught and gate.stopped.is_set()
         with pytest.raises(RecvFailed):
             await done.wait()
@@ -299,11 +308,23 @@ async def test_cancel_before_any_data(receiver: TcpReceiver, sender: TcpSender) 
 async def test_send_cancelled_while_the_peer_does_not_read_returns_promptly() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener, TcpSender(TcpConfig(io_timeout_s=30)) as tx:
         port = listener.getsockname()[1]
-        src = payload(64 * MiB)
-        t0 = time.monotonic()
-        with anyio.move_on_after(0.3):
-            await tx.send(f"tcp://127.0.0.1:{port}", "stuck", 0, src)
-        assert time.monotonic() - t0 < 3, "cancelling a send must interrupt its thread"
+        src = payload(64 * MiB)  # more than the kernel's buffers hold: the thread blocks in a write
+        cancelled_at = 0.0
+
+        async def cancel_once_connected(scope: anyio.CancelScope) -> None:
+            nonlocal cancelled_at
+            await anyio.to_thread.run_sync(wait_until, lambda: tx.statistics().connects, 10, "the connection",
+                                           abandon_on_cancel=True)
+            cancelled_at = time.monotonic()
+            scope.cancel()
+
+        with anyio.fail_after(10):
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_once_connected, scope)
+                    await tx.send(f"tcp://127.0.0.1:{port}", "stuck", 0, src)
+        assert scope.cancelled_caught
+        assert time.monotonic() - cancelled_at < 3, "cancelling a send must interrupt its thread"
         assert tx.statistics().failed == 1
 
 

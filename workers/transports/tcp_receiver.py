@@ -73,6 +73,7 @@ class _Conn:
 class ReceiverStats:
     connections: int
     expected: int
+    receiving: int  # expected transfers whose stream has begun
     received: int
     bytes: int
     failed: int
@@ -271,8 +272,10 @@ class TcpReceiver:
 
     def statistics(self) -> ReceiverStats:
         with self._lock:
+            receiving = sum(e.conn is not None for e in self._expected.values())
             return ReceiverStats(
-                len(self._conns), len(self._expected), self._received, self._bytes, self._failed, self._rejected
+                len(self._conns), len(self._expected), receiving, self._received, self._bytes, self._failed,
+                self._rejected
             )
 
     # -- threads --------------------------------------------------------------------

@@ -102,7 +102,7 @@ from .ledger import (
     peer_id_of,
     remember,
 )
-from .transfers import HOLDS_CREDIT, Transfer, TransferKey, TransferState
+from .transfers import Transfer, TransferKey, TransferState
 
 __all__ = ["Broker", "BrokerConfig", "Effect", "Note", "Send"]
 
@@ -266,9 +266,11 @@ class Broker(Handshake):
         )
         out.append(Note("peer.registered", {"peer": pid, "role": reg.role, "pool_capacity": reg.pool_capacity}))
         if reg.role == "decode":
-            # Offers that found no decode peer may route now.
+            # Offers that found no decode peer may route now; routing one may abort the
+            # lanes beside it (`_abort`), which then are no longer there to route.
             for t in [t for t in self.transfers.values() if t.state is S.UNROUTED]:
-                self._route(now, t, out)
+                if self.transfers.get(t.key) is t and t.state is S.UNROUTED:
+                    self._route(now, t, out)
 
     def _check_compat(self, reg: Register) -> None:
         """Refuse a peer that no peer of the other role could ever pair with, or that
@@ -566,7 +568,7 @@ class Broker(Handshake):
         if t.state is S.WAITING_CREDIT:
             pool.waiting.pop(t.key, None)
             self._prepare(d, t, 0, out)
-        elif t.state in HOLDS_CREDIT and t.reserved:
+        elif t.state is S.PREPARING and t.reserved:  # past its Ready, D received into that room
             pool.reserved -= t.reserved
             t.reserved = 0
         else:

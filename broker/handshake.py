@@ -108,6 +108,7 @@ class Handshake:
                                                           endings=list(ended.values())):
             return
         self._room_for(len(ended))
+        offered: list[Transfer] = []
         for lane, key, nbytes, layout in work:
             t = self.transfers.get(key)
             if t is None:
@@ -121,6 +122,12 @@ class Handshake:
             self.counters["offered"] += 1
             if self.config.note_transfers:
                 out.append(Note("transfer.offered", {"transfer_id": tid, "nbytes": nbytes, "peer": peer.peer_id}))
+            offered.append(t)
+        # Routed once every lane is in the table: a lane aborted as it routes (a pool too
+        # small) leaves P its staging while P still feeds another lane (`_abort`).
+        for t in offered:
+            if self.transfers.get(t.key) is not t:
+                continue  # ended with a lane into the same decode rank
             self._route(now, t, out)
             if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
                 out.append(Note("transfer.unrouted", {"transfer_id": tid, "waiting_for": self._waiting_for(t)},
@@ -232,7 +239,9 @@ class Handshake:
             return  # the same claim again (re-sent after a reconnect): nothing moves
         if t.decode == peer.peer_id and t.expected_by is None:
             t.expected_by = peer.peer_id  # routed here on the Offer's word before this Expect
-            if in_place:  # it needs none of the room it waits for or holds
+            # It needs none of the room it waits for or holds; but past its Ready, D's
+            # receive was posted into that room.
+            if in_place and t.state is not S.SENDING:
                 t.in_place_by = peer.peer_id
                 self._in_place_now(t, peer, out)
             return

@@ -785,6 +785,24 @@ def test_an_offer_routed_before_its_claim_into_the_blocks_stops_waiting_for_room
     assert c.pool(d) == (100, 0, 0)
 
 
+def test_a_claim_into_the_blocks_after_ds_ready_keeps_the_room_its_receive_was_posted_into(c: FakeCluster) -> None:
+    """Routed on the Offer's word, D answered the Prepare with a receive into its pool: a
+    claim that comes after that Ready saying "into the blocks" gives no room back, so the
+    next Offer waits until the first transfer's bytes have left the pool."""
+    p, d = c.prefill(), c.decode(pool=100)
+    p.offer("t1", 100)
+    assert prepared(d) == ["t1"]
+    d.ready("t1", nbytes=100)
+    assert p.take_one(Go).transfer_id == "t1"
+    d.expect("t1", 100, into_blocks=True)
+    assert c.pool(d) == (100, 100, 0)
+    assert {t.transfer_id: t.in_place for t in c.status().transfers} == {"t1": False}
+    p.offer("t2", 100)
+    assert d.take() == [] and c.state("t2") is S.WAITING_CREDIT
+    d.done("t1", nbytes=100)
+    assert p.take_one(Release) == Release(transfer_id="t1") and prepared(d) == ["t2"]
+
+
 @pytest.mark.parametrize("into_blocks", [True, False])
 def test_an_offer_larger_than_the_pool_of_a_peer_that_takes_only_its_own_waits_for_its_claim(
         c: FakeCluster, into_blocks: bool) -> None:

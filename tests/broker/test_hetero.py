@@ -170,6 +170,37 @@ def test_hetero_one_decode_rank_failing_leaves_the_others_lanes(c: FakeCluster) 
     assert p.take_one(Release) == Release(transfer_id="t")
 
 
+def test_hetero_a_lane_too_big_for_its_ranks_pool_leaves_p_the_staging_its_other_lane_needs(c: FakeCluster) -> None:
+    """The Offer's lane into D rank 0 is aborted as it routes (its pool is too small);
+    the lane into rank 1 goes on, so P is not told to drop the staging that lane sends."""
+    [p] = instance(c, "p", "prefill", 1)
+    d0 = c.decode("d", pool=100, rank=0, world_size=2, kv_heads=4)
+    d1 = c.decode("d", pool=1000, rank=1, world_size=2, kv_heads=4)
+    p.offer("t", 400, decode="d")
+    assert p.take() == [] and d0.take() == []
+    assert d1.take_one(Prepare).nbytes == 200
+    d1.ready("t", source="p:0")
+    assert p.take_one(Go).decode == "d:1"
+    d1.done("t", 200, source="p:0")
+    assert p.take_one(Release) == Release(transfer_id="t")
+    assert c.broker.transfers == {}
+
+
+def test_hetero_a_decode_instance_registering_while_lanes_wait_routes_only_those_left(c: FakeCluster) -> None:
+    """Two unequal Offers of P's ranks wait for a decode instance; the one that comes holds
+    room for the smaller lane only. Routing the larger aborts both lanes into that rank,
+    and the registration routes nothing more (it once routed the dropped lane and failed)."""
+    instance(c, "dA", "decode", 1, claims_only=True)
+    instance(c, "dB", "decode", 1, claims_only=True)
+    p0, p1 = instance(c, "p", "prefill", 2)
+    p0.offer("t", 400)
+    p1.offer("t", 100)
+    assert {t.state for t in c.broker.transfers.values()} == {S.UNROUTED}
+    [dc] = instance(c, "dC", "decode", 1, pool=200)
+    assert [type(m) for m in p0.take()] == [Abort] and [type(m) for m in p1.take()] == [Abort]
+    assert c.broker.transfers == {} and c.pool(dc) == (200, 0, 0)
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 4), (4, 1)])
 def test_hetero_mla_takes_one_prefill_copy_per_decode_rank(c: FakeCluster, p_tp: int, d_tp: int) -> None:
     ps = instance(c, "p", "prefill", p_tp, heads=1, replicated=True)

@@ -136,7 +136,7 @@ class Broker(Handshake):
         self.counters: dict[str, int] = {
             k: 0
             for k in ("offered", "completed", "aborted", "retried", "repeated", "evicted", "bytes", "errors", "bad_frames",
-                      "claims_moved", "claims_waited", "stalls", "cancelled")
+                      "claims_moved", "claims_waited", "stalls", "cancelled", "internal_errors")
         }
 
     # -- entry points -------------------------------------------------------------

@@ -189,7 +189,16 @@ class BrokerDaemon:
         else:
             now = self.clock()
             self._check_stall(now)  # before this message renews its sender's lease
-            effects = self.core.handle(now, identity, msg)
+            try:
+                effects = self.core.handle(now, identity, msg)
+            except Exception:
+                # A fault in the broker's own decisions fails this message's transfer, not
+                # the broker that every other transfer shares: its peer hears at once.
+                counters["internal_errors"] += 1
+                tid = getattr(msg, "transfer_id", "")
+                log.exception("message.failed", message=type(msg).__name__, transfer_id=tid or None)
+                detail = f"the broker failed handling this {type(msg).__name__}; its log says why"
+                effects = [Send(identity, Error(code="internal", detail=detail, transfer_id=tid))]
         for effect in effects:
             if type(effect) is Send:
                 held.append(effect)

@@ -107,6 +107,7 @@ class Handshake:
         if len(ended) == len(mine) and self._answer_ended(now, peer, list(ended), out, offer=True,
                                                           endings=list(ended.values())):
             return
+        self._replan_claims(now, peer.reg, d_reg, tid, out)
         self._room_for(len(ended))
         offered: list[Transfer] = []
         for lane, key, nbytes, layout in work:
@@ -132,6 +133,31 @@ class Handshake:
             if self.config.note_steps and t.state is S.UNROUTED and t.key in self.transfers:
                 out.append(Note("transfer.unrouted", {"transfer_id": tid, "waiting_for": self._waiting_for(t)},
                                 level="debug"))
+
+    def _replan_claims(self, now: float, p: Register, d: Register, tid: str, out: list[Effect]) -> None:
+        """Move claims planned before any Offer onto the lanes that the offering instance
+        `p` plans into `d`. Claims naming no prefill instance, while prefill instances of
+        several TP sizes are registered, are planned against a guess (`_prefill_side`); a
+        claimed lane outside the real plan would hold its room until its lease ended, and
+        the rank's real lanes would be routed without the claim."""
+        planned = {lane_id(lane.source, lane.rank): lane for lane in self._lanes(p, d)}
+        stale: dict[tuple[str, int], list[Transfer]] = {}
+        for key in sorted(self.by_tid.get(tid, ())):
+            t = self.transfers[key]
+            if t.state is S.EXPECTED and t.prefill is None and key[1] not in planned and t.expected_by:
+                stale.setdefault((t.expected_by, t.rank), []).append(t)
+        for (claimant_id, rank), lanes in stale.items():
+            claim = Expect(transfer_id=tid, prefill=lanes[0].expected_from, nbytes=sum(t.nbytes for t in lanes),
+                           into_blocks=any(t.in_place_by for t in lanes))
+            for t in lanes:
+                self._drop(t, out)  # its room returns; the claimant hears nothing: its claim goes on
+            claimant = self.peers.get(claimant_id)
+            if claimant is None:
+                continue
+            for lid, lane in planned.items():
+                if lane.rank == rank:
+                    in_place = claim.into_blocks and wire_heads(lane, p, claimant.reg) == (0, 0)
+                    self._expect_lane(now, claimant, claim, lane, (tid, lid), in_place, out)
 
     def _plan(self, peer: Peer, p: Register, d: Register, tid: str, out: list[Effect]) -> list[Lane] | None:
         """`peer`'s lanes between instances `p` and `d`; None, with an Abort to it, when

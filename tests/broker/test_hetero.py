@@ -11,7 +11,7 @@ from broker.transfers import TransferState, lane_id
 from protocols.heads import lanes, rank_heads
 from protocols.messages import Abort, Cancel, Error, Expect, Go, Layout, Prepare, Registered, Release
 
-from .fake_cluster import FakeCluster, FakePeer
+from .fake_cluster import CONFIG, FakeCluster, FakePeer
 
 S = TransferState
 
@@ -199,6 +199,29 @@ def test_hetero_a_decode_instance_registering_while_lanes_wait_routes_only_those
     [dc] = instance(c, "dC", "decode", 1, pool=200)
     assert [type(m) for m in p0.take()] == [Abort] and [type(m) for m in p1.take()] == [Abort]
     assert c.broker.transfers == {} and c.pool(dc) == (200, 0, 0)
+
+
+def test_hetero_claims_planned_against_a_guessed_prefill_size_move_onto_the_offers_lanes(c: FakeCluster) -> None:
+    """Prefill instances of TP 1 and TP 2 are registered and D's claims name neither: they
+    are planned as from TP 2. The Offer comes from the TP 1 instance; D rank 1's claim moves
+    onto its real lane, with its room, and nothing is left behind to hold room or end later."""
+    [p] = instance(c, "p", "prefill", 1)
+    instance(c, "q", "prefill", 2)
+    d0, d1 = instance(c, "d", "decode", 2, claims_only=True)
+    d0.expect("t", 200)
+    d1.expect("t", 200)
+    assert c.pool(d0) == c.pool(d1) == (1000, 200, 0)
+    p.offer("t", 400)
+    assert c.pool(d0) == c.pool(d1) == (1000, 200, 0)
+    for d in (d0, d1):
+        prepare = d.take_one(Prepare)
+        d.ready("t", source=prepare.source)
+    for go in [m for m in p.take() if isinstance(m, Go)]:
+        {"d:0": d0, "d:1": d1}[go.decode].done("t", go.nbytes, source="p:0")
+    assert p.take_one(Release) == Release(transfer_id="t")
+    assert c.broker.transfers == {} and c.pool(d0) == c.pool(d1) == (1000, 0, 0)
+    c.advance(CONFIG.transfer_lease_s + 1)
+    assert d0.take() == [] and d1.take() == []
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 4), (4, 1)])

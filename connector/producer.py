@@ -280,6 +280,13 @@ class ProducerSide:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("this step's wait for staging room is used up") from None
+                # Only earlier steps' transfers can give room back: this step's own are
+                # offered after its saves are staged, so waiting on them would only stall
+                # the forward pass until the deadline.
+                mine = sum(staged.lease.reserved for _, staged in self._step)
+                if -(-nbytes // w.pool.alignment) * w.pool.alignment > w.pool.capacity - mine:
+                    raise PoolError(f"this step's saves together need more than it holds: {mine} B are staged for the "
+                                    "saves before this one")
                 lease = w.client.call(self._acquire, nbytes, left)
             except Exception as exc:  # never raise into vLLM's step
                 if isinstance(exc, (PoolError, TimeoutError)):

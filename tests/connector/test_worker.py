@@ -1007,6 +1007,38 @@ def test_a_save_without_staging_room_fails_its_decode_load_at_once(broker: Broke
         d.close()
 
 
+def test_a_step_whose_saves_do_not_fit_its_staging_together_fails_the_one_left_over_at_once(
+        broker: BrokerProcess) -> None:
+    """Two saves of one step that fit P's staging one at a time but not together: only the
+    first one's Release could make room for the second, and it is offered after the
+    step's saves are staged. The second fails at once instead of holding the forward
+    pass for P's load_timeout_s; the first goes through."""
+    pc, dc = make_caches(seed=24), make_caches(seed=25)
+    block = len(LAYERS) * 2 * 32 * 128 * 2  # one block, every layer: heads x block x 2*head x bf16
+    p = make_worker(broker.endpoint, "p", "p0", pc, staging_bytes=4 * block, load_timeout_s=30.0)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60.0)
+    try:
+        load(d, "t-a", [30, 31, 32], cached=0)
+        load(d, "t-b", [40, 41], cached=0)
+        saves = {"t-a": SaveSpec(req_id="req-t-a", block_ids=[1, 2, 3], num_tokens=3 * 32 - 5, decode="d0"),
+                 "t-b": SaveSpec(req_id="req-t-b", block_ids=[5, 6], num_tokens=2 * 32 - 5, decode="d0")}
+        t0 = time.monotonic()
+        p.bind(KvBrokerMetadata(saves=saves))
+        for name in LAYERS:
+            p.save_kv_layer(name, pc[name])
+        p.wait_for_save()
+        took = time.monotonic() - t0
+        p.clear()
+        assert took < 10, f"the step waited {took:.1f} s for room that only its own saves held"
+        _, errors, _ = run_steps(d, {"req-t-a", "req-t-b"}, 20)
+        assert errors == {40, 41}
+        for n in LAYERS:
+            assert torch.equal(dc[n][[30, 31, 32]], pc[n][[1, 2, 3]])
+    finally:
+        p.close()
+        d.close()
+
+
 def test_transfer_id_reused_for_another_prompt_is_aborted(broker: BrokerProcess) -> None:
     """A proxy retry (same prompt) keeps the staged copy; another prompt must never get it."""
     pc, dc = make_caches(seed=12), make_caches(seed=13)

@@ -117,6 +117,12 @@ IDLE_WAIT_S = 4e-3
 # landing, each within this long of the last: a step's eight loads landed within 0.1 ms
 # of one another on an H200, and reporting the first alone left the rest for the next step.
 LANDING_GAP_S = 2e-4
+# How long an idle step's held Dones (`ConsumerSide._held`) wait for the next
+# get_finished before the client's loop sends them: a reported request whose client went
+# away meanwhile is freed without a step, and an engine with nothing else to run then
+# takes none. Its room and P's staging would otherwise stay held until the broker's lease
+# ended the transfer.
+HELD_DONES_S = 0.05
 
 
 def _us(seconds: float) -> int:
@@ -202,9 +208,9 @@ class ConsumerSide:
         # sent then woke the client's loop, which held the GIL from it: D's sync after
         # get_finished took 0.17-0.39 ms at 512-2,048 tokens, 0.12-0.24 with the Dones held
         # (docs/PERFORMANCE.md).
-        # By the next get_finished the request's first step is launched. That step always
-        # comes: vLLM's scheduler either runs the reported request or tells the workers it
-        # finished, both in a step. Main thread only.
+        # By the next get_finished the request's first step is launched; if none comes
+        # within HELD_DONES_S, the client's loop sends them (`_send_held_later`). Under the
+        # worker's lock.
         self._held: tuple[list[tuple[str, int, str]], list[dict[str, Any]]] = ([], [])
 
     def start_transport(self) -> dict[str, str]:
@@ -234,8 +240,18 @@ class ConsumerSide:
                 self.w.log.warning("connector.dones_not_sent", phase="close", transfers=len(dones), error=repr(exc))
 
     def _take_held(self) -> tuple[list[tuple[str, int, str]], list[dict[str, Any]]]:
-        held, self._held = self._held, ([], [])
+        with self.w.lock:
+            held, self._held = self._held, ([], [])
         return held
+
+    async def _send_held_later(self, held: tuple[list[tuple[str, int, str]], list[dict[str, Any]]]) -> None:
+        """Send an idle step's held Dones unless a get_finished took them first."""
+        await anyio.sleep(HELD_DONES_S)
+        with self.w.lock:
+            if self._held is not held:
+                return
+            self._held = ([], [])
+        await self._finish(held[0], [], held[1])
 
     @property
     def loading_now(self) -> int:
@@ -347,7 +363,10 @@ class ConsumerSide:
                 w.counters["loaded"] += loaded
                 w.counters["bytes"] += loaded_bytes
         if idle and dones:  # see `_held`
-            self._held = (dones, lines)
+            held = (dones, lines)
+            with w.lock:
+                self._held = held
+            self.w.spawn(self._send_held_later, held)
             dones, lines = [], []
         if dones or aborts:
             self.w.spawn(self._finish, dones, aborts, lines)

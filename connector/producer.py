@@ -178,6 +178,8 @@ class ProducerSide:
         # first kernel, and on an H200 that work (0.25 ms for one save, 0.8 ms for eight)
         # left the GPU idle; after the first layer's kernels are queued it overlaps them.
         self._pending.update(meta.saves)
+        for tid, reason in meta.cancels.items():
+            self.w.spawn(self._cancel, tid, reason)
 
     def _stage(self) -> None:
         """Lease staging for the saves bound this step (at its first save_kv_layer, or
@@ -484,6 +486,12 @@ class ProducerSide:
         layout = wire_layout(next(iter(w.layouts.values())), len(w.layers), len(spec.block_ids))
         if await w.send_bounded("offer", tid, client.offer, tid, nbytes, layout, spec.decode, spec.tokens):
             await w.send_bounded("abort", tid, client.abort, tid, reason)
+
+    async def _cancel(self, tid: str, reason: str) -> None:
+        """A transfer this instance will never stage (`KvBrokerMetadata.cancels`): ended at the
+        broker, whose Abort fails a decode instance's claim at once."""
+        if self.w.client is not None:  # else the worker closed before this task ran
+            await self.w.send_bounded("cancel", tid, self.w.client.client.cancel, tid, reason)
 
     def _expire(self) -> None:
         """Free staged copies that outlived staging_ttl_s (only when the broker is gone)."""

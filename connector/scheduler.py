@@ -113,6 +113,10 @@ class KvBrokerMetadata(msgspec.Struct, kw_only=True):
     # The step schedules no tokens: the worker runs no model, and vLLM's engine sleeps
     # after it, so the worker's get_finished may wait for a landing (`consumer.IDLE_WAIT_S`).
     idle: bool = False
+    # Producer: transfers named by the router (so a decode instance may hold a claim) that
+    # this instance will never stage, with why: the worker cancels them at the broker, and
+    # the decode side's load fails at once instead of at its deadline.
+    cancels: dict[str, str] = {}
 
 
 def tokens_digest(request: Any) -> str:
@@ -205,6 +209,8 @@ class _Producing(msgspec.Struct, kw_only=True):
     tokens: str = ""
     # Asked in the router protocols' form (do_remote_decode): answer in that form too.
     remote_decode: bool = False
+    # The transfer id came with the request (native, concurrent): D may have claimed it.
+    named: bool = True
     block_ids: list[list[int]] = []  # per KV cache group
     staged: bool = False
 
@@ -233,6 +239,7 @@ class ConnectorScheduler:
         self._loading: set[str] = set()
         # Pending instructions for the next metadata, drained by build_connector_meta.
         self._saves: dict[str, SaveSpec] = {}
+        self._cancels: dict[str, str] = {}
         self._loads: dict[str, LoadSpec] = {}
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -317,12 +324,14 @@ class ConnectorScheduler:
             return
         remote_decode = params.get("do_remote_decode") is True
         tid = transfer_id_of(request)
+        named = tid is not None
         if tid is None:
             if not remote_decode:
                 return
             tid = grants.new_transfer_id("kv")  # the sequential protocol: P names the transfer
         self._producing[request.request_id] = _Producing(
             transfer_id=tid,
+            named=named,
             num_tokens=int(request.num_prompt_tokens),
             decode=_instance_param(params, "decode_instance_id"),
             tokens=tokens_digest(request),
@@ -333,9 +342,9 @@ class ConnectorScheduler:
         """This step's saves and loads; the pending dicts are emptied."""
         if self.is_producer:
             self._collect_saves(scheduler_output)
-        meta = KvBrokerMetadata(saves=self._saves, loads=self._loads,
+        meta = KvBrokerMetadata(saves=self._saves, loads=self._loads, cancels=self._cancels,
                                 idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
-        self._saves, self._loads = {}, {}
+        self._saves, self._loads, self._cancels = {}, {}, {}
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -348,14 +357,19 @@ class ConnectorScheduler:
         if prod is None:
             return False, None
         if not prod.staged:
-            self._log.warning(
-                "transfer.not_staged",
-                transfer_id=prod.transfer_id,
-                req_id=rid,
-                phase="stage",
-                reason="the request finished before its prompt was computed",
-            )
+            self._not_staged(rid, prod, "the request finished before its prompt was computed", level="warning")
         return False, self._answer(rid, prod)
+
+    def _not_staged(self, rid: str, prod: _Producing, reason: str, *, level: str = "error") -> None:
+        """Log that `prod` will never be staged; a transfer the router named is cancelled at
+        the broker by the next step's worker (`KvBrokerMetadata.cancels`), since its decode
+        instance may already wait for it. (Sent with the next step: an engine with nothing
+        left to run sends it with its next request's first step.)"""
+        getattr(self._log, level)("transfer.not_staged", transfer_id=prod.transfer_id, req_id=rid, phase="stage",
+                                  reason=reason)
+        if prod.named:
+            self._cancels[prod.transfer_id] = f"the prefill instance will not compute it: {reason}"
+
 
     def _answer(self, rid: str, prod: _Producing) -> dict[str, Any]:
         """The kv_transfer_params P returns: what a router forwards to D (never the client's values)."""
@@ -420,13 +434,7 @@ class ConnectorScheduler:
             needed = self.blocks_for(prod.num_tokens)
             held = min((len(ids) for ids in prod.block_ids), default=0)
             if held < needed:
-                self._log.error(
-                    "transfer.stage_skipped",
-                    transfer_id=prod.transfer_id,
-                    req_id=rid,
-                    phase="stage",
-                    reason=f"the request holds {held} blocks but its prompt needs {needed}",
-                )
+                self._not_staged(rid, prod, f"the request holds {held} blocks but its prompt needs {needed}")
                 prod.staged = True
                 continue
             prod.staged = True
@@ -443,6 +451,9 @@ class ConnectorScheduler:
                 )
                 if not same:
                     del self._saves[prod.transfer_id]
+                    if prod.named:
+                        self._cancels[prod.transfer_id] = ("the prefill instance will not compute it: two requests "
+                                                           "in one step carried its transfer_id with different prompts")
                 continue
             self._saves[prod.transfer_id] = SaveSpec(
                 req_id=rid,

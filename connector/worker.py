@@ -387,7 +387,7 @@ class ConnectorWorker:
     def bind(self, meta: Any) -> None:
         """Keep this step's metadata; a producer stages the step's saves at its first save_kv_layer."""
         self.meta = meta if isinstance(meta, KvBrokerMetadata) else KvBrokerMetadata()
-        if self.producer is not None and self.meta.saves:
+        if self.producer is not None and (self.meta.saves or self.meta.cancels):
             self.producer.bind(self.meta)
 
     def clear(self) -> None:

@@ -33,6 +33,7 @@ from protocols.codec import Codec
 from protocols.errors import BrokerUnavailable, ChannelClosed, Refused, RemoteProtocolError
 from protocols.messages import (
     Abort,
+    Cancel,
     Done,
     Error,
     Expect,
@@ -331,6 +332,11 @@ class BrokerClient:
         self._offers.pop(transfer_id, None)
         self._expects.pop(transfer_id, None)
         await self.send(Abort(transfer_id=transfer_id, reason=reason[:2000]))
+
+    async def cancel(self, transfer_id: str, reason: str) -> None:
+        """End every lane of a transfer this peer will not take part in (the broker answers
+        with a Cancelled, which needs no handling here)."""
+        await self.send(Cancel(transfer_id=transfer_id, reason=reason[:2000]))
 
     async def relay(self, to: str, key: str, payload: bytes) -> None:
         await self.send(Relay(to=to, key=key, payload=payload))

@@ -227,7 +227,10 @@ def test_producer_duplicate_transfer_id_in_one_step() -> None:
             scheduled_new_reqs=[NewReq("a", ([1, 2],), 0), NewReq("b", ([3, 4],), 0)],
             num_scheduled_tokens={"a": 40, "b": 40},
         )
-        assert [spec.req_id for spec in s.build_connector_meta(out).saves.values()] == staged
+        meta = s.build_connector_meta(out)
+        assert [spec.req_id for spec in meta.saves.values()] == staged
+        # Neither staged: the transfer the router named is cancelled for its decode side.
+        assert list(meta.cancels) == ([] if staged else ["t-1"])
 
 
 def test_producer_ignores_plain_requests_and_unfinished_ones_report_nothing() -> None:
@@ -237,10 +240,14 @@ def test_producer_ignores_plain_requests_and_unfinished_ones_report_nothing() ->
     out = FakeSchedulerOutput(scheduled_new_reqs=[NewReq("p", ([1, 2],), 0)], num_scheduled_tokens={"p": 40})
     assert s.build_connector_meta(out).saves == {}
     assert s.request_finished(plain, [1, 2]) == (False, None)
-    # A request aborted before its prompt was computed still returns its transfer id.
+    # A request aborted before its prompt was computed still returns its transfer id, and
+    # the next step's worker cancels it: a decode instance given the same id waits for it.
     r = req("r", 40)
     s.update_state_after_alloc(r, FakeBlocks([5, 6]), 0)
     assert s.request_finished(r, [5, 6]) == (False, {"transfer_id": "t-1", "prefill_instance_id": "inst"})
+    cancels = s.build_connector_meta(FakeSchedulerOutput()).cancels
+    assert list(cancels) == ["t-1"] and "finished before its prompt was computed" in cancels["t-1"]
+    assert s.build_connector_meta(FakeSchedulerOutput()).cancels == {}
 
 
 # -- router protocols -------------------------------------------------------------------------
@@ -309,6 +316,7 @@ def test_a_sequential_request_that_ended_before_its_prompt_ran_tells_d_to_comput
     p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
     _, params = p.request_finished(r, [1, 2])  # aborted before its step
     assert params is not None and params["do_remote_prefill"] is False
+    assert p.build_connector_meta(FakeSchedulerOutput()).cancels == {}  # P named it: no D holds a claim
     assert d.get_num_new_matched_tokens(FakeRequest("r2", 40, params), 0) == (0, False)
 
 

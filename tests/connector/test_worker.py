@@ -1045,6 +1045,30 @@ def test_a_step_whose_saves_do_not_fit_its_staging_together_fails_the_one_left_o
         d.close()
 
 
+def test_a_transfer_p_will_not_stage_fails_the_decode_load_that_claimed_it_at_once(broker: BrokerProcess) -> None:
+    """The router named the transfer to both instances, and P's request ended before its
+    prompt ran: the next step's metadata cancels it, and D's claimed load fails within
+    seconds (its own deadline is 60 s), leaving its blocks as they were."""
+    pc, dc = make_caches(seed=26), make_caches(seed=27)
+    p = make_worker(broker.endpoint, "p", "p0", pc)
+    d = make_worker(broker.endpoint, "d", "d0", dc, load_timeout_s=60.0)
+    try:
+        before = {n: t.clone() for n, t in dc.items()}
+        load(d, "t-gone", [30, 31], cached=0)
+        wait_until(lambda: [t["state"] for t in broker.status()["transfers"]] == ["expected"], 10, "D's claim")
+        p.bind(KvBrokerMetadata(cancels={"t-gone": "the prefill instance will not compute it"}))
+        p.wait_for_save()
+        p.clear()
+        _, errors, _ = run_steps(d, {"req-t-gone"}, 15)
+        assert errors == {30, 31}
+        for n in LAYERS:
+            assert torch.equal(dc[n], before[n])
+        assert d.statistics()["failed"] == 1 and broker.status()["transfers"] == []
+    finally:
+        p.close()
+        d.close()
+
+
 def test_transfer_id_reused_for_another_prompt_is_aborted(broker: BrokerProcess) -> None:
     """A proxy retry (same prompt) keeps the staged copy; another prompt must never get it."""
     pc, dc = make_caches(seed=12), make_caches(seed=13)

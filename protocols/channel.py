@@ -309,8 +309,24 @@ class ZmqChannel:
 
 
 def _check_frames(frames: Sequence[bytes]) -> None:
+    """Refuse a message before any frame goes out: once the first went with SNDMORE, a
+    refused later frame would leave it open, and the next message would be glued onto it."""
     if not frames:
         raise ValueError("a message needs at least one frame")
+    for frame in frames:
+        if type(frame) is not bytes:  # this runs for every message: test the usual type only
+            _check_buffers(frames)
+            return
+
+
+def _check_buffers(frames: Sequence[bytes]) -> None:
+    for i, frame in enumerate(frames):
+        try:
+            memoryview(frame)  # what zmq sends: any bytes-like object (bytearray, memoryview, zmq.Frame...)
+        except TypeError:
+            raise TypeError(
+                f"frame {i} of the message is of type {type(frame).__name__}, not bytes-like; encode it to bytes first"
+            ) from None
 
 
 class MessageChannel:

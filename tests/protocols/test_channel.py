@@ -398,6 +398,29 @@ async def test_send_rejects_an_empty_message(ctx: zmq.Context) -> None:
 
 
 @pytest.mark.anyio
+async def test_a_message_with_a_frame_that_is_not_bytes_is_refused_whole(ctx: zmq.Context) -> None:
+    """A later frame zmq would refuse must fail the send before the first frame goes out
+    with SNDMORE: else the message stays open, and the next one, glued onto it, goes to
+    the first one's peer."""
+    sock, endpoint = router(ctx, LOOPBACK)
+    r, d1, d2 = ZmqChannel(sock), ZmqChannel(dealer(ctx, endpoint, b"d1")), ZmqChannel(dealer(ctx, endpoint, b"d2"))
+    async with r, d1, d2:
+        with anyio.fail_after(DEADLINE):
+            await introduce(r, d1)
+            await introduce(r, d2)
+            with pytest.raises(TypeError) as text:
+                await r.send([b"d1", "not bytes"])
+            with pytest.raises(TypeError) as number:
+                r.send_nowait([b"d1", b"fine", 7])
+            await r.send([b"d2", b"for d2"])
+            await r.send([b"d1", bytearray(b"for"), memoryview(b" d1")])  # bytes-like frames still go
+            assert await d1.receive() == [b"for", b" d1"], "a refused message's first frames went out"
+            assert await d2.receive() == [b"for d2"]
+    assert "frame 1 of the message is of type str" in str(text.value)
+    assert "frame 2 of the message is of type int" in str(number.value)
+
+
+@pytest.mark.anyio
 async def test_message_channel_round_trip(ctx: zmq.Context) -> None:
     r, d = make_pair(ctx)
     broker, worker = MessageChannel(r), MessageChannel(d)

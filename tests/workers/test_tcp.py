@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 import time
@@ -13,6 +15,7 @@ import torch
 from protocols.errors import RecvTimeout, SendTimeout
 from tests.support import wait_until
 from workers.pool import BufferPool
+from workers.transports import tcp_receiver
 from workers.transports.tcp import (
     HEADER,
     MAGIC,
@@ -31,6 +34,7 @@ from workers.transports.tcp import (
     TransferRejected,
     parse_endpoint,
 )
+from workers.transports.tcp_wire import still_open
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -522,3 +526,145 @@ def test_accept_errors_back_off_and_log_once_per_burst() -> None:
         # The ack goes out before the receiver settles and counts the transfer (P may move on first).
         wait_until(lambda: rx.statistics().received == 1, 10, "the transfer counted as received")
         assert "tcp.accept_recovered" in lines.events
+
+
+def test_expect_refuses_a_strided_view_to_receive_into(receiver: TcpReceiver) -> None:
+    """recvmsg_into cannot fill a view with a step: refused here, not on D's thread mid-stream."""
+    backing = bytearray(64)
+    with pytest.raises(TcpTransportError, match="view 1 is not a writable, contiguous"):
+        receiver.expect("strided", 0, into=[memoryview(backing)[:8], memoryview(backing)[16::2]])
+    assert receiver.statistics().expected == 0
+
+
+async def test_any_error_while_receiving_fails_the_transfer_and_lets_go_of_it(
+    receiver: TcpReceiver, sender: TcpSender, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails between claiming a transfer and settling it (here a buffer that
+    recvmsg_into refuses), the completion fails naming it and the transfer is let go: it
+    is not left claimed forever, where cancel() refuses and it cannot be expected again."""
+
+    def refuse(sock: socket.socket, views: list[memoryview]) -> int:
+        raise BufferError("memoryview: underlying buffer is not C-contiguous")
+
+    monkeypatch.setattr(tcp_receiver, "recv_exact_into", refuse)
+    done = receiver.expect("refused", 0, bytearray(32))
+    with anyio.fail_after(5):
+        with pytest.raises(SendFailed):
+            await sender.send(receiver.endpoint, "refused", 0, bytes(32))
+        with pytest.raises(RecvFailed, match="BufferError"):
+            await done.wait()
+    assert (receiver.statistics().receiving, receiver.statistics().expected) == (0, 0)
+    monkeypatch.undo()
+    buf = bytearray(32)
+    again = receiver.expect("refused", 0, buf)
+    with anyio.fail_after(5):
+        await sender.send(receiver.endpoint, "refused", 0, bytes(range(32)))
+        assert await again.wait() == 32
+    assert buf == bytes(range(32))
+
+
+def _failing_start(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """Make the next start() of a thread whose name starts with `name` fail as when the
+    process is out of threads (memory, RLIMIT_NPROC); the names of those that failed."""
+    real_start = threading.Thread.start
+    failed: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith(name) and not failed:
+            failed.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return failed
+
+
+def test_a_connection_whose_thread_cannot_start_is_closed_and_the_receiver_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    failed = _failing_start(monkeypatch, "kvbroker-tcp-rx")
+    with TcpReceiver(config=TcpConfig(io_timeout_s=2.0)) as rx, TcpSender(TcpConfig(io_timeout_s=5.0)) as tx:
+        lines = _Lines()
+        rx._log = lines  # type: ignore[assignment]
+        buf = bytearray(8)
+        done = rx.expect("after", 0, buf)
+        with raw_connect(rx.endpoint) as sock:
+            assert read_to_eof(sock) == b"", "the receiver should close a connection it has no thread for"
+        assert failed
+        wait_until(lambda: rx.statistics().connections == 0, 5, "the refused connection to be forgotten")
+        tx.send_blocking(rx.endpoint, "after", 0, bytes(range(8)))  # the accept thread goes on
+        assert done.wait_blocking(5) == 8 and buf == bytes(range(8))
+        wait_until(lambda: "tcp.accept_recovered" in lines.events, 5, "the recovery logged")
+        assert lines.events.count("tcp.accept_failed") == 1
+    # Leaving the block closed the receiver, which joins every thread it started.
+
+
+def test_a_receiver_whose_accept_thread_did_not_start_still_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _failing_start(monkeypatch, "kvbroker-tcp-accept")
+    rx = TcpReceiver()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        rx.start()
+    rx.close()  # must not join a thread that never started
+
+
+@pytest.mark.parametrize("first", [16, 10], ids=["more-after-the-last-byte", "more-mid-stream"])
+async def test_parts_that_hold_more_than_the_size_fail_both_sides_before_the_surplus_goes_out(
+    receiver: TcpReceiver, sender: TcpSender, first: int
+) -> None:
+    """D must never ack a payload P then calls malformed, nor read the surplus as a header."""
+    done = receiver.expect("long", 0, bytearray(16))
+    parts = [[memoryview(b"A" * first)], [memoryview(b"B" * 200)]]
+    with anyio.fail_after(10):
+        with pytest.raises(SendFailed) as failed:
+            await sender.send_parts(receiver.endpoint, "long", 0, 16, iter(parts))
+        written = 0 if first == 16 else first  # the part with the payload's last byte is held back
+        with pytest.raises(RecvFailed, match=f"after {written} of 16 bytes"):
+            await done.wait()
+    stats = receiver.statistics()
+    assert (stats.received, stats.rejected) == (0, 0), "the surplus was read as another transfer's header"
+    assert "more than the 16 B announced" in failed.value.reason
+
+
+@pytest.fixture
+def fds_past_1024():
+    """Take every descriptor below 1030, so the sockets a test opens next get ones that
+    select.select() refuses (a vLLM process with torch and zmq gets there)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            pytest.skip(f"needs 2048 open files, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    fillers: list[int] = []
+    try:
+        while not fillers or fillers[-1] < 1030:  # the kernel hands out the lowest free descriptor
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.usefixtures("fds_past_1024")
+def test_a_rejection_on_a_descriptor_past_1024_is_drained_without_crashing() -> None:
+    with TcpReceiver(config=TcpConfig(io_timeout_s=2.0)) as rx, TcpSender(TcpConfig(io_timeout_s=2.0)) as tx:
+        lines = _Lines()
+        rx._log = lines  # type: ignore[assignment]
+        rx.expect("z", 0, bytearray(256 * 1024))
+        with pytest.raises(TransferRejected) as info:
+            tx.send_blocking(rx.endpoint, "z", 1, bytes(256 * 1024))
+        assert info.value.code == REJECT_ATTEMPT
+        wait_until(lambda: rx.statistics().connections == 0, 5, "the rejected connection to close")
+        assert "tcp.rejected" in lines.events and "tcp.connection_crashed" not in lines.events
+
+
+@pytest.mark.usefixtures("fds_past_1024")
+def test_an_idle_connection_past_descriptor_1024_is_checked_without_tcp_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is no TCP_INFO (macOS...), `still_open` polls the socket instead."""
+    monkeypatch.delattr(socket, "TCP_INFO", raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as sock:
+        peer, _ = server.accept()
+        assert sock.fileno() >= 1024
+        assert still_open(sock)
+        peer.close()
+        wait_until(lambda: not still_open(sock), 5, "the peer's close to show")

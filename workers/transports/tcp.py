@@ -191,7 +191,8 @@ class TcpSender:
         """`send` for a payload that becomes ready part by part: `parts` yields lists of
         'B' buffers in payload order, `nbytes` in all, and may block until its next part
         is ready (it is iterated on the sending thread), so the stream starts before its
-        last part exists. An exception from `parts` breaks the stream: D's receive fails.
+        last part exists. An exception from `parts`, or parts holding other than `nbytes`
+        bytes, breaks the stream: D's receive fails.
         `stop` is called if the send is cancelled, to end a wait inside `parts`.
 
         Raises:
@@ -256,17 +257,30 @@ class TcpSender:
             # The header goes with the first part: one gathered write where the kernel
             # takes it all (every socket call gives up the GIL once).
             head: list[Any] = [header]
-            sent = 0  # header included
-            for part in parts:
+            sent = 0  # payload bytes
+            it = iter(parts)
+            for part in it:
                 if op.aborted:
                     raise SendFailed(transfer_id, "the send was cancelled")
-                sent += send_buffers(sock, head + list(part))
+                buffers = list(part)
+                sent += sum(len(b) for b in buffers)
+                if sent == nbytes:
+                    # D acks once its last byte arrives: before writing it, see that no bytes follow
+                    for extra in it:
+                        sent += sum(len(b) for b in extra)
+                        if sent > nbytes:
+                            break
+                if sent > nbytes:
+                    # None of this part goes out, so D never acks a payload we call malformed; the header
+                    # does if it has not yet, so D's receive fails when we close, not at its deadline.
+                    send_buffers(sock, head)
+                    raise SendFailed(transfer_id, f"the payload's parts held more than the {nbytes} B announced")
+                send_buffers(sock, head + buffers)
                 head = []
             if head:
-                sent += send_buffers(sock, head)
-            if sent - len(header) != nbytes:  # D would wait for the rest until its deadline: break the stream now
-                raise SendFailed(transfer_id, f"the payload's parts held {sent - len(header)} B of the {nbytes} B "
-                                              "announced")
+                send_buffers(sock, head)
+            if sent != nbytes:  # D would wait for the rest until its deadline: break the stream now
+                raise SendFailed(transfer_id, f"the payload's parts held {sent} B of the {nbytes} B announced")
             status = sock.recv(1)
             if not status:
                 raise self._failure(op, transfer_id, f"{endpoint} closed the connection before acknowledging")

@@ -155,14 +155,15 @@ class TcpReceiver:
             self._closing = True
         assert self._wake_w is not None and self._wake_r is not None and self._accept_thread is not None
         self._wake_w.send(b"x")
-        self._accept_thread.join()
+        if self._accept_thread.ident is not None:  # None: its start() failed
+            self._accept_thread.join()
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
             conn.abort()
         for conn in conns:
-            if conn.thread is not None:
+            if conn.thread is not None and conn.thread.ident is not None:  # joining a thread never started raises
                 conn.thread.join(self.config.io_timeout_s + 1)
                 if conn.thread.is_alive():
                     self._log.error("tcp.thread_stuck", peer=conn.peer, thread=conn.thread.name)
@@ -200,7 +201,7 @@ class TcpReceiver:
         Args:
             buffer: writable CPU memory (a pool lease's tensor, a bytearray...).
             nbytes: the payload size; the whole buffer when None.
-            into: instead of `buffer`, writable 'B' memoryviews the payload fills one after
+            into: instead of `buffer`, writable contiguous 'B' memoryviews the payload fills one after
                 another (a request's KV straight into its cache blocks); `nbytes` their sum.
 
         Raises:
@@ -208,8 +209,13 @@ class TcpReceiver:
         """
         if into is not None:
             views = list(into)
-            if any(v.readonly or v.format != "B" or v.ndim != 1 for v in views):
-                raise TcpTransportError(f"transfer {transfer_id}: `into` takes writable flat byte views only")
+            for i, v in enumerate(views):
+                # recvmsg_into takes contiguous buffers only; found here, not mid-stream on D's thread
+                if v.readonly or v.format != "B" or v.ndim != 1 or not v.c_contiguous:
+                    raise TcpTransportError(
+                        f"transfer {transfer_id}: `into` view {i} is not a writable, contiguous, flat byte view; "
+                        "pass slices of a flat 'B' memoryview without a step"
+                    )
             nbytes = sum(len(v) for v in views)
         else:
             view = byte_view(buffer, writable=True)
@@ -298,15 +304,24 @@ class TcpReceiver:
                 except OSError as exc:
                     # EMFILE and friends: the connection stays queued, so the listener
                     # stays readable; wait on the wake socket only, not select, to back off.
-                    if not failures:
-                        self._log.warning("tcp.accept_failed", error=str(exc), retry_s=ACCEPT_BACKOFF_S)
-                    failures += 1
-                    wake.select(ACCEPT_BACKOFF_S)
+                    failures = self._accept_failed(failures, str(exc), wake)
+                    continue
+                peer = f"{addr[0]}:{addr[1]}"
+                try:
+                    self._admit(sock, peer)
+                except Exception as exc:  # noqa: BLE001 - e.g. can't start new thread (RLIMIT_NPROC): try later
+                    failures = self._accept_failed(failures, f"cannot start a thread for {peer}: {exc}", wake)
                     continue
                 if failures:
                     self._log.info("tcp.accept_recovered", failures=failures)
                     failures = 0
-                self._admit(sock, f"{addr[0]}:{addr[1]}")
+
+    def _accept_failed(self, failures: int, error: str, wake: selectors.BaseSelector) -> int:
+        """Log the first failure of a burst, back off (unless closing); the burst's new count."""
+        if not failures:
+            self._log.warning("tcp.accept_failed", error=error, retry_s=ACCEPT_BACKOFF_S)
+        wake.select(ACCEPT_BACKOFF_S)
+        return failures + 1
 
     def _admit(self, sock: socket.socket, peer: str) -> None:
         sock.setblocking(True)
@@ -325,7 +340,13 @@ class TcpReceiver:
             sock.close()
             return
         assert conn.thread is not None
-        conn.thread.start()
+        try:
+            conn.thread.start()
+        except BaseException:  # can't start new thread (memory, RLIMIT_NPROC): refuse this one, the caller backs off
+            with self._lock:
+                self._conns.discard(conn)
+            sock.close()
+            raise
 
     def _serve(self, conn: _Conn) -> None:
         """Receive transfers on one connection until it closes, idles out or misbehaves."""
@@ -407,6 +428,9 @@ class TcpReceiver:
             error = RecvTimeout(transfer_id, f"the sender {conn.peer} stalled for {self.config.io_timeout_s:g} s")
         except OSError as exc:
             error = RecvFailed(transfer_id, f"the stream from {conn.peer} broke: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a claimed transfer must be settled, or nothing can cancel it
+            self._log.exception("tcp.recv_crashed", transfer_id=transfer_id, peer=conn.peer, error=repr(exc))
+            error = RecvFailed(transfer_id, f"receiving from {conn.peer} failed: {exc!r}")
         if error is None and e.cancel_reason is None:
             try:
                 conn.sock.sendall(bytes([ACK]))  # before settling: P may move on while D scatters

@@ -24,6 +24,7 @@ Deadlines are the kernel's: sockets stay in blocking mode with ``SO_RCVTIMEO`` a
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import struct
@@ -237,9 +238,11 @@ def drain_and_finish(sock: socket.socket, max_bytes: int = 1 << 20, max_s: float
     sock.shutdown(socket.SHUT_WR)
     deadline = time.monotonic() + max_s
     scratch = bytearray(64 * 1024)
+    readable = select.poll()  # not select.select: it refuses descriptors >= 1024, common in a vLLM process
+    readable.register(sock, select.POLLIN)
     while max_bytes > 0:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([sock], [], [], left)[0]:
+        if left <= 0 or not readable.poll(math.ceil(left * 1000)):
             return
         k = sock.recv_into(scratch)
         if k == 0:
@@ -269,7 +272,9 @@ def still_open(sock: socket.socket) -> bool:
             return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_ESTABLISHED
         except OSError:
             return False
-    return not select.select([sock], [], [], 0)[0]
+    readable = select.poll()  # see drain_and_finish: select.select fails for descriptors >= 1024
+    readable.register(sock, select.POLLIN)
+    return not readable.poll(0)
 
 
 # -- completion ------------------------------------------------------------------------

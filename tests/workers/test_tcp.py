@@ -157,6 +157,29 @@ async def test_a_connection_carries_many_transfers(receiver: TcpReceiver, sender
     assert (stats.sent, stats.connects, stats.reused) == (20, 1, 19)
 
 
+async def test_a_connection_idle_half_the_receivers_idle_timeout_is_not_reused() -> None:
+    """The receiver closes a connection idle `idle_timeout_s`; a send that reused one just
+    then had its header cross that close and failed. The sender reuses a connection only
+    while it has been idle less than half that long, and opens a new one after."""
+    config = TcpConfig(idle_timeout_s=0.6)
+    with TcpReceiver(config=config) as rx, TcpSender(config) as tx:
+        buf = bytearray(10)
+
+        async def send(tid: str) -> None:
+            done = rx.expect(tid, 0, buf)
+            with anyio.fail_after(5):
+                await tx.send(rx.endpoint, tid, 0, bytes(10))
+                await done.wait()
+
+        await send("a")
+        await send("b")  # at once: the same connection
+        assert (tx.statistics().connects, tx.statistics().reused) == (1, 1)
+        idle = time.monotonic()
+        await anyio.to_thread.run_sync(wait_until, lambda: time.monotonic() > idle + 0.35, 5, "half the idle timeout")
+        await send("c")
+        assert (tx.statistics().sent, tx.statistics().connects, tx.statistics().reused) == (3, 2, 1)
+
+
 class Gate:
     """Parts for `TcpSender.send_parts` that wait, on the sending thread, until the test opens each."""
 

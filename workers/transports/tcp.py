@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -168,7 +169,7 @@ class TcpSender:
         self.config = config or TcpConfig()
         self._log = log.bind(**(log_context or {}))
         self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # per endpoint: (connection, idle since)
         self._active: set[_SendOp] = set()
         self._closed = False
         self._sent = self._bytes = self._failed = self._connects = self._reused = 0
@@ -222,7 +223,7 @@ class TcpSender:
         """Close idle connections and interrupt sends in flight."""
         with self._lock:
             self._closed = True
-            idle = [s for socks in self._idle.values() for s in socks]
+            idle = [s for socks in self._idle.values() for s, _ in socks]
             self._idle.clear()
             active = list(self._active)
         for sock in idle:
@@ -318,9 +319,13 @@ class TcpSender:
             if self._closed:
                 raise SendFailed(transfer_id, "the sender is closed")
             idle = self._idle.get(endpoint, [])
+            # A receiver closes a connection idle `idle_timeout_s` (the same default on
+            # both sides): one idle half that long is left alone, so that a header never
+            # crosses the receiver's close on the wire, which fails the send.
+            fresh = time.monotonic() - self.config.idle_timeout_s / 2
             while idle:
-                sock = idle.pop()
-                if still_open(sock):
+                sock, since = idle.pop()
+                if since > fresh and still_open(sock):
                     self._reused += 1
                     return sock
                 sock.close()
@@ -339,6 +344,6 @@ class TcpSender:
         with self._lock:
             idle = self._idle.setdefault(endpoint, [])
             if not self._closed and len(idle) < self.config.max_idle_per_endpoint:
-                idle.append(sock)
+                idle.append((sock, time.monotonic()))
                 return
         sock.close()

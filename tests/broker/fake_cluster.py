@@ -47,6 +47,18 @@ CONFIG = BrokerConfig(heartbeat_s=1.0, peer_lease_s=5.0, transfer_lease_s=30.0, 
 # -- invariants ---------------------------------------------------------------------
 
 
+def told_to_drop(b: Broker, effects: list[Send | Note]) -> None:
+    """A prefill peer told to Abort a transfer feeds no lane of it: it drops its staged
+    copy on that word, and a lane it still fed would wait for bytes that never come."""
+    for e in effects:
+        if isinstance(e, Send) and isinstance(e.msg, Abort):
+            pid = b.by_identity.get(e.identity)
+            peer = b.peers.get(pid or "")
+            if peer is not None and peer.role == "prefill":
+                fed = [t.key for t in b.transfers.values() if t.transfer_id == e.msg.transfer_id and t.prefill == pid]
+                assert not fed, f"{pid} was told to abort {e.msg.transfer_id} while it feeds {fed}"
+
+
 def check_invariants(b: Broker, *, ticked_at: float | None = None) -> None:
     """Every table agrees with every other; with `ticked_at`, nothing outlives its deadline."""
     for identity, pid in b.by_identity.items():
@@ -244,6 +256,7 @@ class FakeCluster:
                 self.prepared[(e.identity, e.msg.transfer_id + e.msg.source)] = e.msg
         if self.check:
             check_invariants(self.broker, ticked_at=self.now if ticked else None)
+            told_to_drop(self.broker, effects)
 
     def register(
         self,

@@ -26,6 +26,7 @@ from .sockets import Stream
 
 READ_CHUNK = 64 << 10
 MAX_HEAD_BYTES = 16 << 10  # a request's line and headers together
+HEAD_TOO_LONG = f"the request's line and headers are over {MAX_HEAD_BYTES} bytes; send shorter ones."
 
 
 class HttpError(Exception):
@@ -95,6 +96,12 @@ class HttpConn:
         self.parser = httptools.HttpRequestParser(self)
         self.ready: deque[Request | HttpError | None] = deque()  # None: the client's end
         self._arrived = anyio.Event()
+        self._taken = anyio.Event()  # set when `next_request` takes one from `ready`
+        # Bytes fed while a head was incomplete (`pump`), and whether a head or a message
+        # ended in the bytes fed last.
+        self._head_fed = 0
+        self._head_ended = False
+        self._in_body = False
         # The scope of the request being answered, if any: `pump` cancels it when the
         # client hangs up before its whole answer went out, and sets `gone`.
         self.request_scope: anyio.CancelScope | None = None
@@ -122,7 +129,7 @@ class HttpConn:
         self._url += url
         self._size += len(url)
         if self._size > MAX_HEAD_BYTES:
-            raise HttpError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes.")
+            raise HttpError(431, HEAD_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
@@ -130,10 +137,11 @@ class HttpConn:
             self._continue = True
         self._size += len(name) + len(value)
         if self._size > MAX_HEAD_BYTES:
-            raise HttpError(431, f"the request's line and headers are over {MAX_HEAD_BYTES} bytes.")
+            raise HttpError(431, HEAD_TOO_LONG)
 
     def on_headers_complete(self) -> None:
         self._size = 0  # from here, the body's bytes
+        self._head_ended = self._in_body = True
         self._keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
@@ -145,6 +153,7 @@ class HttpConn:
 
     def on_message_complete(self) -> None:
         self._continue = False
+        self._head_ended, self._in_body = True, False
         if self.parser.should_upgrade():
             return  # answered with a 400 (`pump`): llhttp hands what follows the head over unparsed
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -162,6 +171,12 @@ class HttpConn:
         (see `linger`)."""
         broken = False
         while True:
+            while self.ready and not broken:
+                # A whole request waits its turn: read no further until it is taken, so what
+                # the client pipelines behind it waits in the socket's buffers (TCP pushes the
+                # client back), not in the gateway's memory. A hang-up meanwhile is seen then.
+                self._taken = anyio.Event()
+                await self._taken.wait()
             data = await self.stream.receive(READ_CHUNK)
             if broken and data:
                 continue
@@ -183,9 +198,21 @@ class HttpConn:
                 self._arrive(cause if isinstance(cause, HttpError) else HttpError(400, f"malformed HTTP request ({exc})."))
                 broken = True
                 continue
+            if self._head_ended:
+                self._head_fed, self._head_ended = 0, False  # the next head's first bytes go uncounted: a chunk at most
+            elif not self._in_body:
+                # All of `data` was head. httptools keeps a header's name and value until they
+                # end, unseen by the callbacks' limit: one that never ends would grow, and be
+                # copied, without bound.
+                self._head_fed += len(data)
+                if self._head_fed > MAX_HEAD_BYTES:
+                    self._arrive(HttpError(431, HEAD_TOO_LONG))
+                    broken = True
+                    continue
             if self._continue and self.answered and not self.ready:
                 # The client waits for a word before it sends the body (not sent amid
                 # another request's answer: the client then sends it after its own wait).
+                self._continue = False  # once: the body may come in many reads
                 await self.stream.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             if self.ready:
                 self._arrived.set()
@@ -201,6 +228,7 @@ class HttpConn:
             await self._arrived.wait()
             self._arrived = anyio.Event()
         got = self.ready.popleft()
+        self._taken.set()  # `pump` reads on
         self.head_sent, self.answered = False, False
         if isinstance(got, Request):
             self.keep_alive, self._chunked, self._head_only = got.keep_alive, got.chunked_ok, got.method == "HEAD"

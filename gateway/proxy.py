@@ -26,6 +26,15 @@ When things go wrong:
   instance failed. Otherwise D would wait out its load timeout for KV that never comes.
 - A D answer of 4xx is the client's: it is passed on as it is, and P's request is
   cancelled.
+- D's answer went out whole while P's request still runs: P's request goes on in the
+  background for `PREFILL_GRACE_S` at most, then is cancelled; the client's connection
+  serves its next request meanwhile.
+- An instance is passed over for a while (`Router.down_s`) only for its own failure: it
+  could not be reached, its answer was not HTTP or broke off, or it answered 5xx; never
+  for a request cancelled (the client left, the other side failed) or a 4xx.
+- The broker, or whatever answers at its address, fails in any way (silent, another
+  protocol or release, this process out of file descriptors): the gateway serves on as
+  if it were silent, and logs the cause once, with what to change.
 - Whenever no decode instance answered the request (it refused it, none could be
   reached, P failed, the client left, the deadline passed), the broker is told
   (`Cancel`): P's staged KV and D's room for it are freed at once, not at their
@@ -41,6 +50,7 @@ pool bytes) is asked for every `poll_s` and feeds the router.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import sys
 import time
@@ -56,6 +66,7 @@ import zmq
 from anyio.abc import TaskStatus
 
 from protocols.ask import cancel_transfer, fetch_status
+from protocols.errors import RemoteProtocolError
 from protocols.grants import GRANT_PARAM, sign
 from protocols.signals import run_until_signalled
 
@@ -72,6 +83,9 @@ ROUTED = ("/v1/completions", "/v1/chat/completions")
 # A 503 is sent only when no upstream could be reached; an instance that refused a
 # connection is tried again at once when no other is left, so a second is enough.
 RETRY_AFTER = [("Retry-After", "1")]
+# How long P's request may go on once D's answer went out whole (in the background, the
+# client's connection serving on): D loaded P's KV, so P's one-token answer is due.
+PREFILL_GRACE_S = 5.0
 
 
 @dataclass
@@ -163,6 +177,24 @@ def parse_request(raw: bytes) -> dict[str, Any]:
 # --- the gateway ------------------------------------------------------------------------------
 
 
+class _SharedSlot:
+    """A routing slot held by a request and by its P's request, which may outlive it: given
+    back once both have ended."""
+
+    __slots__ = ("slots", "holders")
+
+    def __init__(self, slots: Slots) -> None:
+        self.slots, self.holders = slots, 1
+
+    def hold(self) -> None:
+        self.holders += 1
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.slots.give_back()
+
+
 @dataclass
 class _Exchange:
     """One client request in flight: what the client has been sent so far."""
@@ -218,16 +250,19 @@ class Gateway:
 
     async def _watch_broker(self) -> None:
         cfg = self.config
+        check = ""  # what the last failure's line said to check: logged again only when that changes
         while True:
             try:
                 status = await fetch_status(cfg.broker, min(3.0, 2 * cfg.poll_s), cfg.curve_server_key,
                                             cfg.curve_client_secret, ctx=self._zmq)
-            except (TimeoutError, OSError, RuntimeError) as exc:
-                if self.broker_ok is not False:
-                    log.warning("gateway.broker_silent", broker=cfg.broker, error=str(exc) or "timed out")
+                self.router.observe(status, self.clock())
+            except Exception as exc:  # whatever answers at --broker (or not), the gateway serves on without it
+                if self.broker_ok is not False or _broker_check(exc) != check:
+                    check = _broker_check(exc)
+                    log.warning("gateway.broker_silent", broker=cfg.broker, error=_broker_error(exc), check=check,
+                                exc_info=not isinstance(exc, _BROKER_TROUBLE))
                 self.broker_ok = False
             else:
-                self.router.observe(status, self.clock())
                 if self.broker_ok is not True:
                     log.info("gateway.broker_seen", broker=cfg.broker, peers=len(status.peers))
                 self.broker_ok = True
@@ -249,7 +284,9 @@ class Gateway:
         except Exception as exc:  # a bug must cost one connection, never the gateway
             log.exception("gateway.connection_crashed", error=repr(exc))
         finally:
-            stream.close()
+            # An answer cut short (the deadline passed while a client that stopped reading was
+            # sent it): what is left of it would hold the connection and its memory for ever.
+            stream.close(cut_short=not conn.answered)
 
     async def _pump(self, conn: HttpConn) -> None:
         try:
@@ -355,12 +392,15 @@ class Gateway:
 
     async def _routed(self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]]) -> None:
         await self._routes.take()  # before routing: the pair is picked by the load once admitted
+        slot = _SharedSlot(self._routes)
         try:
-            await self._route(ex, target, request, headers)
+            await self._route(ex, target, request, headers, slot)
         finally:
-            self._routes.give_back()
+            slot.release()
 
-    async def _route(self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]]) -> None:
+    async def _route(
+        self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], slot: _SharedSlot,
+    ) -> None:
         tried_p: list[str] = []
         for _ in range(self.config.prefill_attempts):
             route = self.router.route(self.clock(), exclude=tried_p)
@@ -371,7 +411,7 @@ class Gateway:
             tlog = log.bind(transfer_id=route.transfer_id, role="gateway")
             tlog.debug("gateway.routed", phase="route", prefill=route.prefill.instance_id, decode=route.decode.instance_id,
                        path=target, stream=bool(request.get("stream")))
-            p_failed = await self._one_route(ex, target, request, headers, route, tlog)
+            p_failed = await self._one_route(ex, target, request, headers, route, tlog, slot)
             if p_failed is None:
                 return
             tried_p.append(route.prefill.instance_id)
@@ -389,7 +429,7 @@ class Gateway:
 
     async def _one_route(
         self, ex: _Exchange, target: str, request: dict[str, Any], headers: list[tuple[str, str]], route: Route,
-        tlog: structlog.typing.FilteringBoundLogger,
+        tlog: structlog.typing.FilteringBoundLogger, slot: _SharedSlot,
     ) -> UpstreamFailed | None:
         """Run P's and D's requests together. Returns P's failure when P was never reached
         and nothing went to the client (the caller tries another pair); otherwise the
@@ -399,44 +439,71 @@ class Gateway:
         grant = route_grant(self.config.grant_key, route, self.config.request_timeout_s, time.time())
         d_raw = msgspec.json.encode(decode_body(request, route, grant))
         p_result: dict[str, Any] = {}
-        # P's request is a task; D's is this one. Either side ends the other by cancelling
-        # their task group (D's request is over when it ends P's, and P's when it ends D's).
-        tg: anyio.abc.TaskGroup
+        # D's request is this task's; P's is a task of the gateway's, not of this request's:
+        # once D's answer went out whole, P's must not hold the client's connection (its next
+        # request waits behind it), so it may end in the background, for PREFILL_GRACE_S at
+        # most, holding the routing slot until then. Either side still ends the other: P's
+        # failure cancels D's request (`d_scope`), and D's end cancels P's (`p_scope`) unless D
+        # took the request, and P's KV with it.
+        d_scope = anyio.CancelScope()
+        p_scope = anyio.CancelScope(deadline=anyio.current_effective_deadline())  # the request's
+        p_done = anyio.Event()
 
         async def prefill() -> None:
             up = route.prefill
             self.router.started(up)
-            failed = True
+            failed = False  # an instance is passed over only for its own failure, never for a cancelled request
             try:
-                async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
-                    body = await reply.body()
-                failed = reply.status >= 500
-                p_result["reply"] = (reply.status, reply.content_type, body)
-                tlog.debug("gateway.prefilled", phase="prefill", status=reply.status)
-                if reply.status >= 300:
-                    tlog.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
-                if reply.status >= 300 and not ex.committed:
-                    tg.cancel_scope.cancel()  # D would wait its load timeout for KV that is not coming
+                with p_scope:
+                    if p_scope.cancel_called:
+                        return  # ended before it started: send nothing
+                    async with self._upstreams.request(up, "POST", target, p_raw, hdrs) as reply:
+                        body = await reply.body()
+                    failed = reply.status >= 500
+                    p_result["reply"] = (reply.status, reply.content_type, body)
+                    tlog.debug("gateway.prefilled", phase="prefill", status=reply.status)
+                    if reply.status >= 300:
+                        tlog.warning("gateway.prefill_refused", phase="prefill", status=reply.status)
+                    if reply.status >= 300 and not ex.committed:
+                        d_scope.cancel()  # D would wait its load timeout for KV that is not coming
+                if p_scope.cancelled_caught and ex.decoded:  # D answered; P did not within the grace
+                    tlog.warning("gateway.prefill_abandoned", phase="prefill", prefill=up.instance_id,
+                                 grace_s=PREFILL_GRACE_S)
             except UpstreamFailed as exc:
+                failed = True
                 p_result["failed"] = exc
                 tlog.warning("gateway.prefill_failed", phase="prefill", error=str(exc), reached=exc.reached)
                 if not ex.committed:
-                    tg.cancel_scope.cancel()
+                    d_scope.cancel()
+            except Exception as exc:  # this task is the gateway's: a bug must cost this request, never the gateway
+                p_result["crashed"] = exc
+                tlog.exception("gateway.prefill_crashed", phase="prefill", error=repr(exc))
+                if not ex.committed:
+                    d_scope.cancel()
             finally:
-                self.router.finished(up, self.clock(), failed=failed and "ended" not in p_result)
+                self.router.finished(up, self.clock(), failed=failed)
+                slot.release()
+                p_done.set()
 
+        assert self._tasks is not None, "requests are served only inside run()"
+        slot.hold()
+        self._tasks.start_soon(prefill)
         d_result: list[int | HttpError] = []
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(prefill)
+            with d_scope:
                 d_result.append(await self._decode(ex, target, d_raw, hdrs, route.decode, tlog, route.prefill.instance_id))
-                if not ex.decoded and "reply" not in p_result:
-                    p_result["ended"] = True  # D will not load this KV: P's copy would never be claimed
-                    tg.cancel_scope.cancel()
         finally:  # also when the client left or the deadline passed (this task is cancelled then)
+            if not p_done.is_set():
+                if ex.decoded:
+                    p_scope.deadline = min(p_scope.deadline, anyio.current_time() + PREFILL_GRACE_S)
+                else:
+                    p_scope.cancel()  # D will not load this KV: P's copy would never be claimed
             if not ex.decoded:
                 self._cancel_soon(route.transfer_id, _given_up(d_result, p_result))
-
+        if not ex.decoded:  # else P's request ends on its own, in the background
+            await p_done.wait()  # cancelled, or it cancelled D's request: it ends at once
+            if "crashed" in p_result and not ex.committed:
+                raise HttpError(500, "the gateway failed on this request; its log says why.")
         if d_result and isinstance(d_result[0], HttpError):
             raise d_result[0]
         if ex.committed:
@@ -467,21 +534,21 @@ class Gateway:
         while up is not None and len(tried) < self.config.decode_attempts:
             tried.append(up.instance_id)
             self.router.started(up)
-            failed = True
+            failed = False  # passed over only for its own failure: never for a cancelled request, nor a 4xx
             try:
                 async with self._upstreams.request(up, "POST", target, raw, hdrs) as reply:
                     if reply.status >= 500:
-                        reached = True
+                        failed = reached = True
                         last = f"decode instance {up.instance_id} answered {reply.status}: {(await reply.body())[:200]!r}"
                     else:
-                        failed = False
                         ex.decoded = reply.status < 300
                         await self._relay(ex, reply)
                         # The request's one line at info: the route and the answer.
                         tlog.info("gateway.decoded", phase="decode", prefill=prefill, decode=up.instance_id,
                                   path=target, status=reply.status, attempt=len(tried))
                         return reply.status
-            except UpstreamFailed as exc:
+            except UpstreamFailed as exc:  # unreachable, not HTTP, or its answer cut short
+                failed = True
                 if ex.committed:
                     tlog.warning("gateway.decode_broke", phase="decode", error=str(exc))
                     return HttpError(502, str(exc))  # the stream ends early; the client sees it
@@ -513,8 +580,9 @@ class Gateway:
             try:
                 got = await cancel_transfer(cfg.broker, transfer_id, reason, cfg.connect_timeout_s,
                                             cfg.curve_server_key, cfg.curve_client_secret, ctx=self._zmq)
-            except (TimeoutError, OSError, RuntimeError) as exc:  # the transfer's own deadlines end it then
-                log.warning("gateway.cancel_failed", phase="cancel", error=str(exc) or "timed out")
+            except Exception as exc:  # the transfer's own deadlines end it then; the gateway serves on
+                log.warning("gateway.cancel_failed", phase="cancel", error=_broker_error(exc), check=_broker_check(exc),
+                            exc_info=not isinstance(exc, _BROKER_TROUBLE))
             else:
                 log.info("gateway.cancelled", phase="cancel", reason=reason, ended=got.ended, left=got.left)
 
@@ -543,6 +611,35 @@ def _given_up(d_result: list[int | HttpError], p_result: dict[str, Any]) -> str:
     if "reply" in p_result and p_result["reply"][0] >= 300:
         return f"the prefill instance answered {p_result['reply'][0]}"
     return "the client left, or --request-timeout passed"
+
+
+# What a question to the broker meets when the broker (or what answers at its address) fails: a
+# timeout, a refusal (RuntimeError), the network or the process's file descriptors (OSError,
+# zmq.ZMQError), another protocol or release (RemoteProtocolError). Anything else is a bug here.
+_BROKER_TROUBLE = (TimeoutError, RuntimeError, OSError, zmq.ZMQError, RemoteProtocolError)
+
+
+def _broker_error(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return str(exc) or "timed out"
+    if isinstance(exc, RuntimeError) and str(exc):
+        return str(exc)  # the broker's own sentence
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _broker_check(exc: BaseException) -> str:
+    """What to change when a question to the broker failed with `exc`, in one sentence."""
+    if isinstance(exc, TimeoutError):
+        return "start the broker, or point --broker at the address it binds, and let the gateway reach it."
+    if isinstance(exc, RemoteProtocolError):
+        return "point --broker at a kvbroker broker of this release: what answers there speaks another protocol."
+    if isinstance(exc, (zmq.ZMQError, OSError)) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return "raise the gateway's open-file limit (ulimit -n): it has run out of file descriptors."
+    if isinstance(exc, (zmq.ZMQError, OSError)):
+        return "check --broker's address and this host's network and resources (the error says which)."
+    if isinstance(exc, RuntimeError):
+        return "see the broker's log for why it refused the gateway's question."
+    return "report this gateway bug with the traceback logged here."
 
 
 def _event_loop() -> str:

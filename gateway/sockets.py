@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import struct
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -38,6 +39,18 @@ class SocketClosed(Exception):
 
 # Bytes read and not yet taken past which a transport stops reading, until they are.
 MAX_BUFFERED = 256 << 10
+# How long a closed connection may take to send what is left of its last answer: a client
+# that stopped reading would otherwise hold the connection, and those bytes, for ever.
+CLOSE_GRACE_S = 10.0
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, and drops what is unsent
+
+
+def _reset(sock: object) -> None:
+    """Make closing `sock` drop what is still unsent (a reset), kernel buffers included."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        pass  # closed already, or no socket under it
 
 
 class TransportStream(asyncio.Protocol):
@@ -47,6 +60,7 @@ class TransportStream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False  # closed here, or lost
         self._closed_here = False
+        self._lost = False
         self._parts: list[bytes] = []
         self._size = 0
         self._eof = False
@@ -73,7 +87,7 @@ class TransportStream(asyncio.Protocol):
         return True  # half-closed: the answer may still go out
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._eof = self.closed = True
+        self._eof = self.closed = self._lost = True
         self._wake()
         self.resume_writing()
 
@@ -135,12 +149,27 @@ class TransportStream(asyncio.Protocol):
         if self.transport is not None and self.transport.can_write_eof() and not self.transport.is_closing():
             self.transport.write_eof()
 
-    def close(self) -> None:
+    def close(self, cut_short: bool = False) -> None:
+        """Close once what was sent has left. `cut_short`: the last answer was, so what of
+        it is still unsent is dropped at once; else a client that reads none of it for
+        CLOSE_GRACE_S loses it. Either way the connection, and its buffer, are freed."""
         if not self._closed_here:
             self._closed_here = self.closed = True
-            if self.transport is not None:
-                self.transport.close()
+            transport = self.transport
+            if transport is not None:
+                if cut_short and transport.get_write_buffer_size():
+                    self._abort_if_open()
+                else:
+                    transport.close()  # it waits for its write buffer to drain
+                    if transport.get_write_buffer_size():
+                        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._abort_if_open)
             self._wake()
+
+    def _abort_if_open(self) -> None:
+        transport = self.transport
+        if transport is not None and not self._lost:
+            _reset(transport.get_extra_info("socket"))
+            transport.abort()
 
 
 class SocketStream:
@@ -207,7 +236,9 @@ class SocketStream:
         except OSError:
             pass
 
-    def close(self) -> None:
+    def close(self, cut_short: bool = False) -> None:
+        """Close at once: what the kernel still holds it sends, or drops, on its own
+        (`cut_short` changes nothing here: no byte waits in this process)."""
         if not self.closed:
             self.closed = True
             anyio.notify_closing(self.sock)  # wakes a task that waits on it

@@ -8,11 +8,14 @@ the gateway in front of real vLLM servers.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -25,13 +28,18 @@ import h11
 import httpx
 import msgspec
 import pytest
+import structlog
+import zmq
 from anyio.abc import SocketStream
 
+from gateway import proxy, sockets
+from gateway.http import HttpConn
 from gateway.proxy import Gateway, GatewayConfig
 from gateway.routes import Upstream
-from protocols.ask import fetch_status
+from protocols.ask import STATUS_MAX_FRAME, fetch_status
 from protocols.channel import curve_client_keys
-from protocols.messages import Abort, Register
+from protocols.codec import Codec
+from protocols.messages import Abort, Error, Register
 from tests.support import ROOT, BrokerProcess, env
 from workers.client import BrokerClient, ClientConfig, NullHandler
 
@@ -45,8 +53,9 @@ class Seen:
     gone: anyio.Event = field(default_factory=anyio.Event)  # the gateway closed the connection
 
 
-# behaviour(seen) -> (status, chunks); chunks may be an async iterator for a stream; None: close at once.
-Behaviour = Callable[[Seen], Awaitable[tuple[int, Any] | None]]
+# behaviour(seen) -> (status, chunks); chunks may be an async iterator for a stream; None: close at once;
+# bytes: sent as they are (an answer cut short, or not HTTP), then the connection closes.
+Behaviour = Callable[[Seen], Awaitable[tuple[int, Any] | bytes | None]]
 
 
 class FakeServer:
@@ -114,6 +123,9 @@ class FakeServer:
 
                 tg.start_soon(watch)
                 answer = await self.behaviour(seen)
+                if isinstance(answer, bytes):
+                    await stream.send(answer)
+                    answer = None
                 if answer is not None:
                     status, chunks = answer
                     if isinstance(chunks, bytes):
@@ -178,29 +190,35 @@ def broker(tmp_path: Path):
 
 @asynccontextmanager
 async def cluster(
-    broker: BrokerProcess, behaviours: dict[str, Behaviour], *, registered: tuple[str, ...] | None = None,
-    dead: tuple[str, ...] = (), request_timeout_s: float = 20.0, max_upstream_connections: int = 1024,
+    broker: BrokerProcess | str | None, behaviours: dict[str, Behaviour], *, registered: tuple[str, ...] | None = None,
+    dead: tuple[str, ...] = (), request_timeout_s: float = 20.0, max_upstream_connections: int = 1024, **config: Any,
 ) -> AsyncIterator[Cluster]:
     """Upstreams named p*/d* (prefill/decode), each registered at the broker under its name
-    (or only those in `registered`); names in `dead` get a port nobody listens on."""
+    (or only those in `registered`); names in `dead` get a port nobody listens on. `broker`
+    may instead be an address where no broker runs (a fake one; None: a port nobody listens
+    on): nothing registers then, and every instance given takes requests. `config`: more of
+    the gateway's."""
+    real = isinstance(broker, BrokerProcess)
+    endpoint = broker.endpoint if isinstance(broker, BrokerProcess) else (broker or f"tcp://127.0.0.1:{closed_port()}")
     servers = {name: FakeServer(b) for name, b in behaviours.items()}
-    cfg = ClientConfig(broker=broker.endpoint, register_timeout_s=10)
+    cfg = ClientConfig(broker=endpoint, register_timeout_s=10)
     async with anyio.create_task_group() as tg:
         for s in servers.values():
             await tg.start(s.run)
-        for name in registered if registered is not None else tuple(behaviours) + dead:
+        names = registered if registered is not None else tuple(behaviours) + dead
+        for name in names if real else ():  # nothing registers at a fake broker
             role = "prefill" if name.startswith("p") else "decode"
             reg = Register(role=role, instance_id=name, compat_hash="h", pool_capacity=0 if role == "prefill" else 1 << 20)
             await tg.start(BrokerClient(cfg, reg, NullHandler()).run)
         ports = {n: s.port for n, s in servers.items()} | {n: closed_port() for n in dead}
         ups = [Upstream(instance_id=n, role="prefill" if n.startswith("p") else "decode", host="127.0.0.1", port=port)
                for n, port in ports.items()]
-        gw = Gateway(GatewayConfig(upstreams=ups, broker=broker.endpoint, port=0, poll_s=0.1,
+        gw = Gateway(GatewayConfig(upstreams=ups, broker=endpoint, port=0, poll_s=0.1,
                                    request_timeout_s=request_timeout_s, connect_timeout_s=2,
-                                   max_upstream_connections=max_upstream_connections))
+                                   max_upstream_connections=max_upstream_connections, **config))
         port = await tg.start(gw.run)
         with anyio.fail_after(10):  # the first status reached the router
-            while gw.router.view is None:
+            while real and gw.router.view is None:
                 await anyio.sleep(0.02)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             yield Cluster(gw, servers, http)
@@ -784,3 +802,274 @@ async def test_the_gateway_command_serves_on_uvloop_and_logs_one_line_per_reques
     tids = [e["transfer_id"] for e in per_request]
     assert tids == [s.body["kv_transfer_params"]["transfer_id"] for s in servers["d0"].seen]
     assert all(e["prefill"] == "p0" and e["decode"] == "d0" and e["status"] == 200 for e in per_request)
+
+
+# --- faults the gateway must outlive: its broker's, its upstreams', its clients' -----------------
+
+
+async def until(what: Callable[[], object], timeout: float = 10) -> None:
+    with anyio.fail_after(timeout):
+        while not what():
+            await anyio.sleep(0.01)
+
+
+def post_bytes(body: bytes) -> bytes:
+    return b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+class WatchedConn(HttpConn):
+    """The gateway's side of a client connection, kept in `made` for a test to look at;
+    `body_came` is set once body bytes of a request were parsed."""
+
+    made: list[WatchedConn] = []
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.body_came = anyio.Event()
+        self.made.append(self)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self.body_came.set()
+
+
+@pytest.fixture
+def client_conns(monkeypatch: pytest.MonkeyPatch) -> list[WatchedConn]:
+    """The gateway's client connections, as it makes them."""
+    monkeypatch.setattr(WatchedConn, "made", [])
+    monkeypatch.setattr(proxy, "HttpConn", WatchedConn)
+    return WatchedConn.made
+
+
+class FakeBroker:
+    """A ROUTER socket where the broker would be, answering every question with `replies`
+    in turn (frames no broker of this release sends); a thread, for either event loop."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies = itertools.cycle(replies)
+        self.asked: list[str] = []  # the questions' message types, in order
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.RCVTIMEO, 20)  # how soon it sees `_stop`
+        self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> FakeBroker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _serve(self) -> None:
+        codec = Codec(STATUS_MAX_FRAME)
+        while not self._stop.is_set():
+            try:
+                frames = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.asked.append(type(codec.decode(frames[-1])).__name__)
+            self._sock.send_multipart([frames[0], next(self.replies)])
+
+
+async def test_whatever_answers_at_the_brokers_address_the_gateway_serves_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another service, or a broker of another release, at --broker; then a gateway out of
+    file descriptors (a ZMQError, not an OSError): its status polls and Cancels fail, each
+    cause logged once with what to change, and requests are still served."""
+    other_release = bytearray(Codec().encode(Error(code="x", detail="y")))
+    other_release[1] += 1  # the protocol version
+    with FakeBroker([b"\x00 not kvbroker", bytes(other_release)]) as fake, \
+            structlog.testing.capture_logs() as logs:
+        async with cluster(fake.endpoint, {"p0": echo, "d0": answer(400, {"error": "bad"})}) as c:
+            await until(lambda: fake.asked.count("StatusRequest") >= 4)  # polled on after each refused answer
+            assert c.gateway.broker_ok is False
+            assert (await c.post({"prompt": [1]})).status_code == 400  # D refused it: a Cancel goes out
+            await until(lambda: [e for e in logs if e["event"] == "gateway.cancel_failed"])
+            assert "Cancel" in fake.asked
+
+            async def out_of_fds(*args: Any, **kw: Any) -> Any:
+                raise zmq.ZMQError(errno.EMFILE)
+
+            polls = len(fake.asked)
+            monkeypatch.setattr(proxy, "fetch_status", out_of_fds)
+            monkeypatch.setattr(proxy, "cancel_transfer", out_of_fds)
+            await until(lambda: len([e for e in logs if e["event"] == "gateway.broker_silent"]) == 2)
+            assert (await c.post({"prompt": [1]})).status_code == 400
+            await until(lambda: len([e for e in logs if e["event"] == "gateway.cancel_failed"]) == 2)
+            assert (await c.http.get("/health")).status_code == 200
+            assert len(fake.asked) == polls  # every question since met the ZMQError
+    silent = [e for e in logs if e["event"] == "gateway.broker_silent"]
+    cancels = [e for e in logs if e["event"] == "gateway.cancel_failed"]
+    for events in (silent, cancels):
+        assert "--broker at a kvbroker broker of this release" in events[0]["check"], events
+        assert "open-file limit" in events[1]["check"] and "Too many open files" in events[1]["error"], events
+    assert len(silent) == 2  # one line per cause, not one per poll
+
+
+async def test_a_header_that_never_ends_gets_431_once_past_the_head_limit() -> None:
+    """A header's name or value with no end: httptools keeps it whole until it ends, so the
+    limit holds only if the gateway counts what it feeds; else it keeps (and copies) it all."""
+    async with cluster(None, {"p0": echo, "d0": echo}) as c:
+        port = c.gateway.port
+        assert port is not None
+        for start in (b"X-Big: ", b"X-"):
+            async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+                await raw.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + start)
+                got = b""
+                with anyio.fail_after(5):
+                    async with anyio.create_task_group() as tg:
+
+                        async def flood() -> None:
+                            for _ in range(256):  # 16 MiB at most
+                                await raw.send(b"a" * (64 << 10))
+
+                        tg.start_soon(flood)
+                        while b"\r\n\r\n" not in got:
+                            got += await raw.receive()
+                        tg.cancel_scope.cancel()
+            assert got.startswith(b"HTTP/1.1 431") and b"send shorter ones" in got, got[:200]
+        assert (await c.post({"prompt": [1]})).status_code == 200
+
+
+async def test_requests_pipelined_behind_an_unanswered_one_wait_in_the_socket(client_conns: list[WatchedConn]) -> None:
+    """While a whole request waits its turn the gateway reads no further: a client that
+    pipelines without end is pushed back by TCP instead of filling the gateway's memory."""
+    async with cluster(None, {"p0": echo, "d0": never}) as c:
+        port = c.gateway.port
+        assert port is not None
+        one = post_bytes(msgspec.json.encode({"prompt": "x" * (256 << 10)}))
+        stream = memoryview(one * 8)  # sent over and over: requests back to back
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(post_bytes(b'{"prompt": [1]}'))
+            with anyio.fail_after(10):
+                await c.servers["d0"].arrived.wait()  # the first request waits on D from here on
+            client.setblocking(False)
+            sent = 0
+            with anyio.fail_after(20):
+                while sent < 64 << 20:
+                    try:
+                        sent += client.send(stream[sent % len(stream):])
+                    except BlockingIOError:
+                        with anyio.move_on_after(0.5):  # the gateway still reads, or has stopped
+                            await anyio.wait_writable(client)
+                            continue
+                        break
+        assert sent < 32 << 20, f"the gateway read {sent} bytes of pipelined requests"
+        assert len(client_conns[0].ready) <= 1
+
+
+async def test_a_prefill_request_left_hanging_after_decode_answered_holds_neither_the_client_nor_its_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """D answered in full while P's request hangs: the client's next request on the same
+    connection is answered at once, and P's request ends after the grace, with its routing
+    slot, without P being taken for failed."""
+    monkeypatch.setattr(proxy, "PREFILL_GRACE_S", 0.3)
+    async with cluster(None, {"p0": never, "d0": echo}) as c:
+        port = c.gateway.port
+        assert port is not None
+        async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+            for n in (1, 2):
+                await raw.send(post_bytes(msgspec.json.encode({"prompt": [n]})))
+                with anyio.fail_after(3):  # not after --request-timeout (20 s)
+                    ((head, body),) = await _answers(raw, 1)
+                assert head.startswith(b"HTTP/1.1 200")
+                assert msgspec.json.decode(body) == completion(c.servers["d0"].seen[-1])
+        for seen in c.servers["p0"].seen:
+            with anyio.fail_after(5):
+                await seen.gone.wait()
+        await until(lambda: c.gateway._routes.busy == 0 and c.gateway._upstreams.pool.slots.busy == 0)
+        assert c.gateway.router.usable("prefill", c.gateway.clock()) == {"p0"}
+
+
+async def test_an_answer_cut_short_to_a_client_that_stopped_reading_frees_its_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline passes while D's large answer goes to a client that reads none of it:
+    the connection, and what is still buffered for it, go then, not when the client reads."""
+    accepted: list[tuple[socket.socket, int]] = []
+    wrap = sockets.wrap
+
+    async def recording(sock: socket.socket) -> sockets.Stream:
+        accepted.append((sock, sock.getsockname()[1]))
+        return await wrap(sock)
+
+    monkeypatch.setattr(sockets, "wrap", recording)
+
+    async def large(seen: Seen) -> tuple[int, bytes]:
+        return 200, msgspec.json.encode({"text": "x" * (16 << 20)})  # past the kernel's buffers
+
+    async with cluster(None, {"p0": echo, "d0": large}, request_timeout_s=2) as c:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", c.gateway.port))
+            client.sendall(post_bytes(b'{"prompt": [1]}'))
+            await until(lambda: [s for s, port in accepted if port == c.gateway.port])
+            (gateway_side,) = [s for s, port in accepted if port == c.gateway.port]
+            await until(lambda: c.servers["d0"].seen)
+            await until(lambda: gateway_side.fileno() == -1)  # closed past the deadline, not once the client reads
+
+
+async def test_only_an_instances_own_failure_passes_it_over() -> None:
+    """A client that hangs up, or a prompt P refuses, fails neither instance; a D whose
+    answer breaks off mid-body is passed over."""
+
+    async def prefill(seen: Seen) -> tuple[int, bytes] | None:
+        if seen.body["prompt"] == [1]:
+            return await never(seen)
+        if seen.body["prompt"] == [2]:
+            return 400, b'{"error": "prompt too long"}'
+        return await echo(seen)
+
+    async def decode(seen: Seen) -> tuple[int, bytes] | bytes | None:
+        if seen.body["prompt"] == [3]:
+            return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"cut"
+        return await never(seen)
+
+    async with cluster(None, {"p0": prefill, "d0": decode}) as c:
+        gw, (p0, d0) = c.gateway, (c.servers["p0"], c.servers["d0"])
+
+        async def cancelled(*requests: Seen) -> None:  # the gateway ended them, and the router was told
+            for seen in requests:
+                with anyio.fail_after(10):
+                    await seen.gone.wait()
+            await until(lambda: not any(gw.router.in_flight(u) for u in gw.router.upstreams))
+
+        def usable() -> tuple[set[str], set[str]]:
+            return gw.router.usable("prefill", gw.clock()), gw.router.usable("decode", gw.clock())
+
+        async with await anyio.connect_tcp("127.0.0.1", gw.port) as raw:
+            await raw.send(post_bytes(b'{"prompt": [1]}'))
+            await until(lambda: p0.seen and d0.seen)
+        await cancelled(p0.seen[0], d0.seen[0])
+        assert usable() == ({"p0"}, {"d0"})  # the client left: no one failed
+        r = await c.post({"prompt": [2]})
+        assert r.status_code == 400
+        await until(lambda: len(d0.seen) == 2)
+        await cancelled(d0.seen[1])
+        assert usable() == ({"p0"}, {"d0"})  # P refused the prompt: D's request was cancelled, not failed
+        r = await c.post({"prompt": [3]})
+        assert r.status_code == 502 and "mid-answer" in r.json()["error"]["message"], r.text
+        assert usable() == ({"p0"}, set())
+
+
+async def test_a_client_that_expects_100_continue_gets_it_once_however_its_body_comes(
+        client_conns: list[WatchedConn]) -> None:
+    async with cluster(None, {"p0": echo, "d0": echo}) as c:
+        port = c.gateway.port
+        assert port is not None
+        body = msgspec.json.encode({"prompt": [7], "max_tokens": 4})
+        async with await anyio.connect_tcp("127.0.0.1", port) as raw:
+            await raw.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body))
+            with anyio.fail_after(10):
+                assert await raw.receive() == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await raw.send(body[:5])
+            with anyio.fail_after(10):
+                await client_conns[0].body_came.wait()  # parsed on its own, before the rest comes
+            await raw.send(body[5:])
+            ((head, got),) = await _answers(raw, 1)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert msgspec.json.decode(got) == completion(c.servers["d0"].seen[0])

@@ -166,8 +166,9 @@ class Handshake:
             side = "source" if peer.role == "prefill" else "rank"
             return [lane for lane in self._lanes(p, d) if getattr(lane, side) == peer.reg.rank]
         except ValueError as exc:
-            out.append(Send(peer.identity, Abort(transfer_id=tid, reason=str(exc)[:2000])))
             out.append(Note("transfer.refused", {"transfer_id": tid, "peer": peer.peer_id, "reason": str(exc)}))
+            if not (peer.role == "prefill" and self._feeds(peer.peer_id, tid)):  # else its live lanes' end tells it
+                out.append(Send(peer.identity, Abort(transfer_id=tid, reason=str(exc)[:2000])))
             return None
 
     def _lanes(self, p: Register, d: Register) -> list[Lane]:
@@ -440,13 +441,15 @@ class Handshake:
             delivered, why = False, lost[1]
         else:
             return False
+        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": why}))
+        if offer and self._feeds(peer.peer_id, tid):
+            return True  # its lanes still alive need its staged copy: their own end tells it
         reply: Message
         if delivered:
             reply = Release(transfer_id=tid) if offer else Abort(transfer_id=tid, reason=why)
         else:
             reply = Abort(transfer_id=tid, reason=why[:2000])
         out.append(Send(peer.identity, reply))
-        out.append(Note("transfer.ended_before", {"transfer_id": tid, "peer": peer.peer_id, "reason": why}))
         return True
 
     def _cancel(self, now: float, identity: bytes, msg: Cancel, out: list[Effect]) -> None:

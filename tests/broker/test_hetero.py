@@ -224,6 +224,22 @@ def test_hetero_claims_planned_against_a_guessed_prefill_size_move_onto_the_offe
     assert d0.take() == [] and d1.take() == []
 
 
+def test_hetero_an_offer_sent_again_for_other_lanes_leaves_p_the_staging_its_live_lane_needs(c: FakeCluster) -> None:
+    """P's Offer went to a decode instance of TP 2, and D rank 0 gave its lane up while rank
+    1's waits. P's Offer sent again, planned now for an instance of TP 1 (whose one lane
+    is the one that ended), is answered with no Abort: the staged copy still serves rank
+    1's lane, whose own end tells P."""
+    [p] = instance(c, "p", "prefill", 1)
+    d0 = c.decode("d", pool=1000, rank=0, world_size=2, kv_heads=4)
+    c.decode("e", pool=1000, rank=0, world_size=1, kv_heads=4)
+    p.offer("t", 400, decode="d")
+    assert d0.take_one(Prepare).nbytes == 200 and c.state("t", lane_id(0, 1)) is S.UNROUTED
+    d0.abort("t", "load failed")
+    assert p.take() == []
+    p.offer("t", 400, decode="e")
+    assert p.take() == [] and c.state("t", lane_id(0, 1)) is S.UNROUTED
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 4), (4, 1)])
 def test_hetero_mla_takes_one_prefill_copy_per_decode_rank(c: FakeCluster, p_tp: int, d_tp: int) -> None:
     ps = instance(c, "p", "prefill", p_tp, heads=1, replicated=True)

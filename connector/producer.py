@@ -286,7 +286,7 @@ class ProducerSide:
                 # offered after its saves are staged, so waiting on them would only stall
                 # the forward pass until the deadline.
                 mine = sum(staged.lease.reserved for _, staged in self._step)
-                if -(-nbytes // w.pool.alignment) * w.pool.alignment > w.pool.capacity - mine:
+                if w.pool.size_for(nbytes) > w.pool.capacity - mine:
                     raise PoolError(f"this step's saves together need more than it holds: {mine} B are staged for the "
                                     "saves before this one")
                 lease = w.client.call(self._acquire, nbytes, left)

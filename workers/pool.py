@@ -228,7 +228,7 @@ class BufferPool:
             ValueError: `nbytes` is not positive.
         State after an error: unchanged.
         """
-        size = self._size_for(nbytes)
+        size = self.size_for(nbytes)
         with self._lock:
             lease = None if self._waiters else self._allocate_locked(nbytes, size)
             if lease is None:
@@ -245,7 +245,7 @@ class BufferPool:
             PoolTooSmall: `nbytes` exceeds the capacity (raised at once, no wait).
             ValueError: `nbytes` is not positive.
         """
-        size = self._size_for(nbytes)
+        size = self.size_for(nbytes)
         await anyio.lowlevel.checkpoint_if_cancelled()
         with self._lock:
             lease = None if self._waiters else self._allocate_locked(nbytes, size)
@@ -335,9 +335,12 @@ class BufferPool:
             f"leases={s.leases} waiting={s.waiting} device={self.tensor.device}>"
         )
 
-    # -- internals -------------------------------------------------------------------
+    def size_for(self, nbytes: int) -> int:
+        """The bytes a lease of `nbytes` takes: rounded up to the alignment.
 
-    def _size_for(self, nbytes: int) -> int:
+        Raises:
+            PoolTooSmall: that exceeds the capacity. ValueError: `nbytes` is not positive.
+        """
         if nbytes <= 0:
             raise ValueError(f"a lease needs a positive number of bytes, not {nbytes}.")
         size = -(-nbytes // self.alignment) * self.alignment
@@ -347,6 +350,8 @@ class BufferPool:
                 f"({size} B aligned); raise the pool capacity or transfer fewer blocks at once."
             )
         return size
+
+    # -- internals -------------------------------------------------------------------
 
     def _exhausted_message_locked(self, size: int) -> str:
         largest = max((s for _, s in self._free), default=0)

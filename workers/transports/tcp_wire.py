@@ -238,11 +238,9 @@ def drain_and_finish(sock: socket.socket, max_bytes: int = 1 << 20, max_s: float
     sock.shutdown(socket.SHUT_WR)
     deadline = time.monotonic() + max_s
     scratch = bytearray(64 * 1024)
-    readable = select.poll()  # not select.select: it refuses descriptors >= 1024, common in a vLLM process
-    readable.register(sock, select.POLLIN)
     while max_bytes > 0:
         left = deadline - time.monotonic()
-        if left <= 0 or not readable.poll(math.ceil(left * 1000)):
+        if left <= 0 or not _readable(sock, left):
             return
         k = sock.recv_into(scratch)
         if k == 0:
@@ -272,9 +270,15 @@ def still_open(sock: socket.socket) -> bool:
             return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_ESTABLISHED
         except OSError:
             return False
-    readable = select.poll()  # see drain_and_finish: select.select fails for descriptors >= 1024
+    return not _readable(sock, 0)
+
+
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether `sock` has something to read (or its end) within `timeout_s`. poll, not
+    select.select: that refuses descriptors >= 1024, common in a vLLM process."""
+    readable = select.poll()
     readable.register(sock, select.POLLIN)
-    return not readable.poll(0)
+    return bool(readable.poll(math.ceil(timeout_s * 1000)))
 
 
 # -- completion ------------------------------------------------------------------------
